@@ -1,0 +1,86 @@
+"""The callable that stands in for `module.<method>`: compiled path first, the eager path if that fails."""
+import contextlib
+import logging
+
+import torch
+
+from .fingerprint import architecture_fingerprint, describe
+from .options import CompileOptions
+from .shared_graph import shared_graph
+
+log = logging.getLogger("overdrive.compiler")
+
+
+def shape_signature(args, kwargs) -> tuple:
+    """Shapes/dtypes/devices of the top-level tensor arguments: what decides whether a new graph is needed."""
+    def sig(value):
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), str(value.dtype), str(value.device))
+        return None
+    return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+class CompiledMethod:
+    """Runs `type(module).<method>` through the architecture's shared compiled graph.
+
+    Any failure to compile or to run the compiled code falls back to the eager method, with a warning that
+    says why; from then on this architecture runs eager (a generation never fails because of Overdrive).
+    `reporter`, if given, is a context-manager factory `reporter(label)` entered while a compile may happen
+    (ComfyUI's adapter shows it on the progress bar).
+    """
+
+    def __init__(self, module: torch.nn.Module, method: str = "forward", options: CompileOptions | None = None,
+                 reporter=None):
+        self.module = module
+        self.method = method
+        self.options = options or CompileOptions()
+        self.reporter = reporter
+        self.fingerprint = architecture_fingerprint(module, {"method": method, "options": self.options.as_key()})
+        self.graph, self.shared = shared_graph(self.fingerprint, method, self.options, describe(module))
+        if self.shared:
+            log.info("Overdrive: %s.%s reuses the compiled graph of architecture %s (no recompile)",
+                     describe(module), method, self.fingerprint)
+
+    def eager(self, *args, **kwargs):
+        return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
+
+    def _may_compile(self, signature) -> bool:
+        return signature not in self.graph.shapes_seen
+
+    def __call__(self, *args, **kwargs):
+        graph = self.graph
+        if graph.failure is not None:
+            return self.eager(*args, **kwargs)
+        signature = shape_signature(args, kwargs)
+        new_shape = self._may_compile(signature)
+        if new_shape and len(graph.shapes_seen) >= self.options.max_graphs:
+            log.warning("Overdrive: %s has already compiled %d shapes (max_graphs); running this new shape eager. "
+                        "Use dynamic='auto' or 'dynamic' to serve many resolutions with one graph.",
+                        graph.description, len(graph.shapes_seen))
+            return self.eager(*args, **kwargs)
+        progress = self.reporter(f"compiling {graph.description}") if (new_shape and self.reporter) else contextlib.nullcontext()
+        try:
+            with progress:
+                out = graph.call(self.module, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
+            graph.failure = f"{type(error).__name__}: {error}"
+            log.warning("Overdrive: the compiled %s.%s failed, so it runs eager from now on (your generation "
+                        "continues, only slower). Reason: %s", graph.description, self.method,
+                        graph.failure.splitlines()[0][:500])
+            return self.eager(*args, **kwargs)
+        graph.shapes_seen.add(signature)
+        return out
+
+
+def compile_module(module: torch.nn.Module, options: CompileOptions | None = None, method: str = "forward",
+                   reporter=None) -> CompiledMethod:
+    """Compile `module.<method>` in place (like `module.compile()`), sharing graphs across same-architecture modules."""
+    compiled = CompiledMethod(module, method, options, reporter)
+    setattr(module, method, compiled)
+    return compiled
+
+
+def uncompile_module(module: torch.nn.Module, method: str = "forward") -> None:
+    """Undo `compile_module`: the module's own method runs again."""
+    if isinstance(module.__dict__.get(method), CompiledMethod):
+        delattr(module, method)

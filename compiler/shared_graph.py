@@ -1,0 +1,88 @@
+"""One compiled entry point per architecture, shared by every module (checkpoint) of that architecture.
+
+torch.compile caches compiled code on a function's code object, with guards on the inputs. We give each
+architecture fingerprint its own copy of a tiny `call the module's method` function (a distinct code object)
+and compile that: a second checkpoint of the same architecture passes its own module as an argument and
+runs through the graphs already compiled (its parameters are graph inputs), with zero recompiles. If
+anything really differs, Dynamo's guards catch it and recompile rather than run wrong code.
+"""
+import logging
+import threading
+import time
+import types
+
+import torch
+
+from .options import CompileOptions
+
+log = logging.getLogger("overdrive.compiler")
+
+
+def _call_method(module, method, args, kwargs):
+    # The class's method, not `module.<method>`: the instance attribute may be our own forwarder.
+    return getattr(type(module), method)(module, *args, **kwargs)
+
+
+def _fresh_function(name: str):
+    code = _call_method.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, _call_method.__globals__, name)
+
+
+def dynamo_graph_count() -> int:
+    """Graphs Dynamo has compiled in this process so far (all callers)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class SharedGraph:
+    """The compiled callable for one architecture + method + options, with its bookkeeping."""
+
+    def __init__(self, fingerprint: str, method: str, options: CompileOptions, description: str):
+        self.fingerprint = fingerprint
+        self.method = method
+        self.options = options
+        self.description = description
+        self.lock = threading.RLock()
+        self.graphs_compiled = 0  # new Dynamo graphs produced by calls through this entry point
+        self.shapes_seen: set = set()
+        self.failure: str | None = None  # set once compiling or running compiled code failed
+        kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
+        if options.backend == "inductor":
+            kwargs["mode"] = options.mode
+        self.compiled = torch.compile(_fresh_function(f"overdrive_{method}_{fingerprint}"), **kwargs)
+
+    def call(self, module, args, kwargs):
+        before = dynamo_graph_count()
+        start = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs):
+            out = self.compiled(module, self.method, args, kwargs)
+        new_graphs = dynamo_graph_count() - before
+        if new_graphs:
+            self.graphs_compiled += new_graphs
+            log.info(
+                "Overdrive compiled %s.%s [%s]: %d graph(s) in %.1f s (mode=%s, dynamic=%s)",
+                self.description, self.method, self.fingerprint, new_graphs, time.perf_counter() - start,
+                self.options.mode, self.options.dynamic,
+            )
+        return out
+
+
+_registry: dict[tuple, SharedGraph] = {}
+_registry_lock = threading.Lock()
+
+
+def shared_graph(fingerprint: str, method: str, options: CompileOptions, description: str) -> tuple[SharedGraph, bool]:
+    """The SharedGraph for this key, creating it if needed. Returns (graph, was_already_there)."""
+    key = (fingerprint, method)
+    with _registry_lock:
+        graph = _registry.get(key)
+        if graph is not None:
+            return graph, True
+        graph = SharedGraph(fingerprint, method, options, description)
+        _registry[key] = graph
+        return graph, False
+
+
+def clear_shared_graphs():
+    """Forget every shared graph (tests; or to free the compiled code)."""
+    with _registry_lock:
+        _registry.clear()

@@ -1,0 +1,74 @@
+"""CompileModel and CompileVAE: thin ComfyUI adapters over overdrive.compiler."""
+import copy
+
+from ..compiler import CompiledMethod, CompileOptions
+from ..compiler.options import DYNAMIC, MODES
+from .progress import comfy_progress
+
+MODE_TOOLTIP = (
+    "Inductor mode. default: quickest to compile. max-autotune-no-cudagraphs: benchmarks matrix and conv kernels "
+    "on your GPU during the first run (slower first image, faster after). max-autotune / reduce-overhead: also use "
+    "CUDA graphs, which help most for small models and low resolutions."
+)
+DYNAMIC_TOOLTIP = (
+    "How new resolutions and batch sizes are handled. auto: the first shape gets a specialised graph, a second shape "
+    "compiles one shape-generic graph that serves all later ones. static: one specialised graph per shape "
+    "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start."
+)
+
+
+class OverdriveCompileModel:
+    DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step. "
+                   "Graphs are shared by every checkpoint of the same architecture. If compiling fails, sampling "
+                   "continues on the normal (eager) path with a warning in the log.")
+    CATEGORY = "overdrive"
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model, running through compiled code.",)
+    FUNCTION = "compile"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The diffusion model to compile. It is not modified; a patched copy is returned."}),
+            "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
+            "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
+        }}
+
+    def compile(self, model, mode="default", dynamic="auto"):
+        options = CompileOptions(mode=mode, dynamic=dynamic)
+        patched = model.clone()
+        diffusion_model = patched.model.diffusion_model
+        forward = CompiledMethod(diffusion_model, "forward", options, reporter=comfy_progress)
+        # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
+        # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
+        patched.add_object_patch("diffusion_model.forward", forward)
+        return (patched,)
+
+
+class OverdriveCompileVAE:
+    DESCRIPTION = ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal "
+                   "path with a warning if compiling fails.")
+    CATEGORY = "overdrive"
+    RETURN_TYPES = ("VAE",)
+    OUTPUT_TOOLTIPS = ("The same VAE, decoding through compiled code.",)
+    FUNCTION = "compile"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "vae": ("VAE", {"tooltip": "The VAE to compile. It is not modified; a patched copy is returned."}),
+            "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
+            "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
+            "compile_encoder": ("BOOLEAN", {"default": False, "tooltip": "Also compile encode (img2img, inpainting). "
+                                            "Costs one more compile the first time an image is encoded."}),
+        }}
+
+    def compile(self, vae, mode="default", dynamic="auto", compile_encoder=False):
+        options = CompileOptions(mode=mode, dynamic=dynamic)
+        patched = copy.copy(vae)
+        patched.patcher = vae.patcher.clone()
+        autoencoder = vae.first_stage_model
+        methods = ["decode", "encode"] if compile_encoder else ["decode"]
+        for method in methods:
+            patched.patcher.add_object_patch(method, CompiledMethod(autoencoder, method, options, reporter=comfy_progress))
+        return (patched,)

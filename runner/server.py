@@ -1,0 +1,103 @@
+"""Start and stop a real ComfyUI server process on loopback."""
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def find_comfyui() -> pathlib.Path:
+    """COMFYUI_PATH, else the ComfyUI that scripts/install.sh unpacked; a clear error if neither exists."""
+    path = pathlib.Path(os.environ.get("COMFYUI_PATH", REPO / ".comfyui" / "ComfyUI"))
+    if not (path / "main.py").is_file():
+        raise FileNotFoundError(f"No ComfyUI at {path}: run scripts/install.sh, or set COMFYUI_PATH to your ComfyUI folder.")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyServer:
+    """`with ComfyServer(workdir) as server:` a ComfyUI on 127.0.0.1 with Overdrive in custom_nodes.
+
+    Output, input and temp folders live under `workdir`; the server's log goes to `workdir/comfyui.log`.
+    On a machine without CUDA it runs with --cpu.
+    """
+
+    def __init__(self, workdir, comfyui_path=None, extra_args=(), env=None, startup_timeout=180):
+        self.workdir = pathlib.Path(workdir)
+        self.comfyui_path = pathlib.Path(comfyui_path) if comfyui_path else find_comfyui()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.startup_timeout = startup_timeout
+        self.process = None
+        self.log_path = self.workdir / "comfyui.log"
+        self.output_dir = self.workdir / "output"
+
+    def command(self):
+        import torch
+
+        args = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
+                "--output-directory", str(self.output_dir), "--input-directory", str(self.workdir / "input"),
+                "--temp-directory", str(self.workdir / "temp"), "--disable-auto-launch"]
+        if not torch.cuda.is_available():
+            # SDPA attention: ComfyUI's default CPU attention asks for free memory mid-graph and breaks compiled graphs.
+            args += ["--cpu", "--use-pytorch-cross-attention"]
+        return args + self.extra_args
+
+    def start(self):
+        for sub in ("output", "input", "temp"):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, **(self.env or {}))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.command(), cwd=self.comfyui_path, stdout=self._log,
+                                        stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode} at startup; see {self.log_path}:\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.url + "/system_stats", timeout=5):
+                    return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {self.startup_timeout} s; see {self.log_path}")
+
+    def log_tail(self, chars=4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self):
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

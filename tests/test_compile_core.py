@@ -1,0 +1,102 @@
+"""The compiler core on plain torch modules: shared graphs per architecture, eager fallback, no ComfyUI."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from overdrive.compiler import (CompileOptions, architecture_fingerprint, clear_shared_graphs, compile_module,
+                                uncompile_module)
+
+
+class Block(nn.Module):
+    def __init__(self, channels=8):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.GroupNorm(2, channels)
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, x, scale=None):
+        h = torch.nn.functional.silu(self.norm(self.conv(x)))
+        h = self.proj(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return x + h * (scale if scale is not None else 1.0)
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def seeded_block(seed):
+    torch.manual_seed(seed)
+    return Block().eval().requires_grad_(False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_graphs():
+    clear_shared_graphs()
+    torch._dynamo.reset()
+    yield
+    clear_shared_graphs()
+
+
+def test_fingerprint_ignores_weights_but_not_shapes_or_dtypes():
+    a, b = seeded_block(0), seeded_block(1)
+    assert architecture_fingerprint(a) == architecture_fingerprint(b)
+    assert architecture_fingerprint(a) != architecture_fingerprint(Block(channels=16))
+    assert architecture_fingerprint(a) != architecture_fingerprint(seeded_block(0).double())
+    assert architecture_fingerprint(a, {"mode": "default"}) != architecture_fingerprint(a, {"mode": "max-autotune"})
+
+
+def test_second_module_of_same_architecture_runs_without_recompiling():
+    first, second = seeded_block(0), seeded_block(1)
+    reference = [m(torch.ones(1, 8, 6, 6)) for m in (first, second)]
+    x = torch.randn(1, 8, 6, 6)
+    expected = [first(x), second(x)]
+
+    compiled_first = compile_module(first)
+    out_first = first(x)
+    assert compiled_first.graph.graphs_compiled >= 1
+    graphs_after_first = compiled_first.graph.graphs_compiled
+
+    compiled_second = compile_module(second)
+    assert compiled_second.graph is compiled_first.graph  # one graph per architecture, in memory
+    out_second = second(x)
+    assert compiled_second.graph.graphs_compiled == graphs_after_first  # zero recompiles for the second checkpoint
+
+    assert relative_error(out_first, expected[0]) < 1e-4
+    assert relative_error(out_second, expected[1]) < 1e-4
+    assert relative_error(out_first, out_second) > 1e-3  # each ran with its own weights
+
+    # Weights swapped in place or replaced by new Parameters (as ComfyUI's LoRA patching does): no recompile.
+    with torch.no_grad():
+        first.conv.weight.copy_(second.conv.weight)
+    first.proj.weight = nn.Parameter(second.proj.weight.clone(), requires_grad=False)
+    first(x)
+    assert compiled_first.graph.graphs_compiled == graphs_after_first
+
+    uncompile_module(first)
+    assert "forward" not in first.__dict__
+    assert relative_error(first(torch.ones(1, 8, 6, 6)), reference[0]) > 0  # runs eager again (weights changed)
+
+
+def test_compile_failure_falls_back_to_eager_with_a_warning(caplog):
+    module = seeded_block(0)
+    x = torch.randn(1, 8, 6, 6)
+    expected = module(x)
+    compiled = compile_module(module, CompileOptions(mode="default"))
+    # A real failure: Inductor cannot build its C++ kernels without a working compiler.
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/false"), "force_disable_caches": True}):
+        with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+            out = module(x, scale=torch.tensor(1.0))
+    assert torch.allclose(out, expected)
+    assert compiled.graph.failure is not None
+    assert any("runs eager from now on" in r.getMessage() for r in caplog.records)
+    # Later calls stay on the eager path, without trying to compile again.
+    assert torch.allclose(module(x), expected)
+
+
+def test_bad_options_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="choose one of"):
+        CompileOptions(mode="fastest")
+    with pytest.raises(ValueError, match="choose one of"):
+        CompileOptions(dynamic="sometimes")

@@ -7,12 +7,14 @@ runs through the graphs already compiled (its parameters are graph inputs), with
 anything really differs, Dynamo's guards catch it and recompile rather than run wrong code.
 """
 import logging
+import os
 import threading
 import time
 import types
 
 import torch
 
+from .disk_cache import CompileDiskCache, cache_key
 from .options import CompileOptions
 
 log = logging.getLogger("overdrive.compiler")
@@ -45,12 +47,19 @@ class SharedGraph:
         self.graphs_compiled = 0  # new Dynamo graphs produced by calls through this entry point
         self.shapes_seen: set = set()
         self.failure: str | None = None  # set once compiling or running compiled code failed
+        self.disk_keys_loaded: set = set()
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
         if options.backend == "inductor":
             kwargs["mode"] = options.mode
         self.compiled = torch.compile(_fresh_function(f"overdrive_{method}_{fingerprint}"), **kwargs)
 
     def call(self, module, args, kwargs):
+        disk, key = _disk_cache, None
+        if disk is not None:
+            key = cache_key(self.fingerprint, self.options.as_key(), _first_device(args, kwargs))
+            if key not in self.disk_keys_loaded:
+                self.disk_keys_loaded.add(key)
+                disk.load(key)
         before = dynamo_graph_count()
         start = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs):
@@ -63,7 +72,32 @@ class SharedGraph:
                 self.description, self.method, self.fingerprint, new_graphs, time.perf_counter() - start,
                 self.options.mode, self.options.dynamic,
             )
+            if disk is not None:
+                try:
+                    disk.save(key)
+                except OSError as error:
+                    log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
         return out
+
+
+def _first_device(args, kwargs) -> torch.device:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+_disk_cache: CompileDiskCache | None = None if os.environ.get("OVERDRIVE_DISK_CACHE", "1") == "0" else CompileDiskCache()
+
+
+def set_disk_cache(cache: CompileDiskCache | None) -> None:
+    """Where compiled artifacts persist across restarts (None: keep them in memory only)."""
+    global _disk_cache
+    _disk_cache = cache
+
+
+def get_disk_cache() -> CompileDiskCache | None:
+    return _disk_cache
 
 
 _registry: dict[tuple, SharedGraph] = {}

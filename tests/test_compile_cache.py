@@ -1,0 +1,52 @@
+"""The on-disk compile cache: a new process loads what an earlier one compiled; corrupt entries are rebuilt."""
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import torch
+
+from overdrive.compiler import CompileDiskCache
+from overdrive.compiler.disk_cache import cache_key, device_identity
+
+CHILD = pathlib.Path(__file__).with_name("compile_cache_child.py")
+
+
+def run_child(cache_dir, inductor_dir):
+    # A fresh Inductor cache folder per process: only Overdrive's own artifacts can make the second one warm.
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir))
+    result = subprocess.run([sys.executable, str(CHILD), str(cache_dir)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_restart_loads_compiled_artifacts_from_disk(tmp_path):
+    cold, _ = run_child(tmp_path / "cache", tmp_path / "inductor1")
+    assert cold["failure"] is None and cold["misses"] >= 1 and cold["hits"] == 0
+    assert list((tmp_path / "cache").glob("*.bin")), "the first process saved nothing"
+    warm, log = run_child(tmp_path / "cache", tmp_path / "inductor2")
+    assert warm["failure"] is None and warm["hits"] >= 1 and warm["misses"] == 0, warm
+    assert "loaded compiled artifacts" in log
+    assert warm["max_error"] < 1e-5
+
+
+def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):
+    cache = CompileDiskCache(tmp_path)
+    key = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
+    tmp_path.mkdir(exist_ok=True)
+    cache.path(key).write_bytes(b"OVDRV001" + b"\0" * 40 + b"truncated")
+    with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+        assert cache.load(key) is False
+    assert not cache.path(key).exists()
+    assert any("discarding" in r.getMessage() for r in caplog.records)
+
+
+def test_key_changes_with_device_and_software():
+    cpu = device_identity(torch.device("cpu"))
+    assert cpu["torch"] == torch.__version__ and cpu["gpu"] is None
+    a = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
+    assert a != cache_key("f" * 16, {"mode": "max-autotune"}, torch.device("cpu"))
+    assert a != cache_key("e" * 16, {"mode": "default"}, torch.device("cpu"))

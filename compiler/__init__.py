@@ -3,9 +3,11 @@ from .compiled_method import CompiledMethod, compile_module, uncompile_module
 from .disk_cache import CompileDiskCache
 from .fingerprint import architecture_fingerprint
 from .options import CompileOptions
+from .switch_weights import WeightMismatchError, copy_weights_, twin_with_weights
 from .shared_graph import clear_shared_graphs, dynamo_graph_count, get_disk_cache, set_disk_cache
 
 __all__ = [
     "CompileOptions", "CompiledMethod", "compile_module", "uncompile_module", "architecture_fingerprint",
     "clear_shared_graphs", "dynamo_graph_count", "CompileDiskCache", "set_disk_cache", "get_disk_cache",
+    "WeightMismatchError", "twin_with_weights", "copy_weights_",
 ]

@@ -100,3 +100,37 @@ def test_bad_options_are_refused_with_the_fix():
         CompileOptions(mode="fastest")
     with pytest.raises(ValueError, match="choose one of"):
         CompileOptions(dynamic="sometimes")
+
+
+def test_twin_with_other_weights_runs_the_same_graph_and_leaves_the_original_alone():
+    from overdrive.compiler import CompiledMethod, WeightMismatchError, twin_with_weights
+
+    original, donor = seeded_block(0), seeded_block(1)
+    x = torch.randn(2, 8, 6, 6)
+    expected_original, expected_donor = original(x), donor(x)
+    compiled = compile_module(original)
+    original(x)
+    graphs = compiled.graph.graphs_compiled
+
+    twin = twin_with_weights(original, {k: v.clone() for k, v in donor.state_dict().items()})
+    assert "forward" not in twin.__dict__  # the original's compiled forwarder is not copied along
+    twin.forward = CompiledMethod(twin)
+    assert relative_error(twin(x), expected_donor) < 1e-4
+    assert compiled.graph.graphs_compiled == graphs  # no recompile for the new weights
+    assert relative_error(original(x), expected_original) < 1e-4  # the original still has its own weights
+
+    bad = dict(donor.state_dict())
+    bad["proj.weight"] = torch.zeros(4, 8)
+    del bad["conv.bias"]
+    with pytest.raises(WeightMismatchError, match=r"missing keys: conv\.bias.*proj\.weight: \(4, 8\) vs \(8, 8\)"):
+        twin_with_weights(original, bad)
+    with pytest.raises(WeightMismatchError):
+        twin_with_weights(original, dict(Block(channels=16).state_dict()))
+
+
+def test_twin_weights_take_the_running_dtype():
+    from overdrive.compiler import twin_with_weights
+
+    original = seeded_block(0).half()
+    twin = twin_with_weights(original, seeded_block(1).state_dict())  # float32 checkpoint into an fp16 model
+    assert {p.dtype for p in twin.parameters()} == {torch.float16}

@@ -1,0 +1,98 @@
+"""Another checkpoint's weights for an already compiled architecture, without recompiling.
+
+`twin_with_weights` builds a new module of the same structure whose parameters are the new weights (cast to
+the running dtypes): it runs through the same shared compiled graphs (its weights are graph inputs), and the
+model it came from is never touched. `copy_weights_` is the in-place variant for owners of a module
+(diffusers pipelines), under a lock so no call ever sees half-swapped weights.
+"""
+import copy
+import threading
+
+import torch
+from safetensors import safe_open
+
+SWITCH_LOCK = threading.RLock()
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint does not fit the running architecture; the message names the keys and shapes."""
+
+
+def _listing(items, limit=5) -> str:
+    items = list(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def check_compatible(reference: dict, state: dict, source: str = "checkpoint") -> None:
+    """Raise WeightMismatchError unless `state` has exactly the keys and shapes of `reference` (name → tensor)."""
+    missing = sorted(set(reference) - set(state))
+    unexpected = sorted(set(state) - set(reference))
+    wrong_shape = [f"{k}: {tuple(state[k].shape)} vs {tuple(reference[k].shape)}"
+                   for k in sorted(set(reference) & set(state)) if tuple(state[k].shape) != tuple(reference[k].shape)]
+    if missing or unexpected or wrong_shape:
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing keys: {_listing(missing)}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected keys: {_listing(unexpected)}")
+        if wrong_shape:
+            problems.append(f"{len(wrong_shape)} keys with other shapes (checkpoint vs model): {_listing(wrong_shape, 3)}")
+        raise WeightMismatchError(
+            f"{source} does not match the running model's architecture: " + "; ".join(problems)
+            + ". Choose a checkpoint of the same architecture (e.g. an SDXL fine-tune for an SDXL model); "
+              "the running model was left unchanged.")
+
+
+def reference_tensors(module: torch.nn.Module) -> dict:
+    return dict(module.state_dict(keep_vars=True))
+
+
+def read_safetensors_subset(path, reference: dict, prefixes=("model.diffusion_model.", "diffusion_model.", "")) -> dict:
+    """The tensors of `path` that belong to the module, under the first key prefix that matches it."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        keys = list(f.keys())
+        for prefix in prefixes:
+            names = {k[len(prefix):]: k for k in keys if k.startswith(prefix)}
+            if len(set(names) & set(reference)) >= max(1, len(reference) // 2):
+                break
+        else:
+            raise WeightMismatchError(
+                f"{path} has no weights for this model under any of the prefixes {list(prefixes)}: it is not a "
+                "checkpoint of this architecture. The running model was left unchanged.")
+        return {name: f.get_tensor(key) for name, key in names.items()}
+
+
+def _cast_like(state: dict, reference: dict) -> dict:
+    # Always the running dtype: a switch never silently changes precision, and dtype guards never recompile.
+    return {k: v.to(dtype=reference[k].dtype) for k, v in state.items()}
+
+
+def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "checkpoint") -> torch.nn.Module:
+    """A structural copy of `module` holding `state` as its weights (validated, cast), sharing no tensors with it."""
+    reference = reference_tensors(module)
+    check_compatible(reference, state, source)
+    state = _cast_like(state, reference)
+    memo = {}
+    for name, tensor in reference.items():  # deepcopy uses these instead of copying the old weights
+        new = state[name]
+        memo[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else new
+    for attr, value in module.__dict__.items():  # instance-level forwarders (compiled methods) are not copied
+        if not attr.startswith("_") and callable(value) and not isinstance(value, torch.nn.Module):
+            memo[id(value)] = None
+    twin = copy.deepcopy(module, memo)
+    for attr in [a for a, v in twin.__dict__.items() if v is None and callable(getattr(module, a, None))]:
+        del twin.__dict__[attr]
+    return twin
+
+
+@torch.no_grad()
+def copy_weights_(module: torch.nn.Module, state: dict, source: str = "checkpoint") -> None:
+    """Copy `state` into `module`'s own tensors in place (validated first: on a mismatch nothing is written)."""
+    reference = reference_tensors(module)
+    check_compatible(reference, state, source)
+    with SWITCH_LOCK:
+        for name, tensor in reference.items():
+            tensor.copy_(state[name], non_blocking=True)
+        if any(t.is_cuda for t in reference.values()):
+            torch.cuda.synchronize()

@@ -1,11 +1,23 @@
 """ComfyUI node registrations. Each node is a thin adapter over the core packages."""
+import os
+
+import folder_paths
+
+from ..compiler import CompileDiskCache, set_disk_cache
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
+from .switch_weights_node import OverdriveSwitchWeights
 
 NODE_CLASS_MAPPINGS = {
     "OverdriveCompileModel": OverdriveCompileModel,
     "OverdriveCompileVAE": OverdriveCompileVAE,
+    "OverdriveSwitchWeights": OverdriveSwitchWeights,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "OverdriveCompileModel": "Compile Model (Overdrive)",
     "OverdriveCompileVAE": "Compile VAE (Overdrive)",
+    "OverdriveSwitchWeights": "Switch Weights (Overdrive)",
 }
+
+# Compiled artifacts live beside the user's models (OVERDRIVE_CACHE_DIR overrides), so they survive restarts.
+if "OVERDRIVE_CACHE_DIR" not in os.environ:
+    set_disk_cache(CompileDiskCache(os.path.join(folder_paths.models_dir, "overdrive_cache", "compiled")))

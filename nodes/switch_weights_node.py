@@ -1,0 +1,76 @@
+"""SwitchWeights: another checkpoint's diffusion-model weights through the already compiled graph."""
+import logging
+import time
+
+import comfy.utils
+import folder_paths
+
+from ..compiler import CompiledMethod, WeightMismatchError, twin_with_weights
+from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors
+from .progress import comfy_progress
+
+log = logging.getLogger("overdrive")
+
+
+def running_diffusion_model(model):
+    """The diffusion model this MODEL runs: a previous switch's twin if there is one, else the loaded one."""
+    return model.object_patches.get("diffusion_model", model.model.diffusion_model)
+
+
+def compiled_forward(model):
+    """The CompiledMethod this MODEL runs its diffusion model through, if it was compiled by CompileModel."""
+    forward = model.object_patches.get("diffusion_model.forward")
+    if forward is None:
+        forward = running_diffusion_model(model).__dict__.get("forward")
+    return forward if isinstance(forward, CompiledMethod) else None
+
+
+def load_unet_weights(path, reference):
+    if str(path).endswith(".safetensors"):
+        return read_safetensors_subset(path, reference)
+    state = comfy.utils.load_torch_file(path)  # .ckpt/.pt: ComfyUI's own safe loader
+    for prefix in ("model.diffusion_model.", "diffusion_model.", ""):
+        picked = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if len(set(picked) & set(reference)) >= len(reference) // 2:
+            return picked
+    raise WeightMismatchError(f"{path} holds no diffusion-model weights of this architecture; the model was left unchanged.")
+
+
+class OverdriveSwitchWeights:
+    DESCRIPTION = ("Runs another checkpoint's diffusion-model weights through a model compiled by Compile Model, "
+                   "without compiling again. The checkpoint must be of the same architecture (e.g. two SDXL "
+                   "fine-tunes); otherwise you get an error naming the mismatch and nothing changes.")
+    CATEGORY = "overdrive"
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The model with the new checkpoint's weights, on the same compiled graph.",)
+    FUNCTION = "switch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "A model (ideally from Compile Model) whose architecture the checkpoint shares. "
+                                           "It is not modified."}),
+            "ckpt_name": (folder_paths.get_filename_list("checkpoints"),
+                          {"tooltip": "Checkpoint whose diffusion-model weights to run. Its CLIP and VAE are not used: "
+                                      "load them separately if they differ."}),
+        }}
+
+    def switch(self, model, ckpt_name):
+        start = time.perf_counter()
+        path = folder_paths.get_full_path("checkpoints", ckpt_name)
+        if path is None:
+            raise FileNotFoundError(f"Checkpoint {ckpt_name!r} is not in ComfyUI's checkpoints folder.")
+        current = running_diffusion_model(model)
+        with SWITCH_LOCK:  # one switch at a time; the running model is never written to
+            state = load_unet_weights(path, reference_tensors(current))
+            twin = twin_with_weights(current, state, source=ckpt_name)
+            forward = compiled_forward(model)
+            if forward is not None:
+                # Same architecture, so the same shared graph: no recompile.
+                twin.forward = CompiledMethod(twin, "forward", forward.options, reporter=comfy_progress)
+        switched = model.clone()
+        switched.object_patches.pop("diffusion_model.forward", None)
+        switched.add_object_patch("diffusion_model", twin)
+        log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s)", ckpt_name,
+                 time.perf_counter() - start, "compiled graph reused" if forward else "model was not compiled")
+        return (switched,)

@@ -3,6 +3,7 @@ from dataclasses import dataclass, asdict
 
 MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 DYNAMIC = ("auto", "static", "dynamic")
+ATTENTION = ("default", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,15 @@ class CompileOptions:
     backend: str = "inductor"
     fullgraph: bool = False
     max_graphs: int = 8
+    attention: str = "default"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"Unknown compile mode {self.mode!r}: choose one of {', '.join(MODES)}.")
         if self.dynamic not in DYNAMIC:
             raise ValueError(f"Unknown dynamic-shape policy {self.dynamic!r}: choose one of {', '.join(DYNAMIC)}.")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"Unknown attention choice {self.attention!r}: choose one of {', '.join(ATTENTION)}.")
         if self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1 (got {self.max_graphs}).")
 

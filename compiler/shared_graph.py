@@ -6,6 +6,7 @@ and compile that: a second checkpoint of the same architecture passes its own mo
 runs through the graphs already compiled (its parameters are graph inputs), with zero recompiles. If
 anything really differs, Dynamo's guards catch it and recompile rather than run wrong code.
 """
+import contextlib
 import logging
 import os
 import threading
@@ -28,6 +29,15 @@ def _call_method(module, method, args, kwargs):
 def _fresh_function(name: str):
     code = _call_method.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, _call_method.__globals__, name)
+
+
+def attention_preference(options: CompileOptions):
+    """The SDPA kernel order traced into the graph (the choice is made at trace time)."""
+    if options.attention == "cudnn" and torch.cuda.is_available():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        return sdpa_kernel(order, set_priority=True)
+    return contextlib.nullcontext()
 
 
 def dynamo_graph_count() -> int:
@@ -62,7 +72,7 @@ class SharedGraph:
                 disk.load(key)
         before = dynamo_graph_count()
         start = time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs):
+        with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs), attention_preference(self.options):
             out = self.compiled(module, self.method, args, kwargs)
         new_graphs = dynamo_graph_count() - before
         if new_graphs:

@@ -1,0 +1,137 @@
+"""GPU benchmark: ComfyUI sampling with eager, the peer (torch.compile of the diffusion model, as ComfyUI's built-in
+TorchCompileModel does) and Overdrive's CompileModel, side by side in one process, same seed.
+
+  python bench/bench_compile.py --arch sdxl --res 1024 --variants eager,peer,overdrive --out bench/results/x.json
+
+Reports per variant: first run (includes compiling), s/image (median of --repeats, sampling only), s/step, peak VRAM,
+relative error of the final latent vs eager, Dynamo graph count. Cold compile times are honest: Inductor's caches
+are off for the side-by-side variants (`--warm-cache` keeps them on, for the restart measurement).
+"""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import pathlib
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from comfy_inprocess import build_model, conditioning, import_comfy  # noqa: E402
+
+
+def environment():
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = list(torch.cuda.get_device_capability())
+        import triton
+        info["triton"] = triton.__version__
+    return info
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl"])
+    parser.add_argument("--size", default="full", choices=["full", "tiny"])
+    parser.add_argument("--res", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cfg", type=float, default=7.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="eager,peer,overdrive")
+    parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    comfy = import_comfy(cpu=not cuda)
+    import comfy.sample
+    from overdrive.compiler import dynamo_graph_count, set_disk_cache
+
+    if not args.warm_cache:
+        torch._inductor.config.fx_graph_cache = False
+        torch._inductor.config.autotune_local_cache = False
+        set_disk_cache(None)
+
+    dtype = torch.float16 if cuda else torch.float32
+    base = build_model(comfy, args.arch, args.size, dtype)
+    positive, negative = conditioning(args.arch, args.res, args.res, seed=1)
+    latent = torch.zeros(1, 4, args.res // 8, args.res // 8)
+    noise = comfy.sample.prepare_noise(latent, 42)
+
+    def make(variant):
+        if variant == "eager":
+            return base.clone()
+        if variant == "peer":
+            peer = base.clone()
+            peer.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
+            return peer
+        if variant.startswith("overdrive"):
+            from overdrive.compiler import CompiledMethod, CompileOptions
+            options = {"overdrive": CompileOptions(), "overdrive-autotune": CompileOptions(mode="max-autotune-no-cudagraphs"),
+                       "overdrive-cudagraphs": CompileOptions(mode="reduce-overhead"),
+                       "overdrive-cudnn": CompileOptions(attention="cudnn"),
+                       "overdrive-cudnn-cudagraphs": CompileOptions(attention="cudnn", mode="reduce-overhead")}[variant]
+            patched = base.clone()
+            patched.add_object_patch("diffusion_model.forward", CompiledMethod(base.model.diffusion_model, "forward", options))
+            return patched
+        raise ValueError(variant)
+
+    def sample(patcher):
+        sync()
+        start = time.perf_counter()
+        out = comfy.sample.sample(patcher, noise, args.steps, args.cfg, "euler", "normal", positive, negative, latent,
+                                  seed=42, disable_pbar=True)
+        sync()
+        return out, time.perf_counter() - start
+
+    results, reference = [], None
+    for variant in args.variants.split(","):
+        patcher = make(variant)
+        graphs_before = dynamo_graph_count()
+        first_out, first = sample(patcher)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.repeats):
+            out, dt = sample(patcher)
+            times.append(dt)
+        per_image = statistics.median(times)
+        row = {"variant": variant, "first_run_s": round(first, 3), "s_per_image": round(per_image, 4),
+               "s_per_step": round(per_image / args.steps, 5), "compile_s_est": round(first - per_image, 2),
+               "dynamo_graphs": dynamo_graph_count() - graphs_before,
+               "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+               "finite": bool(torch.isfinite(out).all())}
+        if reference is None:
+            reference = out
+        row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        del patcher
+        comfy.model_management.unload_all_models()
+        comfy.model_management.soft_empty_cache()
+
+    eager = next((r for r in results if r["variant"] == "eager"), None)
+    for r in results:
+        r["speedup_vs_eager"] = round(eager["s_per_image"] / r["s_per_image"], 3) if eager else None
+    report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
+              "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results}
+    print("\n| variant | s/image | s/step | speedup | first run (s) | peak VRAM GiB | rel err | graphs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['variant']} | {r['s_per_image']} | {r['s_per_step']} | {r['speedup_vs_eager']} | {r['first_run_s']} "
+              f"| {r['peak_vram_gib']} | {r['rel_err_vs_first_variant']:.2e} | {r['dynamo_graphs']} |")
+    print(json.dumps(report["environment"]))
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""A real ComfyUI imported in this process, and full-size or tiny SD1.5/SDXL models built from configs with
+fixed-seed random weights (no checkpoint file needed), for the GPU benchmarks."""
+import os
+import pathlib
+import sys
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+UNET_CONFIGS = {
+    "sd15": dict(adm_in_channels=None, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[2, 2, 2, 2],
+                 transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+                 channel_mult=[1, 2, 4, 4], transformer_depth_middle=1, use_linear_in_transformer=False,
+                 context_dim=768),
+    "sdxl": dict(adm_in_channels=2816, num_classes="sequential", in_channels=4, out_channels=4, model_channels=320,
+                 num_res_blocks=[2, 2, 2], transformer_depth=[0, 0, 2, 2, 10, 10],
+                 transformer_depth_output=[0, 0, 0, 2, 2, 2, 10, 10, 10], channel_mult=[1, 2, 4],
+                 transformer_depth_middle=10, use_linear_in_transformer=True, context_dim=2048, num_head_channels=64),
+}
+TINY = {"sd15": dict(num_res_blocks=[1, 1], transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
+                     channel_mult=[1, 2]),
+        "sdxl": dict(channel_mult=[1, 1, 1])}
+
+
+def import_comfy(cpu: bool):
+    path = os.environ.get("COMFYUI_PATH", str(REPO / ".comfyui" / "ComfyUI"))
+    sys.path.insert(0, path)
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = cpu
+    comfy.cli_args.args.use_pytorch_cross_attention = cpu or comfy.cli_args.args.use_pytorch_cross_attention
+    import comfy.model_management, comfy.sample, comfy.samplers, comfy.supported_models, comfy.model_patcher  # noqa: E401,F401
+    return sys.modules["comfy"]
+
+
+def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
+    """A ModelPatcher around ComfyUI's own SD1.5/SDXL model class, weights N(0, 0.02) from `seed` (norms at 1)."""
+    config = dict(use_checkpoint=False, image_size=32, use_spatial_transformer=True, legacy=False,
+                  use_temporal_resblock=False, use_temporal_attention=False, **UNET_CONFIGS[arch])
+    if size == "tiny":
+        config.update(TINY[arch])
+    model_config = {"sd15": comfy.supported_models.SD15, "sdxl": comfy.supported_models.SDXL}[arch](config)
+    model_config.set_inference_dtype(dtype, None)
+    model = model_config.get_model({}, "")
+    load_device = comfy.model_management.get_torch_device()
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.diffusion_model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.01)
+            elif p.ndim == 1:  # norm weights
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * (1.0 / max(p[0].numel(), 1)) ** 0.5)
+    model.diffusion_model.to(dtype)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device,
+                                               offload_device=comfy.model_management.unet_offload_device())
+    return patcher
+
+
+def conditioning(arch: str, width: int, height: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    dim = UNET_CONFIGS[arch]["context_dim"]
+    def one():
+        extra = {}
+        if arch == "sdxl":
+            extra = dict(pooled_output=torch.randn(1, 1280, generator=g), width=width, height=height, crop_w=0, crop_h=0,
+                         target_width=width, target_height=height)
+        return [[torch.randn(1, 77, dim, generator=g), extra]]
+    return one(), one()

@@ -17,8 +17,7 @@ import pathlib
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from comfy_inprocess import build_model, conditioning, import_comfy  # noqa: E402
+from overdrive.runner.inprocess import build_model, conditioning, import_comfy
 
 
 def environment():

@@ -1,12 +1,8 @@
-"""A real ComfyUI imported in this process, and full-size or tiny SD1.5/SDXL models built from configs with
-fixed-seed random weights (no checkpoint file needed), for the GPU benchmarks."""
-import os
-import pathlib
+"""A real ComfyUI imported in this process, and full-size or tiny SD1.5/SDXL models built from ComfyUI's own
+model classes with fixed-seed random weights (no checkpoint file needed): for benchmarks and in-process tests."""
 import sys
 
 import torch
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 UNET_CONFIGS = {
     "sd15": dict(adm_in_channels=None, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[2, 2, 2, 2],
@@ -24,8 +20,10 @@ TINY = {"sd15": dict(num_res_blocks=[1, 1], transformer_depth=[1, 1], transforme
 
 
 def import_comfy(cpu: bool):
-    path = os.environ.get("COMFYUI_PATH", str(REPO / ".comfyui" / "ComfyUI"))
-    sys.path.insert(0, path)
+    from .server import find_comfyui
+    path = str(find_comfyui())
+    if path not in sys.path:
+        sys.path.insert(0, path)
     import comfy.cli_args
     comfy.cli_args.args.cpu = cpu
     comfy.cli_args.args.use_pytorch_cross_attention = cpu or comfy.cli_args.args.use_pytorch_cross_attention

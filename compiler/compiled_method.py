@@ -35,6 +35,9 @@ class CompiledMethod:
         self.method = method
         self.options = options or CompileOptions()
         self.reporter = reporter
+        # Inference only. Weight patches (LoRA) and switched weights arrive as requires_grad=False parameters; the
+        # same flag on the originals keeps Dynamo's guards equal, so they never cause a recompile.
+        module.requires_grad_(False)
         self.fingerprint = architecture_fingerprint(module, {"method": method, "options": self.options.as_key()})
         self.graph, self.shared = shared_graph(self.fingerprint, method, self.options, describe(module))
         if self.shared:

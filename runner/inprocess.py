@@ -31,6 +31,28 @@ def import_comfy(cpu: bool):
     return sys.modules["comfy"]
 
 
+@torch.no_grad()
+def seeded_init_(module: torch.nn.Module, seed: int) -> None:
+    """Fan-in scaled normal weights, small biases, norms at 1: finite, non-degenerate outputs at any depth.
+    (ComfyUI's layers skip initialisation, so a model built without a checkpoint holds uninitialised memory.)"""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.01)
+        elif p.ndim == 1:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=generator) * (1.0 / max(p[0].numel(), 1)) ** 0.5)
+
+
+def build_vae(comfy, seed: int = 0):
+    """ComfyUI's own VAE class (the SD/SDXL autoencoder config) with seeded weights."""
+    import comfy.sd
+    vae = comfy.sd.VAE(sd={})
+    seeded_init_(vae.first_stage_model, seed)
+    return vae
+
+
 def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
     """A ModelPatcher around ComfyUI's own SD1.5/SDXL model class, weights N(0, 0.02) from `seed` (norms at 1)."""
     config = dict(use_checkpoint=False, image_size=32, use_spatial_transformer=True, legacy=False,
@@ -41,15 +63,7 @@ def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
     model_config.set_inference_dtype(dtype, None)
     model = model_config.get_model({}, "")
     load_device = comfy.model_management.get_torch_device()
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.diffusion_model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.01)
-            elif p.ndim == 1:  # norm weights
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=generator) * (1.0 / max(p[0].numel(), 1)) ** 0.5)
+    seeded_init_(model.diffusion_model, seed)
     model.diffusion_model.to(dtype)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device,
                                                offload_device=comfy.model_management.unet_offload_device())

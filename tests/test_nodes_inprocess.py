@@ -1,0 +1,172 @@
+"""Overdrive's nodes called on ComfyUI's real ModelPatcher and sampler, in-process on the CPU."""
+import gc
+import logging
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from overdrive.compiler import CompiledMethod, dynamo_graph_count
+from overdrive.runner.inprocess import build_model, conditioning
+
+RES = 64  # pixels: an 8x8 latent keeps CPU compiles short
+TOLERANCE = 1e-3  # relative error of compiled vs eager latents (float32 on CPU; measured ~1e-5)
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def nodes(comfy):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    return NODE_CLASS_MAPPINGS
+
+
+@pytest.fixture(scope="module")
+def base(comfy):
+    return build_model(comfy, "sd15", "tiny", torch.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def sample(comfy):
+    import comfy.sample
+
+    positive, negative = conditioning("sd15", RES, RES, seed=1)
+    latent = torch.zeros(1, 4, RES // 8, RES // 8)
+    noise = comfy.sample.prepare_noise(latent, 7)
+
+    def run(model, steps=2):
+        return comfy.sample.sample(model, noise, steps, 7.0, "euler", "normal", positive, negative, latent,
+                                   seed=7, disable_pbar=True)
+    return run
+
+
+@pytest.fixture(scope="module")
+def eager_latent(base, sample):
+    return sample(base.clone())
+
+
+@pytest.fixture(scope="module")
+def compiled(nodes, base):
+    return nodes["OverdriveCompileModel"]().compile(base, mode="default", dynamic="auto")[0]
+
+
+def test_compile_model_matches_eager_and_leaves_the_input_model_alone(base, compiled, sample, eager_latent):
+    weights_before = {k: v.clone() for k, v in base.model.diffusion_model.state_dict().items()}
+    patches_before = dict(base.object_patches)
+    out = sample(compiled)
+    assert relative_error(out, eager_latent) < TOLERANCE
+    assert base.object_patches == patches_before and "diffusion_model.forward" in compiled.object_patches
+    for k, v in base.model.diffusion_model.state_dict().items():
+        assert torch.equal(v, weights_before[k])
+    assert torch.equal(sample(base.clone()), eager_latent)  # the input MODEL still samples eager, unchanged
+    # Loading the input MODEL unloaded the compiled clone and undid its object patch.
+    assert not isinstance(base.model.diffusion_model.__dict__.get("forward"), CompiledMethod)
+
+
+def test_lora_on_a_compiled_model_applies_without_recompiling(base, compiled, sample):
+    sample(compiled)  # compiled and warm
+    graphs = dynamo_graph_count()
+    key = "diffusion_model.input_blocks.0.0.weight"
+    weight = base.model.diffusion_model.input_blocks[0][0].weight
+    diff = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.05
+    with_lora, eager_lora = compiled.clone(), base.clone()
+    for m in (with_lora, eager_lora):
+        m.add_patches({key: (diff,)}, 1.0)  # a real ComfyUI weight patch ("diff"), as LoRA loaders add them
+    out, expected = sample(with_lora), sample(eager_lora)
+    assert relative_error(out, expected) < TOLERANCE
+    assert relative_error(out, sample(compiled)) > 1e-4  # the patch changed the result
+    assert dynamo_graph_count() == graphs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(comfy, tmp_path_factory):
+    """Two SD1.5-shaped checkpoints (other seeds) and one SDXL-shaped, in a folder ComfyUI searches."""
+    import folder_paths
+
+    folder = tmp_path_factory.mktemp("checkpoints")
+    for name, arch, seed in (("sd15-seed1.safetensors", "sd15", 1), ("sd15-seed2.safetensors", "sd15", 2),
+                             ("sdxl-seed0.safetensors", "sdxl", 0)):
+        model = build_model(comfy, arch, "tiny", torch.float16, seed=seed)
+        save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in model.model.diffusion_model.state_dict().items()},
+                  str(folder / name))
+        del model
+    folder_paths.add_model_folder_path("checkpoints", str(folder))
+    return folder
+
+
+def test_switch_weights_reuses_the_compiled_graph_and_matches_eager(comfy, nodes, compiled, sample, checkpoints):
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
+    out = sample(switched)
+    assert dynamo_graph_count() == graphs  # no recompile
+    reference = build_model(comfy, "sd15", "tiny", torch.float32, seed=1)
+    # The file holds fp16 weights; the running model is float32, and the switch keeps float32.
+    assert {p.dtype for p in switched.object_patches["diffusion_model"].parameters()} == {torch.float32}
+    with torch.no_grad():
+        for p in reference.model.diffusion_model.parameters():
+            p.copy_(p.half().float())
+    assert relative_error(out, sample(reference)) < TOLERANCE
+
+
+def test_switch_weights_refuses_another_architecture_and_changes_nothing(nodes, compiled, sample, checkpoints):
+    before = sample(compiled)
+    patches = dict(compiled.object_patches)
+    from overdrive.compiler import WeightMismatchError
+    with pytest.raises(WeightMismatchError, match="does not match the running model's architecture.*missing keys"):
+        nodes["OverdriveSwitchWeights"]().switch(compiled, "sdxl-seed0.safetensors")
+    assert compiled.object_patches == patches
+    assert torch.equal(sample(compiled), before)
+
+
+def test_switching_while_another_prompt_samples_never_mixes_weights(nodes, compiled, sample, checkpoints):
+    expected = sample(compiled)
+    results, errors = [], []
+
+    def keep_sampling():
+        try:
+            for _ in range(3):
+                results.append(sample(compiled))
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    thread = threading.Thread(target=keep_sampling)
+    thread.start()
+    for name in ["sd15-seed1.safetensors", "sd15-seed2.safetensors"] * 2:
+        nodes["OverdriveSwitchWeights"]().switch(compiled, name)
+    thread.join()
+    assert not errors and len(results) == 3
+    for out in results:
+        assert torch.equal(out, expected)
+
+
+def test_twenty_switches_do_not_grow_memory(nodes, compiled, checkpoints):
+    import psutil
+
+    switcher = nodes["OverdriveSwitchWeights"]()
+    process = psutil.Process()
+    rss = []
+    for i in range(20):
+        out = switcher.switch(compiled, f"sd15-seed{1 + i % 2}.safetensors")[0]
+        del out
+        gc.collect()
+        rss.append(process.memory_info().rss)
+    model_bytes = sum(p.numel() * p.element_size() for p in compiled.model.diffusion_model.parameters())
+    assert rss[-1] - rss[4] < model_bytes * 0.5, [r / 2**20 for r in rss]
+
+
+def test_compile_vae_decodes_like_eager(comfy, nodes):
+    import comfy.sd
+    from overdrive.runner.inprocess import build_vae
+
+    vae = build_vae(comfy, seed=0)
+    latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    expected = vae.decode(latent)
+    compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, mode="default", dynamic="auto", compile_encoder=False)[0]
+    out = compiled_vae.decode(latent)
+    assert relative_error(out, expected) < TOLERANCE
+    assert torch.equal(vae.decode(latent), expected)
+    assert not isinstance(vae.first_stage_model.__dict__.get("decode"), CompiledMethod)

@@ -39,7 +39,7 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> None:
     for name, p in module.named_parameters():
         if name.endswith("bias"):
             p.copy_(torch.randn(p.shape, generator=generator) * 0.01)
-        elif p.ndim == 1:
+        elif p.ndim <= 1:  # norm weights, CLIP's logit scale
             p.fill_(1.0)
         else:
             p.copy_(torch.randn(p.shape, generator=generator) * (1.0 / max(p[0].numel(), 1)) ** 0.5)

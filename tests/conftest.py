@@ -4,15 +4,51 @@ import tempfile
 import pytest
 import torch
 
-from comfy_env import import_comfy_in_process
-
-# Two cores on CI: keep torch from oversubscribing them.
-# Compiled artifacts of test runs stay out of the user's cache.
+# Compiled artifacts and generated checkpoints of test runs stay out of the user's cache (set before imports).
 os.environ.setdefault("OVERDRIVE_CACHE_DIR", tempfile.mkdtemp(prefix="overdrive-test-cache-"))
+# Two cores on CI: keep torch from oversubscribing them.
 torch.set_num_threads(int(os.environ.get("OVERDRIVE_TEST_THREADS", "2")))
+
+from comfy_env import import_comfy_in_process  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def comfy():
     """ComfyUI's real modules, imported in this process (CPU)."""
     return import_comfy_in_process()
+
+
+@pytest.fixture(scope="session")
+def builtin_checkpoints():
+    """Built-in tiny SD1.5 checkpoints (seeds 0 and 1), generated in a subprocess so this process stays clean."""
+    import subprocess
+    import sys
+
+    paths = {}
+    for name, seed in (("overdrive-builtin-sd15.safetensors", 0), ("overdrive-builtin-sd15-seed1.safetensors", 1)):
+        out = subprocess.run([sys.executable, "-m", "overdrive.runner.checkpoints", "--arch", "sd15", "--seed", str(seed)],
+                             capture_output=True, text=True, check=True, timeout=600)
+        paths[name] = out.stdout.strip().splitlines()[-1]
+    return paths
+
+
+def start_server(workdir, checkpoints, env=None):
+    from overdrive.runner import ComfyServer
+    from overdrive.runner.workflows import model_paths_config
+
+    config = model_paths_config(workdir, checkpoints)
+    return ComfyServer(workdir, extra_args=["--extra-model-paths-config", str(config)], env=env).start()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, builtin_checkpoints):
+    """A real ComfyUI server on loopback with Overdrive in custom_nodes and the built-in checkpoints."""
+    srv = start_server(tmp_path_factory.mktemp("comfyui"), builtin_checkpoints)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from overdrive.runner import ComfyClient
+    return ComfyClient(server.url)

@@ -1,0 +1,60 @@
+"""API-format workflows: load them, adjust their settings, and derive the eager baseline of an Overdrive workflow."""
+import copy
+import json
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKFLOWS = REPO / "workflows"
+BUILTIN_NAMES = {"sd15": "overdrive-builtin-sd15.safetensors", "sdxl": "overdrive-builtin-sdxl.safetensors"}
+
+
+def load_workflow(name_or_path) -> dict:
+    path = pathlib.Path(name_or_path)
+    if not path.is_file():
+        path = WORKFLOWS / name_or_path
+    return json.loads(path.read_text())
+
+
+def set_inputs(workflow: dict, class_type: str, **values) -> dict:
+    """Set inputs on every node of `class_type` (e.g. steps on KSampler); returns the workflow for chaining."""
+    found = False
+    for node in workflow.values():
+        if node["class_type"] == class_type:
+            node["inputs"].update(values)
+            found = True
+    if not found:
+        raise KeyError(f"the workflow has no {class_type} node")
+    return workflow
+
+
+def without_overdrive(workflow: dict) -> dict:
+    """The same workflow with every Overdrive node taken out and its consumers wired to what it consumed: the eager
+    baseline. (Only for nodes that pass their first linked input through, such as the compile nodes.)"""
+    workflow = copy.deepcopy(workflow)
+    removed = {nid: node for nid, node in workflow.items() if node["class_type"].startswith("Overdrive")}
+    def source_of(node_id):
+        for value in removed[node_id]["inputs"].values():
+            if isinstance(value, list):
+                return source_of(value[0]) if value[0] in removed else value
+        raise ValueError(f"node {node_id} has no linked input to pass through")
+    for nid in removed:
+        del workflow[nid]
+    for node in workflow.values():
+        for key, value in node["inputs"].items():
+            if isinstance(value, list) and value[0] in removed:
+                node["inputs"][key] = source_of(value[0])
+    return workflow
+
+
+def model_paths_config(workdir, checkpoints: dict) -> pathlib.Path:
+    """An extra_model_paths.yaml that shows ComfyUI `checkpoints` ({file name: path}) without touching its folders."""
+    folder = pathlib.Path(workdir) / "models" / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, path in checkpoints.items():
+        link = folder / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(pathlib.Path(path).resolve())
+    config = pathlib.Path(workdir) / "extra_model_paths.yaml"
+    config.write_text(f"overdrive:\n  base_path: {pathlib.Path(workdir).resolve() / 'models'}\n  checkpoints: checkpoints\n")
+    return config

@@ -1,0 +1,86 @@
+"""Overdrive inside a real ComfyUI server, driven over its HTTP API as users' clients do."""
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from overdrive.runner.workflows import load_workflow, set_inputs, without_overdrive
+
+RES, STEPS = 64, 3  # CPU-sized; the same workflow file runs at 512² / 20 steps on a GPU
+TOLERANCE = 1e-3  # relative error of compiled vs eager final latents (float32 CPU; measured ~1e-5)
+
+
+def small(workflow):
+    set_inputs(workflow, "EmptyLatentImage", width=RES, height=RES)
+    return set_inputs(workflow, "KSampler", steps=STEPS)
+
+
+def with_latent_output(workflow, prefix):
+    workflow = copy.deepcopy(workflow)
+    sampler = next(k for k, v in workflow.items() if v["class_type"] == "KSampler")
+    workflow["100"] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": prefix}}
+    set_inputs(workflow, "SaveImage", filename_prefix=prefix)
+    return workflow
+
+
+def latent_of(entry, server):
+    from overdrive.runner import ComfyClient
+    (path,) = ComfyClient.output_files(entry, server.output_dir, "latents")
+    return load_file(str(path))["latent_tensor"]
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_nodes_are_registered_with_tooltips(client):
+    info = client.object_info()
+    for name in ("OverdriveCompileModel", "OverdriveCompileVAE", "OverdriveSwitchWeights"):
+        assert name in info, f"{name} missing from /object_info"
+        node = info[name]
+        assert node["category"] == "overdrive" and "(Overdrive)" in node["display_name"]
+        for input_name, spec in node["input"]["required"].items():
+            assert len(spec) > 1 and spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
+    assert info["OverdriveCompileModel"]["input"]["required"]["mode"][0][0] == "default"
+
+
+def test_compiled_workflow_runs_to_an_image_equal_to_eager(client, server):
+    workflow = small(load_workflow("compile_sd15_api.json"))
+    eager = client.run(with_latent_output(without_overdrive(workflow), "eager"))
+    compiled = client.run(with_latent_output(workflow, "compiled"))
+    (image,) = client.output_files(compiled, server.output_dir)
+    assert image.is_file() and image.stat().st_size > 0
+    reference, out = latent_of(eager, server), latent_of(compiled, server)
+    assert torch.isfinite(out).all() and relative_error(out, reference) < TOLERANCE
+    log = server.log_text()
+    assert "Overdrive compiled UNetModel" in log and "Overdrive compiled AutoencoderKL" in log
+
+
+def test_forced_compile_failure_falls_back_to_eager_with_a_warning(tmp_path, builtin_checkpoints):
+    from conftest import start_server
+    from overdrive.runner import ComfyClient
+
+    # A real failure: Inductor cannot build its kernels when the C++ compiler is broken (fresh caches, so it must).
+    env = {"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "OVERDRIVE_CACHE_DIR": str(tmp_path / "overdrive")}
+    server = start_server(tmp_path / "comfyui", builtin_checkpoints, env=env)
+    try:
+        client = ComfyClient(server.url)
+        workflow = small(load_workflow("compile_sd15_api.json"))
+        eager = client.run(with_latent_output(without_overdrive(workflow), "eager"))
+        compiled = client.run(with_latent_output(workflow, "fallback"))
+        assert client.output_files(compiled, server.output_dir)[0].is_file()
+        assert relative_error(latent_of(compiled, server), latent_of(eager, server)) < TOLERANCE
+        assert "runs eager from now on" in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_bad_input_is_refused_with_a_clear_message(client):
+    from overdrive.runner.client import PromptFailed
+
+    workflow = small(load_workflow("compile_sd15_api.json"))
+    set_inputs(workflow, "OverdriveCompileModel", mode="fastest")
+    with pytest.raises(PromptFailed, match="mode"):
+        client.run(workflow)

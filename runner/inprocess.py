@@ -47,8 +47,12 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> None:
 
 def build_vae(comfy, seed: int = 0):
     """ComfyUI's own VAE class (the SD/SDXL autoencoder config) with seeded weights."""
+    import contextlib
+    import io
+
     import comfy.sd
-    vae = comfy.sd.VAE(sd={})
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints every key it did not get; we fill them just below
+        vae = comfy.sd.VAE(sd={})
     seeded_init_(vae.first_stage_model, seed)
     return vae
 

@@ -35,6 +35,28 @@ def sync():
         torch.cuda.synchronize()
 
 
+def profile_run(run, steps):
+    """Where the time goes: CUDA kernel time of one sampling run, grouped by kernel family, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) or 1
+    families = {}
+    for e in events:
+        name = e.key.lower()
+        family = next((f for f, keys in (("attention", ("flash", "fmha", "attention", "sdpa")),
+                                         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "mm_")),
+                                         ("conv", ("conv", "implicit", "cudnn", "xmma_fprop", "sm90_xmma_fprop")),
+                                         ("triton fused", ("triton",))) if any(k in name for k in keys)), "other")
+        families[family] = families.get(family, 0) + e.self_device_time_total
+    print(f"\nCUDA time of one run ({steps} steps): {total / 1e6:.3f} s")
+    for family, t in sorted(families.items(), key=lambda kv: -kv[1]):
+        print(f"  {family:14s} {t / 1e6:7.3f} s  {100 * t / total:5.1f} %")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl"])
@@ -46,6 +68,7 @@ def main():
     parser.add_argument("--variants", default="eager,peer,overdrive")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -112,6 +135,9 @@ def main():
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         results.append(row)
         print(json.dumps(row), flush=True)
+
+        if args.profile and cuda and variant == args.variants.split(",")[-1]:
+            profile_run(lambda: sample(patcher), args.steps)
         del patcher
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()

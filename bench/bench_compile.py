@@ -96,10 +96,9 @@ def main():
             return peer
         if variant.startswith("overdrive"):
             from overdrive.compiler import CompiledMethod, CompileOptions
-            options = {"overdrive": CompileOptions(), "overdrive-autotune": CompileOptions(mode="max-autotune-no-cudagraphs"),
-                       "overdrive-cudagraphs": CompileOptions(mode="reduce-overhead"),
-                       "overdrive-cudnn": CompileOptions(attention="cudnn"),
-                       "overdrive-cudnn-cudagraphs": CompileOptions(attention="cudnn", mode="reduce-overhead")}[variant]
+            options = {"overdrive": CompileOptions(), "overdrive-no-cudagraphs": CompileOptions(cuda_graphs=False),
+                       "overdrive-autotune": CompileOptions(mode="max-autotune"),
+                       "overdrive-cudnn": CompileOptions(attention="cudnn")}[variant]
             patched = base.clone()
             patched.add_object_patch("diffusion_model.forward", CompiledMethod(base.model.diffusion_model, "forward", options))
             return patched

@@ -1,7 +1,7 @@
 """What the user can choose about compilation, validated once, in one place."""
 from dataclasses import dataclass, asdict
 
-MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+MODES = ("default", "max-autotune")
 DYNAMIC = ("auto", "static", "dynamic")
 ATTENTION = ("default", "cudnn")
 
@@ -10,9 +10,11 @@ ATTENTION = ("default", "cudnn")
 class CompileOptions:
     """Options for `compile_module`.
 
-    mode:    Inductor's mode. "default" compiles fastest; "max-autotune-no-cudagraphs" benchmarks GEMM/conv
-             kernels on this GPU at the first run (slower first image, faster after); "max-autotune" and
-             "reduce-overhead" also capture CUDA graphs (best for small models bound by kernel launches).
+    mode:    "default" compiles fastest; "max-autotune" benchmarks GEMM/conv kernels on this GPU at the first run
+             (slower first image, sometimes faster after).
+    cuda_graphs: replay each step as one CUDA graph instead of launching ~2000 kernels from Python. On an H100
+             the GPU sat idle ~45% of a compiled SDXL step without it (bench/README.md). Costs a graph recording
+             per new shape and keeps that shape's activation memory reserved.
     dynamic: shape policy. "auto": the first shape compiles static, a later new resolution or batch compiles
              one shape-generic graph that serves every later shape (at most 2 graphs per architecture);
              "static": one specialised graph per shape (fastest, recompiles for each new shape, bounded by
@@ -20,6 +22,7 @@ class CompileOptions:
     """
 
     mode: str = "default"
+    cuda_graphs: bool = True
     dynamic: str = "auto"
     backend: str = "inductor"
     fullgraph: bool = False
@@ -35,6 +38,12 @@ class CompileOptions:
             raise ValueError(f"Unknown attention choice {self.attention!r}: choose one of {', '.join(ATTENTION)}.")
         if self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1 (got {self.max_graphs}).")
+
+    def inductor_mode(self) -> str:
+        """Inductor's mode name for this mode + CUDA-graph choice."""
+        return {("default", False): "default", ("default", True): "reduce-overhead",
+                ("max-autotune", False): "max-autotune-no-cudagraphs", ("max-autotune", True): "max-autotune"}[
+            (self.mode, self.cuda_graphs)]
 
     def torch_dynamic(self):
         """The value for torch.compile's `dynamic` argument."""

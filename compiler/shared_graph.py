@@ -60,7 +60,7 @@ class SharedGraph:
         self.disk_keys_loaded: set = set()
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
         if options.backend == "inductor":
-            kwargs["mode"] = options.mode
+            kwargs["mode"] = options.inductor_mode()
         self.compiled = torch.compile(_fresh_function(f"overdrive_{method}_{fingerprint}"), **kwargs)
 
     def call(self, module, args, kwargs):
@@ -72,15 +72,19 @@ class SharedGraph:
                 disk.load(key)
         before = dynamo_graph_count()
         start = time.perf_counter()
+        if self.options.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # each call is a new inference step, not a continuation
         with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs), attention_preference(self.options):
             out = self.compiled(module, self.method, args, kwargs)
+        if self.options.cuda_graphs:
+            out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
         if new_graphs:
             self.graphs_compiled += new_graphs
             log.info(
-                "Overdrive compiled %s.%s [%s]: %d graph(s) in %.1f s (mode=%s, dynamic=%s)",
+                "Overdrive compiled %s.%s [%s]: %d graph(s) in %.1f s (mode=%s, cuda_graphs=%s, dynamic=%s)",
                 self.description, self.method, self.fingerprint, new_graphs, time.perf_counter() - start,
-                self.options.mode, self.options.dynamic,
+                self.options.mode, self.options.cuda_graphs, self.options.dynamic,
             )
             if disk is not None:
                 try:
@@ -88,6 +92,16 @@ class SharedGraph:
                 except OSError as error:
                     log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
         return out
+
+
+def _own_copy(out):
+    """CUDA-graph outputs live in memory the next replay overwrites; callers (samplers keeping the previous step's
+    output) get their own copy. A latent or an image: negligible next to the step itself."""
+    if isinstance(out, torch.Tensor) and out.is_cuda:
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_own_copy(o) for o in out)
+    return out
 
 
 def _first_device(args, kwargs) -> torch.device:

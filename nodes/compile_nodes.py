@@ -6,9 +6,13 @@ from ..compiler.options import DYNAMIC, MODES
 from .progress import comfy_progress
 
 MODE_TOOLTIP = (
-    "Inductor mode. default: quickest to compile. max-autotune-no-cudagraphs: benchmarks matrix and conv kernels "
-    "on your GPU during the first run (slower first image, faster after). max-autotune / reduce-overhead: also use "
-    "CUDA graphs, which help most for small models and low resolutions."
+    "default: quickest to compile. max-autotune: benchmarks matrix and convolution kernels on your GPU during the "
+    "first run (a much slower first image; sometimes faster after)."
+)
+CUDA_GRAPHS_TOOLTIP = (
+    "Replay each sampling step as one CUDA graph instead of launching thousands of small kernels from Python: "
+    "the largest gain on fast GPUs (SD1.5 512² on an H100: 1.6x -> 2.9x eager). Each new resolution records its "
+    "own graph once and keeps its working memory reserved. Ignored on the CPU."
 )
 DYNAMIC_TOOLTIP = (
     "How new resolutions and batch sizes are handled. auto: the first shape gets a specialised graph, a second shape "
@@ -31,11 +35,12 @@ class OverdriveCompileModel:
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model to compile. It is not modified; a patched copy is returned."}),
             "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
+            "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": CUDA_GRAPHS_TOOLTIP}),
             "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
         }}
 
-    def compile(self, model, mode="default", dynamic="auto"):
-        options = CompileOptions(mode=mode, dynamic=dynamic)
+    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto"):
+        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic)
         patched = model.clone()
         diffusion_model = patched.model.diffusion_model
         forward = CompiledMethod(diffusion_model, "forward", options, reporter=comfy_progress)
@@ -58,13 +63,14 @@ class OverdriveCompileVAE:
         return {"required": {
             "vae": ("VAE", {"tooltip": "The VAE to compile. It is not modified; a patched copy is returned."}),
             "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
+            "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": CUDA_GRAPHS_TOOLTIP}),
             "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
             "compile_encoder": ("BOOLEAN", {"default": False, "tooltip": "Also compile encode (img2img, inpainting). "
                                             "Costs one more compile the first time an image is encoded."}),
         }}
 
-    def compile(self, vae, mode="default", dynamic="auto", compile_encoder=False):
-        options = CompileOptions(mode=mode, dynamic=dynamic)
+    def compile(self, vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False):
+        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic)
         patched = copy.copy(vae)
         patched.patcher = vae.patcher.clone()
         autoencoder = vae.first_stage_model

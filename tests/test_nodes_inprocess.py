@@ -50,7 +50,7 @@ def eager_latent(base, sample):
 
 @pytest.fixture(scope="module")
 def compiled(nodes, base):
-    return nodes["OverdriveCompileModel"]().compile(base, mode="default", dynamic="auto")[0]
+    return nodes["OverdriveCompileModel"]().compile(base, mode="default", cuda_graphs=True, dynamic="auto")[0]
 
 
 def test_compile_model_matches_eager_and_leaves_the_input_model_alone(base, compiled, sample, eager_latent):
@@ -165,7 +165,7 @@ def test_compile_vae_decodes_like_eager(comfy, nodes):
     vae = build_vae(comfy, seed=0)
     latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     expected = vae.decode(latent)
-    compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, mode="default", dynamic="auto", compile_encoder=False)[0]
+    compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False)[0]
     out = compiled_vae.decode(latent)
     assert relative_error(out, expected) < TOLERANCE
     assert torch.equal(vae.decode(latent), expected)

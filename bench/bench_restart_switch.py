@@ -1,0 +1,108 @@
+"""GPU benchmark of what users wait for besides sampling: the first image cold, the first image after a restart with
+Overdrive's disk cache warm, and SwitchWeights to a second checkpoint of the same architecture (file in the page
+cache), with Dynamo graph counts. Each phase runs in a fresh process; the driver prints a table.
+
+  python bench/bench_restart_switch.py --arch sdxl --res 1024 --out bench/results/x.json
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def phase(args):
+    """One fresh process: build the model, compile with Overdrive, time the first image (and optionally a switch)."""
+    from overdrive.runner.inprocess import build_model, conditioning, import_comfy
+    comfy = import_comfy(cpu=not torch.cuda.is_available())
+    import comfy.sample
+    import folder_paths
+    from overdrive.compiler import dynamo_graph_count
+    from overdrive.nodes.compile_nodes import OverdriveCompileModel
+    from overdrive.nodes.switch_weights_node import OverdriveSwitchWeights
+
+    dtype = torch.float16 if torch.cuda.is_available() else torch.float32
+    t0 = time.perf_counter()
+    base = build_model(comfy, args.arch, args.size, dtype)
+    build_s = time.perf_counter() - t0
+    positive, negative = conditioning(args.arch, args.res, args.res, seed=1)
+    latent = torch.zeros(1, 4, args.res // 8, args.res // 8)
+    noise = comfy.sample.prepare_noise(latent, 42)
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def sample(model):
+        sync()
+        start = time.perf_counter()
+        out = comfy.sample.sample(model, noise, args.steps, 7.0, "euler", "normal", positive, negative, latent, seed=42,
+                                  disable_pbar=True)
+        sync()
+        return out, time.perf_counter() - start
+
+    result = {"phase": args.phase, "build_model_s": round(build_s, 2)}
+    compiled = OverdriveCompileModel().compile(base)[0]
+    graphs = dynamo_graph_count()
+    _, result["first_image_s"] = sample(compiled)
+    _, result["second_image_s"] = sample(compiled)
+    result["graphs_compiled"] = dynamo_graph_count() - graphs
+    if args.phase == "warm":
+        from safetensors.torch import save_file
+        folder = pathlib.Path(args.workdir) / "checkpoints"
+        folder.mkdir(exist_ok=True)
+        other = build_model(comfy, args.arch, args.size, dtype, seed=1)
+        save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in other.model.diffusion_model.state_dict().items()},
+                  str(folder / "second.safetensors"))
+        del other
+        (folder / "second.safetensors").read_bytes()  # into the page cache, as a recently used checkpoint is
+        folder_paths.add_model_folder_path("checkpoints", str(folder))
+        graphs = dynamo_graph_count()
+        start = time.perf_counter()
+        switched = OverdriveSwitchWeights().switch(compiled, "second.safetensors")[0]
+        result["switch_node_s"] = round(time.perf_counter() - start, 3)
+        _, result["first_image_after_switch_s"] = sample(switched)  # includes moving weights to the GPU, re-recording
+        _, result["second_image_after_switch_s"] = sample(switched)
+        result["graphs_compiled_by_switch"] = dynamo_graph_count() - graphs
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", default="sdxl")
+    parser.add_argument("--size", default="full")
+    parser.add_argument("--res", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out")
+    parser.add_argument("--phase")
+    parser.add_argument("--workdir")
+    args = parser.parse_args()
+    if args.phase:
+        return phase(args)
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-bench-"))
+    rows = []
+    for name in ("cold", "warm"):
+        env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
+                   TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
+        cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
+               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        if out.returncode or not lines:
+            print(out.stdout[-3000:], out.stderr[-5000:])
+            raise SystemExit(f"phase {name} failed")
+        rows.append(json.loads(lines[-1][7:]))
+        print(json.dumps(rows[-1]), flush=True)
+    from bench_compile import environment
+    report = {"benchmark": "restart_switch", "settings": vars(args), "environment": environment(), "results": rows,
+              "cache_mb": round(sum(p.stat().st_size for p in (workdir / "overdrive").rglob("*.bin")) / 1e6, 1)}
+    print(json.dumps(report["environment"]), "cache MB:", report["cache_mb"])
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
 """SwitchWeights: another checkpoint's diffusion-model weights through the already compiled graph."""
+import copy
 import logging
 import time
 
@@ -12,17 +13,24 @@ from .progress import comfy_progress
 log = logging.getLogger("overdrive")
 
 
-def running_diffusion_model(model):
-    """The diffusion model this MODEL runs: a previous switch's twin if there is one, else the loaded one."""
-    return model.object_patches.get("diffusion_model", model.model.diffusion_model)
-
-
 def compiled_forward(model):
     """The CompiledMethod this MODEL runs its diffusion model through, if it was compiled by CompileModel."""
     forward = model.object_patches.get("diffusion_model.forward")
-    if forward is None:
-        forward = running_diffusion_model(model).__dict__.get("forward")
     return forward if isinstance(forward, CompiledMethod) else None
+
+
+def with_diffusion_model(model, diffusion_model):
+    """A clone of `model` around a new BaseModel that holds `diffusion_model` (the rest copied, it is small).
+
+    ComfyUI treats clones of one BaseModel as sharing weights: it would keep the old weights on the GPU and skip
+    moving the new ones. A BaseModel of its own makes the switched model a separate model to ComfyUI's memory
+    management (loaded, offloaded and accounted for like any checkpoint), and leaves `model` untouched."""
+    old = model.model.diffusion_model
+    base = copy.deepcopy(model.model, {id(old): diffusion_model})
+    switched = model.clone()
+    switched.model = base
+    switched.backup, switched.object_patches_backup = {}, {}  # clone() shares these with the original
+    return switched
 
 
 def load_unet_weights(path, reference):
@@ -60,17 +68,16 @@ class OverdriveSwitchWeights:
         path = folder_paths.get_full_path("checkpoints", ckpt_name)
         if path is None:
             raise FileNotFoundError(f"Checkpoint {ckpt_name!r} is not in ComfyUI's checkpoints folder.")
-        current = running_diffusion_model(model)
+        current = model.model.diffusion_model
         with SWITCH_LOCK:  # one switch at a time; the running model is never written to
             state = load_unet_weights(path, reference_tensors(current))
             twin = twin_with_weights(current, state, source=ckpt_name)
+            switched = with_diffusion_model(model, twin)
             forward = compiled_forward(model)
             if forward is not None:
                 # Same architecture, so the same shared graph: no recompile.
-                twin.forward = CompiledMethod(twin, "forward", forward.options, reporter=comfy_progress)
-        switched = model.clone()
-        switched.object_patches.pop("diffusion_model.forward", None)
-        switched.add_object_patch("diffusion_model", twin)
+                switched.add_object_patch("diffusion_model.forward",
+                                          CompiledMethod(twin, "forward", forward.options, reporter=comfy_progress))
         log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s)", ckpt_name,
                  time.perf_counter() - start, "compiled graph reused" if forward else "model was not compiled")
         return (switched,)

@@ -4,19 +4,11 @@ import sys
 
 import torch
 
-UNET_CONFIGS = {
-    "sd15": dict(adm_in_channels=None, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[2, 2, 2, 2],
-                 transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
-                 channel_mult=[1, 2, 4, 4], transformer_depth_middle=1, use_linear_in_transformer=False,
-                 context_dim=768),
-    "sdxl": dict(adm_in_channels=2816, num_classes="sequential", in_channels=4, out_channels=4, model_channels=320,
-                 num_res_blocks=[2, 2, 2], transformer_depth=[0, 0, 2, 2, 10, 10],
-                 transformer_depth_output=[0, 0, 0, 2, 2, 2, 10, 10, 10], channel_mult=[1, 2, 4],
-                 transformer_depth_middle=10, use_linear_in_transformer=True, context_dim=2048, num_head_channels=64),
-}
-TINY = {"sd15": dict(num_res_blocks=[1, 1], transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
-                     channel_mult=[1, 2]),
-        "sdxl": dict(channel_mult=[1, 1, 1])}
+from ..builtin_models.unet import FULL, unet_config
+
+# What ComfyUI's detection adds beside the shapes in builtin_models.unet (SDXL's label embedding and head size).
+EXTRA_CONFIG = {"sd15": {}, "sdxl": dict(num_classes="sequential", num_head_channels=64)}
+CONTEXT_DIM = {arch: FULL[arch]["context_dim"] for arch in FULL}
 
 
 def import_comfy(cpu: bool):
@@ -60,9 +52,8 @@ def build_vae(comfy, seed: int = 0):
 def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
     """A ModelPatcher around ComfyUI's own SD1.5/SDXL model class, weights N(0, 0.02) from `seed` (norms at 1)."""
     config = dict(use_checkpoint=False, image_size=32, use_spatial_transformer=True, legacy=False,
-                  use_temporal_resblock=False, use_temporal_attention=False, **UNET_CONFIGS[arch])
-    if size == "tiny":
-        config.update(TINY[arch])
+                  use_temporal_resblock=False, use_temporal_attention=False, **unet_config(arch, size),
+                  **EXTRA_CONFIG[arch])
     model_config = {"sd15": comfy.supported_models.SD15, "sdxl": comfy.supported_models.SDXL}[arch](config)
     model_config.set_inference_dtype(dtype, None)
     model = model_config.get_model({}, "")
@@ -76,7 +67,7 @@ def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
 
 def conditioning(arch: str, width: int, height: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    dim = UNET_CONFIGS[arch]["context_dim"]
+    dim = CONTEXT_DIM[arch]
     def one():
         extra = {}
         if arch == "sdxl":

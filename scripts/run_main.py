@@ -15,7 +15,7 @@ import time
 import torch
 
 from overdrive.runner import ComfyClient, ComfyServer
-from overdrive.runner.checkpoints import ensure_checkpoint
+from overdrive.builtin_models import ensure_checkpoint
 from overdrive.runner.workflows import load_workflow, model_paths_config, set_inputs, without_overdrive
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

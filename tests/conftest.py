@@ -20,16 +20,11 @@ def comfy():
 
 @pytest.fixture(scope="session")
 def builtin_checkpoints():
-    """Built-in tiny SD1.5 checkpoints (seeds 0 and 1), generated in a subprocess so this process stays clean."""
-    import subprocess
-    import sys
+    """Built-in tiny SD1.5 checkpoints (seeds 0 and 1: one architecture, two sets of weights)."""
+    from overdrive.builtin_models import ensure_checkpoint
 
-    paths = {}
-    for name, seed in (("overdrive-builtin-sd15.safetensors", 0), ("overdrive-builtin-sd15-seed1.safetensors", 1)):
-        out = subprocess.run([sys.executable, "-m", "overdrive.runner.checkpoints", "--arch", "sd15", "--seed", str(seed)],
-                             capture_output=True, text=True, check=True, timeout=600)
-        paths[name] = out.stdout.strip().splitlines()[-1]
-    return paths
+    return {"overdrive-builtin-sd15.safetensors": ensure_checkpoint("sd15", "tiny", seed=0),
+            "overdrive-builtin-sd15-seed1.safetensors": ensure_checkpoint("sd15", "tiny", seed=1)}
 
 
 def start_server(workdir, checkpoints, env=None):

@@ -105,7 +105,7 @@ def test_switch_weights_reuses_the_compiled_graph_and_matches_eager(comfy, nodes
     assert dynamo_graph_count() == graphs  # no recompile
     reference = build_model(comfy, "sd15", "tiny", torch.float32, seed=1)
     # The file holds fp16 weights; the running model is float32, and the switch keeps float32.
-    assert {p.dtype for p in switched.object_patches["diffusion_model"].parameters()} == {torch.float32}
+    assert {p.dtype for p in switched.model.diffusion_model.parameters()} == {torch.float32}
     with torch.no_grad():
         for p in reference.model.diffusion_model.parameters():
             p.copy_(p.half().float())
@@ -120,6 +120,16 @@ def test_switch_weights_refuses_another_architecture_and_changes_nothing(nodes, 
         nodes["OverdriveSwitchWeights"]().switch(compiled, "sdxl-seed0.safetensors")
     assert compiled.object_patches == patches
     assert torch.equal(sample(compiled), before)
+
+
+def test_switched_model_loads_its_own_weights_and_gives_the_original_back(nodes, compiled, sample, checkpoints):
+    # ComfyUI's loader keeps "same weights" clones loaded as they are; a switch must not be mistaken for one.
+    before = sample(compiled)
+    switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
+    assert switched.model is not compiled.model and not switched.is_clone(compiled)
+    after = sample(switched)
+    assert relative_error(after, before) > 1e-3
+    assert torch.equal(sample(compiled), before)  # back to the original, and its weights are where they were
 
 
 def test_switching_while_another_prompt_samples_never_mixes_weights(nodes, compiled, sample, checkpoints):

@@ -1,0 +1,25 @@
+"""Measured int8 / fp8 quantization of diffusion models (plain torch, no ComfyUI).
+
+    from overdrive.quantization import QuantConfig, quantize_
+
+    report = quantize_(unet, QuantConfig(), calibration=lambda: sample_a_few_steps(unet), cache=True)
+    print(report.table())
+
+Per layer (nn.Linear, 1x1 nn.Conv2d): quantized only where a real low-precision kernel runs it, its normalised
+error on real calibration inputs is below the threshold, and its compute density says it is compute-bound.
+`plan_quantization` returns the replacement modules without touching the model (for ComfyUI object patches).
+"""
+from .apply import QuantPlan, apply_modules, plan_quantization, quantize_, restore_modules
+from .cache import QuantCache, resolution_bucket, weights_digest
+from .calibrate import Calibrator, measure_layer
+from .config import FORMATS, QuantConfig, fp8_supported, int8_supported
+from .metrics import conv2d_density, linear_density, normalised_mse, sqnr_db
+from .modules import Fp8Linear, Int8Linear, QuantConv2d1x1, quantized_module_for
+from .report import LayerDecision, QuantReport
+
+__all__ = [
+    "QuantConfig", "FORMATS", "quantize_", "plan_quantization", "QuantPlan", "apply_modules", "restore_modules",
+    "Calibrator", "measure_layer", "QuantCache", "weights_digest", "resolution_bucket", "QuantReport",
+    "LayerDecision", "Int8Linear", "Fp8Linear", "QuantConv2d1x1", "quantized_module_for", "normalised_mse",
+    "sqnr_db", "linear_density", "conv2d_density", "fp8_supported", "int8_supported",
+]

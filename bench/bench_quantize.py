@@ -1,0 +1,199 @@
+"""GPU benchmark of the quantized GEMMs: fp16 F.linear vs Int8Linear vs Fp8Linear on SDXL-like linear shapes,
+eager and under torch.compile, plus the relative error of each and the time `quantize_` takes to calibrate them.
+
+  python bench/bench_quantize.py --out bench/results/$(date +%F)_h100_quantize.json
+
+Standalone (no ComfyUI). Times are medians of `triton.testing.do_bench`. Shapes are the SDXL UNet's at 1024²,
+batch 2 (CFG): 4096 tokens x 2 at the 640-channel level, 1024 x 2 at the 1280-channel level, and the M = 2 time
+embedding (padding path of _int_mm). `--m` forces one M for every shape. Compiled variants stop when
+`--budget-s` is spent (default 150 s), so the whole run stays under ~3 minutes of GPU time.
+"""
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from overdrive.quantization import (Fp8Linear, Int8Linear, QuantConfig, fp8_supported, int8_supported,
+                                    linear_density, normalised_mse, plan_quantization)
+
+# (name, M, K, N): SDXL 1024², batch 2
+SHAPES = [
+    ("temb 320->1280 (M=2)", 2, 320, 1280),
+    ("attn qkvo 640", 8192, 640, 640),
+    ("ff GEGLU in 640->5120", 8192, 640, 5120),
+    ("ff out 2560->640", 8192, 2560, 640),
+    ("attn qkvo 1280", 2048, 1280, 1280),
+    ("ff GEGLU in 1280->10240", 2048, 1280, 10240),
+    ("ff out 5120->1280", 2048, 5120, 1280),
+]
+QUICK = {"temb 320->1280 (M=2)", "attn qkvo 640", "ff GEGLU in 640->5120", "ff GEGLU in 1280->10240"}
+
+
+def environment():
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        import triton
+        info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                    triton=triton.__version__)
+    return info
+
+
+def bench_ms(fn, smoke=False):
+    if smoke:  # CPU logic check only: a plain median of a few calls
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_error(y, ref):
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--m", type=int, default=None, help="use this M (rows) for every shape")
+    parser.add_argument("--quick", action="store_true", help="4 shapes instead of 7")
+    parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--mode", default="default", help="torch.compile mode (default: 'default')")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop compiling new variants after this")
+    parser.add_argument("--formats", default="int8,fp8_e4m3")
+    parser.add_argument("--smoke", action="store_true", help="CPU logic check with tiny shapes (no timings to keep)")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available() and not args.smoke:
+        sys.exit("bench_quantize.py needs an NVIDIA GPU (CUDA); nothing to measure on this machine.")
+    started = time.perf_counter()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    formats = [f for f in args.formats.split(",") if f]
+    usable = {"int8": int8_supported(device), "fp8_e4m3": fp8_supported(device)}
+    for fmt in formats:
+        if not usable.get(fmt):
+            print(f"note: {fmt} is not supported on {environment().get('gpu', device)}: skipped")
+    formats = [f for f in formats if usable.get(f)]
+    classes = {"int8": Int8Linear, "fp8_e4m3": Fp8Linear}
+
+    shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+    if args.m:
+        shapes = [(name, args.m, k, n) for name, _, k, n in shapes]
+    if args.smoke:
+        shapes = [(name, min(m, 64), max(16, k // 20 // 16 * 16), max(16, n // 20 // 16 * 16))
+                  for name, m, k, n in shapes]
+    rows, layers, inputs = [], {}, {}
+    compile_stopped = None
+    for name, m, k, n in shapes:
+        linear = nn.Linear(k, n, device=device, dtype=torch.float16).requires_grad_(False)
+        x = torch.randn(m, k, device=device, dtype=torch.float16)
+        layers[name], inputs[name] = linear, x
+        reference = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+        row = {"shape": name, "M": m, "K": k, "N": n, "density": round(linear_density(m, k, n), 1),
+               "flop": 2 * m * n * k, "variants": {}}
+        variants = {"fp16": linear}
+        for fmt in formats:
+            variants[fmt] = classes[fmt].from_float(linear)
+        for variant, module in variants.items():
+            entry = {}
+            with torch.no_grad():
+                y = module(x)
+                entry["rel_err"] = rel_error(y, reference)
+                entry["nmse"] = normalised_mse(y, reference)
+                entry["eager_ms"] = bench_ms(lambda: module(x), args.smoke)
+                if not args.no_compile:
+                    if time.perf_counter() - started > args.budget_s:
+                        compile_stopped = compile_stopped or f"{name} / {variant}"
+                    else:
+                        compiled = torch.compile(module, mode=args.mode, dynamic=False)
+                        t0 = time.perf_counter()
+                        yc = compiled(x)
+                        sync()
+                        entry["compile_s"] = time.perf_counter() - t0
+                        entry["compiled_rel_err"] = rel_error(yc, reference)
+                        entry["compiled_ms"] = bench_ms(lambda: compiled(x), args.smoke)
+            row["variants"][variant] = entry
+            print(f"  {name:26s} {variant:9s} eager {entry['eager_ms']:.4f} ms"
+                  + (f"  compiled {entry['compiled_ms']:.4f} ms" if "compiled_ms" in entry else "")
+                  + f"  rel err {entry['rel_err']:.2e}", flush=True)
+        rows.append(row)
+
+    # quantize_ end to end on these layers: calibration + measuring + deciding (the "seconds, not minutes" claim).
+    model = nn.ModuleDict({str(i): layers[name] for i, (name, *_rest) in enumerate(shapes)})
+
+    def run_model():
+        for i, (name, *_rest) in enumerate(shapes):
+            model[str(i)](inputs[name])
+
+    t0 = time.perf_counter()
+    plan = plan_quantization(model, QuantConfig(), calibration=run_model)
+    sync()
+    plan_s = time.perf_counter() - t0
+    print()
+    print(plan.report.table())
+
+    # Markdown table: speed-up vs fp16 of the same mode (eager vs eager, compiled vs compiled).
+    print(f"\n{environment().get('gpu', device)}: ms (median of do_bench), speed-up vs fp16 in the same mode, relative error "
+          f"vs float32")
+    head = "| shape | M | K | N | density | fp16 eager | fp16 compiled |"
+    sep = "|---|---|---|---|---|---|---|"
+    for fmt in formats:
+        head += f" {fmt} eager | {fmt} compiled | {fmt} rel err |"
+        sep += "---|---|---|"
+    print(head)
+    print(sep)
+
+    def cell(entry, key, base):
+        if key not in entry:
+            return "—"
+        ratio = f" ({base[key] / entry[key]:.2f}×)" if key in base and entry is not base else ""
+        return f"{entry[key]:.4f}{ratio}"
+
+    for row in rows:
+        base = row["variants"]["fp16"]
+        line = f"| {row['shape']} | {row['M']} | {row['K']} | {row['N']} | {row['density']:.0f} | " \
+               f"{cell(base, 'eager_ms', base)} | {cell(base, 'compiled_ms', base)} |"
+        for fmt in formats:
+            entry = row["variants"][fmt]
+            line += f" {cell(entry, 'eager_ms', base)} | {cell(entry, 'compiled_ms', base)} | " \
+                    f"{entry['rel_err']:.2e} |"
+        print(line)
+    speedups = {fmt: [r["variants"]["fp16"]["compiled_ms"] / r["variants"][fmt]["compiled_ms"] for r in rows
+                      if "compiled_ms" in r["variants"][fmt] and "compiled_ms" in r["variants"]["fp16"]
+                      and r["M"] > 16] for fmt in formats}
+    for fmt, values in speedups.items():
+        if values:
+            print(f"{fmt}: compiled speed-up vs compiled fp16, median over shapes with M > 16: "
+                  f"{statistics.median(values):.2f}×")
+    print(f"quantize_ planning (calibration + measuring {len(shapes)} layers): {plan_s:.2f} s; "
+          f"quantized: {plan.report.quantized}")
+    if compile_stopped:
+        print(f"note: compile budget ({args.budget_s:.0f} s) spent; compiled timings stop at {compile_stopped}")
+    total = time.perf_counter() - started
+    print(f"total wall time {total:.1f} s")
+
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"environment": environment(), "settings": vars(args), "rows": rows,
+                                   "plan_seconds": plan_s, "report": plan.report.to_dict(),
+                                   "compile_stopped_at": compile_stopped, "wall_s": total}, indent=1))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""`quantize_(model, config, calibration=..., filter_fn=None)` and its non-mutating half `plan_quantization`.
+
+`plan_quantization` never touches the model: it returns the replacement modules `{qualified_name: module}` and
+the report (for ComfyUI, where they become ModelPatcher object patches on a shared model). `quantize_` applies a
+plan all at once: either every chosen layer is swapped or, if anything fails, the model is left as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+from . import cache as cache_mod
+from .calibrate import Calibrator, decide
+from .candidates import FilterFn, find_candidates
+from .config import QuantConfig, device_capability_tag
+from .modules import build_empty, quantized_module_for
+from .report import QuantReport
+
+log = logging.getLogger("overdrive.quantization")
+
+
+@dataclasses.dataclass
+class QuantPlan:
+    modules: dict          # {qualified name: quantized replacement module}
+    report: QuantReport
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _as_cache(cache) -> cache_mod.QuantCache | None:
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return cache_mod.QuantCache()
+    if isinstance(cache, cache_mod.QuantCache):
+        return cache
+    if isinstance(cache, (str, os.PathLike)):
+        return cache_mod.QuantCache(cache)
+    raise TypeError(f"cache={cache!r}: pass None, True (default folder), a folder path or a QuantCache.")
+
+
+def _run_calibration(model, config, filter_fn, calibration) -> Calibrator:
+    if isinstance(calibration, Calibrator):
+        if calibration.model is not model:
+            raise ValueError("calibration: this Calibrator was made for another model; make it with the model you "
+                             "quantize.")
+        if not calibration.recorded:
+            raise ValueError("calibration: the Calibrator recorded no inputs; run the model inside "
+                             "`with calibrator:` before quantizing.")
+        return calibration
+    if calibration is None:
+        raise ValueError("calibration is needed (no cached decisions for this model and settings): pass "
+                         "calibration=<a callable that runs the model for a few steps> or a Calibrator you ran.")
+    if not callable(calibration):
+        raise TypeError(f"calibration={calibration!r}: pass a callable that runs the model, or a Calibrator.")
+    takes_model = any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                      for p in inspect.signature(calibration).parameters.values())
+    calibrator = Calibrator(model, config, filter_fn)
+    with calibrator, torch.no_grad():
+        calibration(model) if takes_model else calibration()
+    if not calibrator.recorded:
+        raise ValueError("calibration ran but no candidate layer was called; the callable must run this model.")
+    return calibrator
+
+
+def _modules_from_cache(report: QuantReport, candidates: dict, store, key, device, config) -> dict | None:
+    names = [layer.name for layer in report.layers]
+    if sorted(names) != sorted(candidates) or any(
+            candidates[n].skip_reason is not None for n in report.quantized):
+        log.warning("Overdrive quantization: cached decisions %s do not match this model's layers; re-calibrating.",
+                    key)
+        return None
+    stored = store.load_weights(key, device) if report.quantized else {}
+    modules = {}
+    for name in report.quantized:
+        candidate = candidates[name]
+        tensors = (stored or {}).get(name)
+        module = None
+        if tensors is not None:
+            try:
+                module = build_empty("linear" if candidate.kind == "linear" else "conv", report.format,
+                                     candidate.in_features, candidate.out_features,
+                                     bias=candidate.module.bias is not None, device=device,
+                                     fast_accum=config.fp8_fast_accum)
+                module.load_quantized(tensors["weight_q"], tensors["weight_scale"], tensors.get("bias"))
+            except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
+                log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
+                module = None
+        if module is None:
+            module = quantized_module_for(candidate.module, report.format, config.fp8_fast_accum, device=device)
+        modules[name] = module
+    return modules
+
+
+def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calibration=None,
+                      filter_fn: FilterFn | None = None, *, cache=None, resolution=None, device=None,
+                      weights_digest: str | None = None) -> QuantPlan:
+    """Decide per layer and build the quantized replacements, without changing `model`.
+
+    - calibration: a callable that runs the model for a few steps (called with the model if it takes an
+      argument), or a `Calibrator` you already ran. Not called when the cache has the decisions.
+    - filter_fn(module, qualified_name) -> bool: False leaves that layer alone.
+    - cache: None (off), True (default folder), a folder, or a `QuantCache`.
+    - resolution: (h, w) or (batch, h, w) of the sampling run (or a string); part of the cache key.
+    - device: where the quantized modules run (default: the model's parameters' device).
+    - weights_digest: the model's weights identity if the caller already has one (skips hashing the weights).
+    """
+    # Built outside inference mode (even when called inside one, as ComfyUI runs nodes): the quantized buffers are
+    # then ordinary tensors that `load_float_weight` may overwrite later from any mode.
+    with torch.inference_mode(False), torch.no_grad():
+        return _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest)
+
+
+def _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest) -> QuantPlan:
+    started = time.perf_counter()
+    config = (config or QuantConfig()).validate()
+    device = torch.device(device) if device is not None else _model_device(model)
+    fmt = config.resolve_format(device)
+    candidates = find_candidates(model, config, fmt, filter_fn)
+    by_name = {c.name: c for c in candidates}
+    store = _as_cache(cache)
+
+    key = None
+    if store is not None:
+        digest = weights_digest or cache_mod.weights_digest(model)
+        key = cache_mod.decision_key(digest, config.to_dict(), fmt, cache_mod.resolution_bucket(resolution),
+                                     device_capability_tag(device),
+                                     [[c.name, c.kind, c.skip_reason] for c in candidates])
+        cached = store.load(key)
+        if cached is not None:
+            modules = _modules_from_cache(cached, by_name, store, key, device, config)
+            if modules is not None:
+                cached.cache_hit, cached.calibrated, cached.cache_key = True, False, key
+                cached.seconds = {"total": time.perf_counter() - started}
+                return QuantPlan(modules, cached)
+
+    calibrator = _run_calibration(model, config, filter_fn, calibration)
+    measure_started = time.perf_counter()
+    decisions, modules = decide(candidates, calibrator.samples, config, fmt)
+    report = QuantReport(format=fmt, device=str(device), config=config.to_dict(), layers=decisions,
+                         cache_hit=False, calibrated=True, cache_key=key)
+    modules = {name: module.to(device) for name, module in modules.items()}
+    report.seconds = {"calibration_run": calibrator.seconds, "measure": time.perf_counter() - measure_started,
+                      "total": time.perf_counter() - started}
+    if store is not None:
+        store.save(key, report, modules)
+    return QuantPlan(modules, report)
+
+
+def _parent(model: nn.Module, name: str):
+    parent_name, _, attr = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name) if parent_name else model
+    except AttributeError:
+        raise KeyError(f"{name!r} is not a submodule of the model") from None
+    return parent, attr
+
+
+def apply_modules(model: nn.Module, modules: dict) -> dict:
+    """Swap `modules` into `model`, all or nothing; returns the originals {name: module} for `restore_modules`."""
+    targets = {}
+    for name in modules:  # resolve everything before changing anything
+        parent, attr = _parent(model, name)
+        if attr not in parent._modules:
+            raise KeyError(f"{name!r} is not a submodule of the model")
+        targets[name] = (parent, attr, parent._modules[attr])
+    swapped = []
+    try:
+        for name, module in modules.items():
+            parent, attr, _ = targets[name]
+            setattr(parent, attr, module)
+            swapped.append(name)
+    except BaseException:
+        for name in reversed(swapped):
+            parent, attr, original = targets[name]
+            setattr(parent, attr, original)
+        raise
+    return {name: original for name, (_, _, original) in targets.items()}
+
+
+def restore_modules(model: nn.Module, originals: dict):
+    """Undo `apply_modules`."""
+    for name, module in originals.items():
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, module)
+
+
+def quantize_(model: nn.Module, config: QuantConfig | None = None, calibration=None,
+              filter_fn: FilterFn | None = None, **kwargs) -> QuantReport:
+    """Quantize `model` in place, as measured (see `plan_quantization` for the arguments). Returns the report.
+
+    All or nothing: if calibration, measuring or swapping fails, the error propagates and `model` is unchanged.
+    """
+    plan = plan_quantization(model, config, calibration, filter_fn, **kwargs)
+    apply_modules(model, plan.modules)
+    log.info("%s", plan.report.summary())
+    log.debug("%s", plan.report.table())
+    return plan.report
+

@@ -1,0 +1,204 @@
+"""Quantization decisions (JSON) and quantized weights (safetensors) on disk, so a later run skips calibration.
+
+Key = sha256 of: the model's weights digest (sha256 over every parameter and buffer: name, dtype, shape, bytes),
+the settings (`QuantConfig`), the resolution bucket, the concrete format, the device (GPU name and compute
+capability, or "cpu"), the torch version and the candidate layers. Files: `<key>.json` (the report, the weights
+file's sha256, and a checksum of its own payload) and `<key>.safetensors` beside it. Writes are atomic (temp file +
+os.replace); a file that fails to parse or to match its checksum is logged, deleted and ignored: the caller
+re-calibrates. Nothing here raises on a bad cache entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import tempfile
+
+import torch
+
+from .report import QuantReport
+
+log = logging.getLogger("overdrive.quantization")
+SCHEMA = 1
+_TENSOR_NAMES = ("weight_q", "weight_scale", "bias")
+
+
+def default_cache_dir() -> pathlib.Path:
+    root = os.environ.get("OVERDRIVE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "overdrive"
+    return pathlib.Path(root) / "quantization"
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer of `model` (names, dtypes, shapes and bytes).
+
+    The calibration inputs of a layer depend on all weights upstream of it, so the whole model is hashed (for a
+    UNet the candidate layers hold nearly all the bytes anyway). Costs one pass over the weights (~1-2 s for
+    SDXL); callers that already know the model's identity can pass their own digest instead.
+    """
+    digest = hashlib.sha256()
+    seen = set()
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        if tensor is None or name in seen:
+            continue
+        seen.add(name)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        if tensor.numel():
+            digest.update(_tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+def resolution_bucket(resolution) -> str:
+    """A cache bucket for the sampling resolution: pixels (batch x height x width) rounded to a power of two.
+
+    `resolution`: None ("any"), a string (used as is), or a tuple of positive ints ((h, w) or (batch, h, w)).
+    """
+    if resolution is None:
+        return "any"
+    if isinstance(resolution, str):
+        return resolution
+    values = tuple(int(v) for v in resolution)
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"resolution={resolution!r}: give (height, width) or (batch, height, width), all > 0.")
+    pixels = math.prod(values)
+    return f"2^{round(math.log2(pixels))}px"
+
+
+def decision_key(digest: str, config_dict: dict, fmt: str, bucket: str, device_tag: str, candidates: list) -> str:
+    payload = {"schema": SCHEMA, "weights": digest, "config": config_dict, "format": fmt, "resolution": bucket,
+               "device": device_tag, "torch": torch.__version__, "candidates": candidates}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _atomic_write(path: pathlib.Path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _file_sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _payload_checksum(entry: dict) -> str:
+    body = {k: v for k, v in entry.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class QuantCache:
+    """`load(key)` -> QuantReport or None; `load_weights(key, device)`; `save(key, report, modules)`."""
+
+    def __init__(self, directory=None, store_weights: bool = True):
+        self.directory = pathlib.Path(directory) if directory else default_cache_dir()
+        self.store_weights = store_weights
+
+    def decisions_path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key}.json"
+
+    def weights_path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key}.safetensors"
+
+    def _discard(self, path: pathlib.Path, why):
+        log.warning("Overdrive quantization: ignoring the corrupt cache file %s (%s); it will be re-calibrated.",
+                    path, why)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _entry(self, key: str) -> dict | None:
+        path = self.decisions_path(key)
+        if not path.is_file():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            if not isinstance(entry, dict) or entry.get("schema") != SCHEMA or entry.get("key") != key:
+                raise ValueError("wrong schema or key")
+            if entry.get("checksum") != _payload_checksum(entry):
+                raise ValueError("checksum mismatch (truncated or edited file)")
+            entry["report_obj"] = QuantReport.from_dict(entry["report"])
+            return entry
+        except Exception as error:  # noqa: BLE001 - a bad cache entry must never stop a generation
+            self._discard(path, error)
+            return None
+
+    def load(self, key: str) -> QuantReport | None:
+        """The cached decisions for `key`, or None (missing or corrupt: then calibrate)."""
+        entry = self._entry(key)
+        return None if entry is None else entry["report_obj"]
+
+    def load_weights(self, key: str, device) -> dict | None:
+        """{layer name: {"weight_q", "weight_scale"[, "bias"]}} from `<key>.safetensors`, or None."""
+        entry = self._entry(key)
+        info = None if entry is None else entry.get("weights")
+        path = self.weights_path(key)
+        if not info or not path.is_file():
+            return None
+        try:
+            if path.stat().st_size != info["bytes"] or _file_sha256(path) != info["sha256"]:
+                raise ValueError("size or sha256 mismatch (truncated or corrupt file)")
+            from safetensors.torch import load_file
+            flat = load_file(str(path), device=str(torch.device(device)))
+        except Exception as error:  # noqa: BLE001
+            self._discard(path, error)
+            return None
+        layers = {}
+        for name, tensor in flat.items():
+            layer, _, tensor_name = name.rpartition(".")
+            if tensor_name not in _TENSOR_NAMES:
+                self._discard(path, f"unexpected tensor {name!r}")
+                return None
+            layers.setdefault(layer, {})[tensor_name] = tensor
+        return layers
+
+    def _save_weights(self, key: str, modules: dict) -> dict:
+        from safetensors.torch import save_file
+        flat = {f"{name}.{tensor_name}": tensor.detach().contiguous().cpu()
+                for name, module in modules.items() for tensor_name, tensor in module.quantized_state().items()}
+        path = self.weights_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(flat, tmp, metadata={"overdrive": "quantized weights", "key": key})
+            info = {"sha256": _file_sha256(pathlib.Path(tmp)), "bytes": os.path.getsize(tmp)}
+            os.replace(tmp, path)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+        return info
+
+    def save(self, key: str, report: QuantReport, modules: dict | None = None) -> pathlib.Path | None:
+        """Write the decisions (and the quantized tensors of `modules`) atomically; never raises."""
+        try:
+            weights = None
+            if self.store_weights and modules:
+                weights = self._save_weights(key, modules)
+            entry = {"schema": SCHEMA, "key": key, "report": report.to_dict(), "weights": weights}
+            entry["checksum"] = _payload_checksum(entry)
+            path = self.decisions_path(key)
+            _atomic_write(path, json.dumps(entry, sort_keys=True, indent=1).encode())
+            return path
+        except Exception as error:  # noqa: BLE001 - a cache that cannot be written only costs a re-calibration
+            log.warning("Overdrive quantization: could not write the decision cache in %s (%s).", self.directory, error)
+            return None

@@ -1,0 +1,205 @@
+"""Calibration: collect real inputs of the candidate layers while the caller runs the model, then measure and decide.
+
+    with Calibrator(model, config) as cal:
+        run_model()              # a few sampling steps, as usual (eager, not compiled)
+    decisions, modules = cal.decide(fmt)
+
+Forward pre-hooks keep a bounded random subsample of each layer's input rows (tokens of a linear, pixels of a
+1x1 conv): at most `config.calibration_tokens` rows per layer whatever the resolution, spread over the calls
+seen (each call replaces a 1/calls share of the rows). Measuring is one small GEMM per layer on those rows, with
+the real quantized kernel, against a float32 reference: seconds for a whole UNet, no model re-runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import metrics
+from .candidates import Candidate, FilterFn, find_candidates
+from .config import QuantConfig
+from .modules import QuantConv2d1x1, quantized_module_for
+from .report import QUANTIZE, SKIP, LayerDecision
+
+log = logging.getLogger("overdrive.quantization")
+
+
+@dataclasses.dataclass
+class LayerSample:
+    rows: torch.Tensor | None = None   # (n <= calibration_tokens, K), the input's dtype and device
+    calls: int = 0
+    max_rows: int = 0                  # M of the largest call
+    input_shape: tuple | None = None   # input shape of the largest call
+    output_hw: tuple | None = None     # conv: output H, W of the largest call
+
+
+class Calibrator:
+    """Context manager that records calibration inputs of `model`'s candidate layers (see module docstring)."""
+
+    def __init__(self, model: nn.Module, config: QuantConfig | None = None, filter_fn: FilterFn | None = None,
+                 seed: int = 0):
+        self.model = model
+        self.config = (config or QuantConfig()).validate()
+        self.filter_fn = filter_fn
+        self.candidates = find_candidates(model, self.config, None, filter_fn)
+        self.samples = {c.name: LayerSample() for c in self.candidates if c.record_inputs}
+        self._generator = torch.Generator().manual_seed(seed)
+        self._handles = []
+        self.seconds = 0.0
+        self._entered_at = None
+
+    # -- recording -------------------------------------------------------------------------------------------
+    def __enter__(self) -> "Calibrator":
+        if self._handles:
+            raise RuntimeError("Calibrator is already recording; leave the first `with` block before entering again.")
+        for candidate in self.candidates:
+            if candidate.record_inputs:
+                self._handles.append(candidate.module.register_forward_pre_hook(self._hook(candidate)))
+        self._entered_at = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._entered_at is not None:
+            self.seconds += time.perf_counter() - self._entered_at
+            self._entered_at = None
+        return False
+
+    @property
+    def recorded(self) -> bool:
+        return any(sample.calls for sample in self.samples.values())
+
+    def _hook(self, candidate: Candidate):
+        sample = self.samples[candidate.name]
+        measurable = candidate.skip_reason is None
+
+        def hook(module, args):
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
+            with torch.no_grad():
+                self._record(candidate, module, sample, args[0], measurable)
+            return None
+
+        return hook
+
+    def _rand_index(self, high: int, count: int, device) -> torch.Tensor:
+        return torch.randperm(high, generator=self._generator)[:count].to(device, non_blocking=True)
+
+    def _record(self, candidate: Candidate, module: nn.Module, sample: LayerSample, x: torch.Tensor,
+                measurable: bool):
+        if candidate.kind == "linear":
+            k = x.shape[-1]
+            m = x.numel() // max(k, 1)
+        else:
+            if x.dim() == 3:
+                x = x.unsqueeze(0)
+            b, k, h, w = x.shape
+            m = b * h * w
+        sample.calls += 1
+        if m >= sample.max_rows:
+            sample.max_rows = m
+            sample.input_shape = tuple(x.shape)
+            if candidate.kind != "linear":
+                sample.output_hw = metrics.conv2d_output_hw(module, x.shape[2], x.shape[3])
+        if not measurable or m == 0:
+            return
+        cap = self.config.calibration_tokens
+        have = 0 if sample.rows is None else sample.rows.shape[0]
+        if have < cap:           # still filling: take what is missing
+            take = min(m, cap - have)
+        else:                    # full: this call replaces a 1/calls share of the rows
+            take = min(m, max(1, math.ceil(cap / sample.calls)))
+        index = self._rand_index(m, take, x.device)
+        if candidate.kind == "linear":
+            rows = x.reshape(-1, k).index_select(0, index)
+        else:
+            hw = x.shape[2] * x.shape[3]
+            rows = x.flatten(2)[index // hw, :, index % hw]
+        rows = rows.detach()
+        if sample.rows is None:
+            sample.rows = rows.clone()
+        elif have < cap:
+            sample.rows = torch.cat([sample.rows, rows.to(sample.rows.dtype)])
+        else:
+            positions = self._rand_index(cap, take, sample.rows.device)
+            sample.rows[positions] = rows.to(sample.rows.dtype)
+
+    # -- measuring and deciding ------------------------------------------------------------------------------
+    def decide(self, fmt: str, config: QuantConfig | None = None):
+        """Measure every measurable layer with format `fmt` and decide. Returns (decisions, {name: module})."""
+        return decide(self.candidates, self.samples, config or self.config, fmt)
+
+
+def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig):
+    """Quantize `module` to `fmt` and measure its normalised MSE on `rows`: returns (quantized module, error)."""
+    quantized = quantized_module_for(module, fmt, fast_accum=config.fp8_fast_accum, device=rows.device)
+    gemm = quantized.gemm if isinstance(quantized, QuantConv2d1x1) else quantized
+    weight = module.weight.detach().to(rows.device)
+    weight = weight.reshape(weight.shape[0], -1).float()
+    bias = None if module.bias is None else module.bias.detach().to(rows.device).float()
+    with torch.no_grad():
+        reference = F.linear(rows.float(), weight, bias)
+        output = gemm.gemm(rows, rows.dtype)
+    return quantized, metrics.normalised_mse(output, reference)
+
+
+def layer_density(candidate: Candidate, sample: LayerSample | None) -> float | None:
+    if sample is None or sample.input_shape is None:
+        return None
+    module = candidate.module
+    if candidate.kind == "linear":
+        return metrics.linear_density(sample.max_rows, module.in_features, module.out_features)
+    b = sample.input_shape[0]
+    output_shape = (b, module.out_channels, *sample.output_hw)
+    return metrics.conv2d_density(sample.input_shape, tuple(module.weight.shape), output_shape, module.groups)
+
+
+def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
+    """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision."""
+    from . import kernels
+
+    decisions, modules = [], {}
+    for candidate in candidates:
+        module = candidate.module
+        sample = samples.get(candidate.name)
+        decision = LayerDecision(name=candidate.name, kind=candidate.kind, shape=list(module.weight.shape),
+                                 threshold=config.threshold_for(candidate.kind))
+        decisions.append(decision)
+        if sample is not None:
+            decision.calls = sample.calls
+            decision.rows = sample.max_rows if sample.calls else None
+            decision.density = layer_density(candidate, sample)
+        reason = candidate.skip_reason
+        if reason is None:
+            reason = kernels.gemm_shape_problem(fmt, candidate.in_features, candidate.out_features)
+        if reason is not None:
+            decision.reason = reason
+            continue
+        if sample is None:
+            decision.reason = "no calibration inputs recorded (the Calibrator did not hook this layer)"
+            continue
+        if sample.rows is None:
+            decision.reason = "not called during calibration (no inputs to measure)"
+            continue
+        quantized, decision.error = measure_layer(module, sample.rows, fmt, config)
+        if not decision.density >= config.compute_density_threshold:
+            decision.reason = (f"density {decision.density:.0f} < {config.compute_density_threshold:g} FLOP/byte "
+                               f"(memory-bound: low precision would not speed it up)")
+        elif not decision.error < decision.threshold:
+            decision.reason = f"error {decision.error:.2e} >= threshold {decision.threshold:g}"
+        else:
+            decision.decision = QUANTIZE
+            decision.reason = f"{fmt}: error {decision.error:.2e} < {decision.threshold:g}, " \
+                              f"density {decision.density:.0f} >= {config.compute_density_threshold:g}"
+            modules[candidate.name] = quantized
+    for decision in decisions:
+        if decision.decision != QUANTIZE:
+            decision.decision = SKIP
+    return decisions, modules

@@ -1,0 +1,171 @@
+"""What to quantize and how: `QuantConfig`, validated with errors that name the problem and the fix."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger("overdrive.quantization")
+
+FORMATS = ("auto", "int8", "fp8_e4m3")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Settings of one quantization run.
+
+    A candidate layer (nn.Linear, nn.Conv2d) is quantized only if a low-precision kernel can run it, its
+    normalised error on the real calibration inputs is below its threshold (`linear_mse_threshold` or
+    `conv_mse_threshold`) AND its compute density is at least `compute_density_threshold` FLOP/byte.
+    See `overdrive.quantization.metrics` for both measures.
+
+    - bits: 8 only (int8 or fp8).
+    - format: "auto" (fp8 e4m3 on NVIDIA compute capability >= 8.9, int8 on >= 8.0 and on CPU), "int8" or "fp8_e4m3".
+    - quantize_linear / quantize_conv: consider nn.Linear / nn.Conv2d layers at all.
+    - linear_mse_threshold / conv_mse_threshold: largest normalised MSE (mean((y_q - y)^2) / mean(y^2)) accepted.
+      0.01 means a quantization noise 20 dB below the layer's output power (SQNR >= 20 dB).
+    - compute_density_threshold: FLOP per byte moved (fp16) at or above which a layer counts as compute-bound
+      (an H100 does ~990 dense fp16 TFLOP/s over 3.35 TB/s: the ridge point is ~300). Below it a layer is
+      memory-bound and lower-precision math would not speed it up.
+    - calibration_tokens: input rows (tokens, or pixels of a 1x1 conv) kept per layer for measuring.
+    - fp8_fast_accum: `use_fast_accum` of torch._scaled_mm (faster on Hopper; its error is measured like the rest).
+    """
+
+    bits: int = 8
+    format: str = "auto"
+    quantize_conv: bool = True
+    quantize_linear: bool = True
+    conv_mse_threshold: float = 0.01
+    linear_mse_threshold: float = 0.01
+    compute_density_threshold: float = 300.0
+    calibration_tokens: int = 256
+    fp8_fast_accum: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "QuantConfig":
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits != 8:
+            raise ValueError(f"QuantConfig.bits={self.bits!r} is not supported: Overdrive quantizes to 8 bits only "
+                             f"(int8 or fp8 tensor-core kernels). Use bits=8.")
+        if self.format not in FORMATS:
+            raise ValueError(f"QuantConfig.format={self.format!r} is unknown. Use one of {', '.join(map(repr, FORMATS))}.")
+        for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} must be True or False.")
+        for name in ("conv_mse_threshold", "linear_mse_threshold", "compute_density_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"QuantConfig.{name}={value!r} must be a number (0 or more).")
+            if value < 0:
+                raise ValueError(f"QuantConfig.{name}={value!r} is negative. Use 0 or more "
+                                 f"(0 quantizes nothing for an error threshold; 0 accepts every layer for density).")
+        if isinstance(self.calibration_tokens, bool) or not isinstance(self.calibration_tokens, int) \
+                or self.calibration_tokens < 1:
+            raise ValueError(f"QuantConfig.calibration_tokens={self.calibration_tokens!r} must be a whole number >= 1 "
+                             f"(e.g. 256).")
+        return self
+
+    def threshold_for(self, kind: str) -> float:
+        return self.linear_mse_threshold if kind == "linear" else self.conv_mse_threshold
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "QuantConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"QuantConfig has no setting(s) {unknown}; known: {sorted(known)}.")
+        return cls(**data)
+
+    def resolve_format(self, device) -> str:
+        """The concrete format ("int8" or "fp8_e4m3") for `device`; raises if the device cannot run it."""
+        device = torch.device(device)
+        if self.format == "auto":
+            if device.type == "cuda":
+                cap = cuda_capability(device)
+                if cap >= (8, 9):
+                    return "fp8_e4m3"
+                if cap >= (8, 0):
+                    return "int8"
+                raise ValueError(f"format='auto': {describe_device(device)} has no int8/fp8 tensor-core path that "
+                                 f"Overdrive supports (needs compute capability 8.0 or newer). Leave quantization off "
+                                 f"on this GPU.")
+            if device.type == "cpu":
+                return "int8"
+            raise ValueError(f"format='auto': quantization runs on NVIDIA GPUs and the CPU, not on {device.type!r}. "
+                             f"Leave quantization off on this device.")
+        if self.format == "fp8_e4m3" and not fp8_supported(device):
+            raise ValueError(f"format='fp8_e4m3' needs fp8 matrix multiply (torch._scaled_mm), i.e. an NVIDIA GPU of "
+                             f"compute capability 8.9 or newer (Ada, Hopper, Blackwell); {describe_device(device)} has "
+                             f"none. Use format='int8' or format='auto'.")
+        if self.format == "int8" and not int8_supported(device):
+            raise ValueError(f"format='int8' needs int8 matrix multiply (torch._int_mm), i.e. an NVIDIA GPU of compute "
+                             f"capability 8.0 or newer, or the CPU; {describe_device(device)} has none. Leave "
+                             f"quantization off on this device.")
+        return self.format
+
+
+def cuda_capability(device) -> tuple:
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def describe_device(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            major, minor = cuda_capability(device)
+            return f"this GPU ({torch.cuda.get_device_name(index)}, compute capability {major}.{minor})"
+        except Exception:  # noqa: BLE001 - only a description
+            return f"device {str(device)!r}"
+    return f"device {str(device)!r}"
+
+
+def device_capability_tag(device) -> str:
+    """What quantization kernels depend on: GPU name and capability, or the CPU; part of the cache key."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(index)}"
+    return device.type
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(kind: str, device_str: str) -> bool:
+    device = torch.device(device_str)
+    try:
+        if kind == "fp8":
+            a = torch.zeros(32, 32, device=device).to(torch.float8_e4m3fn)
+            b = torch.zeros(32, 32, device=device).to(torch.float8_e4m3fn).t()
+            one_a = torch.ones(32, 1, device=device)
+            one_b = torch.ones(1, 32, device=device)
+            torch._scaled_mm(a, b, one_a, one_b, out_dtype=torch.bfloat16)
+        else:
+            a = torch.zeros(32, 32, dtype=torch.int8, device=device)
+            torch._int_mm(a, a.t())
+        return True
+    except Exception as error:  # noqa: BLE001 - a probe: any failure means "not supported"
+        log.info("Overdrive quantization: %s matmul unavailable on %s (%s)", kind, device_str, error)
+        return False
+
+
+def fp8_supported(device) -> bool:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return cuda_capability(device) >= (8, 9) and _probe("fp8", str(device))
+    return device.type == "cpu" and _probe("fp8", "cpu")
+
+
+def int8_supported(device) -> bool:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return cuda_capability(device) >= (8, 0) and _probe("int8", str(device))
+    return device.type == "cpu" and _probe("int8", "cpu")

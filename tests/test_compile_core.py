@@ -134,3 +134,34 @@ def test_twin_weights_take_the_running_dtype():
     original = seeded_block(0).half()
     twin = twin_with_weights(original, seeded_block(1).state_dict())  # float32 checkpoint into an fp16 model
     assert {p.dtype for p in twin.parameters()} == {torch.float16}
+
+
+def test_resolution_policy_auto_bounds_graphs_across_many_shapes():
+    """dynamic='auto': the first shape gets a specialised graph, the second a shape-generic one that serves every
+    later resolution; PyTorch specialises size-1 dims, so batch 1 and batch > 1 take one generic graph each: at
+    most 3 graphs however many shapes follow."""
+    module = seeded_block(0)
+    compiled = compile_module(module, CompileOptions(dynamic="auto"))
+    shapes = [(1, 8, 6, 6), (1, 8, 10, 6), (2, 8, 8, 12), (1, 8, 14, 14), (3, 8, 6, 10), (2, 8, 16, 8), (1, 8, 12, 4)]
+    for shape in shapes:
+        x = torch.randn(shape)
+        expected = type(module).forward(module, x)
+        assert relative_error(module(x), expected) < 1e-4
+    assert compiled.graph.failure is None
+    assert compiled.graph.graphs_compiled <= 3, compiled.graph.graphs_compiled
+
+
+def test_resolution_policy_static_stops_at_max_graphs_and_runs_eager(caplog):
+    """dynamic='static': one graph per shape, bounded by max_graphs; a shape beyond the bound runs eager with a
+    warning that names the fix, and never compiles."""
+    module = seeded_block(0)
+    compiled = compile_module(module, CompileOptions(dynamic="static", max_graphs=2))
+    for size in (6, 8):
+        module(torch.randn(1, 8, size, size))
+    assert compiled.graph.graphs_compiled == 2
+    x = torch.randn(1, 8, 10, 10)
+    with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+        out = module(x)
+    assert torch.allclose(out, type(module).forward(module, x))
+    assert compiled.graph.graphs_compiled == 2
+    assert any("max_graphs" in r.getMessage() and "dynamic='auto'" in r.getMessage() for r in caplog.records)

@@ -57,6 +57,38 @@ def profile_run(run, steps):
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
 
 
+def bench_vae(comfy, run_node, latent, repeats):
+    """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights)."""
+    from overdrive.runner.inprocess import build_vae
+    vae = build_vae(comfy)
+    rows, reference = [], None
+    for variant in ("vae-eager", "vae-overdrive"):
+        target = vae if variant == "vae-eager" else run_node("OverdriveCompileVAE", vae=vae)
+        sync()
+        start = time.perf_counter()
+        image = target.decode(latent)
+        sync()
+        first = time.perf_counter() - start
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            image = target.decode(latent)
+            sync()
+            times.append(time.perf_counter() - start)
+        reference = image if reference is None else reference
+        row = {"variant": variant, "first_run_s": round(first, 3), "s_per_decode": round(statistics.median(times), 4),
+               "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
+               "rel_err_vs_eager": float((image.float() - reference.float()).norm() / reference.float().norm()),
+               "vae_dtype": str(vae.vae_dtype)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    rows[1]["speedup_vs_eager"] = round(rows[0]["s_per_decode"] / rows[1]["s_per_decode"], 3)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl"])
@@ -65,8 +97,12 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cfg", type=float, default=7.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="eager,peer,overdrive")
+    parser.add_argument("--variants", default="eager,peer,overdrive",
+                        help="comma-separated; each '+'-joined from eager, peer, overdrive[-no-cudagraphs|-autotune], "
+                             "int8, fp8, deepcache, e.g. overdrive+fp8+deepcache")
+    parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval for '+deepcache' variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
+    parser.add_argument("--vae", action="store_true", help="also time VAE decode: eager vs CompileVAE")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     args = parser.parse_args()
@@ -87,22 +123,43 @@ def main():
     latent = torch.zeros(1, 4, args.res // 8, args.res // 8)
     noise = comfy.sample.prepare_noise(latent, 42)
 
+    def run_node(name, **inputs):
+        """Run one Overdrive node as ComfyUI would: its declared defaults, overridden by `inputs`."""
+        from overdrive.nodes import NODE_CLASS_MAPPINGS
+        cls = NODE_CLASS_MAPPINGS[name]
+        declared = cls.INPUT_TYPES()
+        values = {k: spec[1].get("default") for k, spec in declared["required"].items()
+                  if len(spec) > 1 and isinstance(spec[1], dict) and "default" in spec[1]}
+        values.update(inputs)
+        return getattr(cls(), cls.FUNCTION)(**values)[0]
+
+    compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
+                       "overdrive-autotune": {"mode": "max-autotune"}}
+
     def make(variant):
-        if variant == "eager":
-            return base.clone()
-        if variant == "peer":
-            peer = base.clone()
-            peer.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
-            return peer
-        if variant.startswith("overdrive"):
-            from overdrive.compiler import CompiledMethod, CompileOptions
-            options = {"overdrive": CompileOptions(), "overdrive-no-cudagraphs": CompileOptions(cuda_graphs=False),
-                       "overdrive-autotune": CompileOptions(mode="max-autotune"),
-                       "overdrive-cudnn": CompileOptions(attention="cudnn")}[variant]
-            patched = base.clone()
-            patched.add_object_patch("diffusion_model.forward", CompiledMethod(base.model.diffusion_model, "forward", options))
-            return patched
-        raise ValueError(variant)
+        """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8), compile (peer |
+        overdrive[-no-cudagraphs|-autotune]), deepcache. 'eager' alone is the baseline."""
+        parts = variant.split("+")
+        unknown = set(parts) - {"eager", "peer", "int8", "fp8", "deepcache"} - set(compile_options)
+        if unknown:
+            raise ValueError(f"unknown variant parts {sorted(unknown)}")
+        patcher = base.clone()
+        for fmt in ("int8", "fp8"):
+            if fmt in parts:
+                start = time.perf_counter()
+                patcher = run_node("OverdriveQuantizeModel", model=patcher,
+                                   format={"int8": "int8", "fp8": "fp8_e4m3"}[fmt], positive=positive,
+                                   negative=negative, latent={"samples": latent})
+                sync()
+                calibration[variant] = time.perf_counter() - start
+        if "peer" in parts:
+            patcher.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
+        for name, overrides in compile_options.items():
+            if name in parts:
+                patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)
+        if "deepcache" in parts:
+            patcher = run_node("OverdriveDeepCache", model=patcher, cache_interval=args.cache_interval)
+        return patcher
 
     def sample(patcher):
         sync()
@@ -112,7 +169,7 @@ def main():
         sync()
         return out, time.perf_counter() - start
 
-    results, reference = [], None
+    results, reference, calibration = [], None, {}
     for variant in args.variants.split(","):
         patcher = make(variant)
         graphs_before = dynamo_graph_count()
@@ -128,7 +185,8 @@ def main():
                "s_per_step": round(per_image / args.steps, 5), "compile_s_est": round(first - per_image, 2),
                "dynamo_graphs": dynamo_graph_count() - graphs_before,
                "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
-               "finite": bool(torch.isfinite(out).all())}
+               "finite": bool(torch.isfinite(out).all()),
+               "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None}
         if reference is None:
             reference = out
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
@@ -141,11 +199,13 @@ def main():
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
 
+    vae_rows = bench_vae(comfy, run_node, reference, args.repeats) if args.vae else []
     eager = next((r for r in results if r["variant"] == "eager"), None)
     for r in results:
         r["speedup_vs_eager"] = round(eager["s_per_image"] / r["s_per_image"], 3) if eager else None
     report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
-              "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results}
+              "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results,
+              "vae_decode": vae_rows}
     print("\n| variant | s/image | s/step | speedup | first run (s) | peak VRAM GiB | rel err | graphs |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -50,6 +50,8 @@ def phase(args):
     _, result["first_image_s"] = sample(compiled)
     _, result["second_image_s"] = sample(compiled)
     result["graphs_compiled"] = dynamo_graph_count() - graphs
+    result["compile_overhead_s"] = round(result["first_image_s"] - result["second_image_s"], 2)
+    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
     if args.phase == "warm":
         from safetensors.torch import save_file
         folder = pathlib.Path(args.workdir) / "checkpoints"
@@ -91,6 +93,7 @@ def main():
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        print(out.stderr[-2500:], flush=True)  # Dynamo's per-phase compile times
         if out.returncode or not lines:
             print(out.stdout[-3000:], out.stderr[-5000:])
             raise SystemExit(f"phase {name} failed")

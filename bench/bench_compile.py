@@ -57,6 +57,17 @@ def profile_run(run, steps):
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
 
 
+def cprofile_run(run):
+    """Host time of one sampling run by function: with a sync per step, host work adds to the GPU's time."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def bench_vae(comfy, run_node, latent, repeats):
     """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights)."""
     from overdrive.runner.inprocess import build_vae
@@ -104,6 +115,7 @@ def main():
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
     parser.add_argument("--vae", action="store_true", help="also time VAE decode: eager vs CompileVAE")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cprofile", action="store_true", help="print where host (Python) time goes in one run of the last variant")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     args = parser.parse_args()
 
@@ -195,6 +207,8 @@ def main():
 
         if args.profile and cuda and variant == args.variants.split(",")[-1]:
             profile_run(lambda: sample(patcher), args.steps)
+        if args.cprofile and variant == args.variants.split(",")[-1]:
+            cprofile_run(lambda: sample(patcher))
         del patcher
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()

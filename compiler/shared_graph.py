@@ -58,6 +58,7 @@ class SharedGraph:
         self.shapes_seen: set = set()
         self.failure: str | None = None  # set once compiling or running compiled code failed
         self.disk_keys_loaded: set = set()
+        self.disk_keys: dict = {}  # device -> disk cache key
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
         if options.backend == "inductor":
             kwargs["mode"] = options.inductor_mode()
@@ -66,7 +67,10 @@ class SharedGraph:
     def call(self, module, args, kwargs):
         disk, key = _disk_cache, None
         if disk is not None:
-            key = cache_key(self.fingerprint, self.options.as_key(), _first_device(args, kwargs))
+            device = _first_device(args, kwargs)
+            key = self.disk_keys.get(device)
+            if key is None:  # hashing the GPU identity and versions is too slow for every step
+                key = self.disk_keys[device] = cache_key(self.fingerprint, self.options.as_key(), device)
             if key not in self.disk_keys_loaded:
                 self.disk_keys_loaded.add(key)
                 disk.load(key)

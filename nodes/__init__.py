@@ -5,17 +5,20 @@ import folder_paths
 
 from ..compiler import CompileDiskCache, set_disk_cache
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
+from .deepcache_node import OverdriveDeepCache
 from .switch_weights_node import OverdriveSwitchWeights
 
 NODE_CLASS_MAPPINGS = {
     "OverdriveCompileModel": OverdriveCompileModel,
     "OverdriveCompileVAE": OverdriveCompileVAE,
     "OverdriveSwitchWeights": OverdriveSwitchWeights,
+    "OverdriveDeepCache": OverdriveDeepCache,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "OverdriveCompileModel": "Compile Model (Overdrive)",
     "OverdriveCompileVAE": "Compile VAE (Overdrive)",
     "OverdriveSwitchWeights": "Switch Weights (Overdrive)",
+    "OverdriveDeepCache": "DeepCache (Overdrive)",
 }
 
 # Compiled artifacts live beside the user's models (OVERDRIVE_CACHE_DIR overrides), so they survive restarts.

@@ -3,6 +3,7 @@ import copy
 
 from ..compiler import CompiledMethod, CompileOptions
 from ..compiler.options import DYNAMIC, MODES
+from .forward_patch import FORWARD, compiled_forward
 from .progress import comfy_progress
 
 MODE_TOOLTIP = (
@@ -23,8 +24,9 @@ DYNAMIC_TOOLTIP = (
 
 class OverdriveCompileModel:
     DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step. "
-                   "Graphs are shared by every checkpoint of the same architecture. If compiling fails, sampling "
-                   "continues on the normal (eager) path with a warning in the log.")
+                   "Graphs are shared by every checkpoint of the same architecture. Before or after DeepCache, its "
+                   "full and shallow steps are compiled. If compiling fails, sampling continues on the normal (eager) "
+                   "path with a warning in the log.")
     CATEGORY = "overdrive"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model, running through compiled code.",)
@@ -42,11 +44,10 @@ class OverdriveCompileModel:
     def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto"):
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic)
         patched = model.clone()
-        diffusion_model = patched.model.diffusion_model
-        forward = CompiledMethod(diffusion_model, "forward", options, reporter=comfy_progress)
         # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
-        patched.add_object_patch("diffusion_model.forward", forward)
+        # A DeepCache already on the model is kept, with its paths compiled.
+        patched.add_object_patch(FORWARD, compiled_forward(patched, options))
         return (patched,)
 
 

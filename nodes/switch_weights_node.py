@@ -6,17 +6,11 @@ import time
 import comfy.utils
 import folder_paths
 
-from ..compiler import CompiledMethod, WeightMismatchError, twin_with_weights
+from ..compiler import WeightMismatchError, twin_with_weights
 from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors
-from .progress import comfy_progress
+from .forward_patch import FORWARD, compile_options, forward_for
 
 log = logging.getLogger("overdrive")
-
-
-def compiled_forward(model):
-    """The CompiledMethod this MODEL runs its diffusion model through, if it was compiled by CompileModel."""
-    forward = model.object_patches.get("diffusion_model.forward")
-    return forward if isinstance(forward, CompiledMethod) else None
 
 
 def with_diffusion_model(model, diffusion_model):
@@ -73,11 +67,11 @@ class OverdriveSwitchWeights:
             state = load_unet_weights(path, reference_tensors(current))
             twin = twin_with_weights(current, state, source=ckpt_name)
             switched = with_diffusion_model(model, twin)
-            forward = compiled_forward(model)
+            forward = model.object_patches.get(FORWARD)
             if forward is not None:
-                # Same architecture, so the same shared graph: no recompile.
-                switched.add_object_patch("diffusion_model.forward",
-                                          CompiledMethod(twin, "forward", forward.options, reporter=comfy_progress))
+                # The same patch (compiled, DeepCache) over the twin. Same architecture: same graphs, no recompile.
+                switched.add_object_patch(FORWARD, forward_for(switched, forward))
+            compiled = compile_options(forward) is not None
         log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s)", ckpt_name,
-                 time.perf_counter() - start, "compiled graph reused" if forward else "model was not compiled")
+                 time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled")
         return (switched,)

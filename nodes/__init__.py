@@ -6,6 +6,7 @@ import folder_paths
 from ..compiler import CompileDiskCache, set_disk_cache
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
+from .quantize_node import OverdriveQuantizeModel
 from .switch_weights_node import OverdriveSwitchWeights
 
 NODE_CLASS_MAPPINGS = {
@@ -13,12 +14,14 @@ NODE_CLASS_MAPPINGS = {
     "OverdriveCompileVAE": OverdriveCompileVAE,
     "OverdriveSwitchWeights": OverdriveSwitchWeights,
     "OverdriveDeepCache": OverdriveDeepCache,
+    "OverdriveQuantizeModel": OverdriveQuantizeModel,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "OverdriveCompileModel": "Compile Model (Overdrive)",
     "OverdriveCompileVAE": "Compile VAE (Overdrive)",
     "OverdriveSwitchWeights": "Switch Weights (Overdrive)",
     "OverdriveDeepCache": "DeepCache (Overdrive)",
+    "OverdriveQuantizeModel": "Quantize Model (Overdrive)",
 }
 
 # Compiled artifacts live beside the user's models (OVERDRIVE_CACHE_DIR overrides), so they survive restarts.

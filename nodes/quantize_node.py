@@ -1,0 +1,141 @@
+"""QuantizeModel: measured int8/fp8 quantization of the diffusion model, applied as ModelPatcher object patches."""
+import hashlib
+import logging
+import os
+
+import comfy.model_management
+import folder_paths
+
+from ..compiler import CompiledMethod
+from ..deepcache import DeepCacheRunner
+from ..quantization import FORMATS, QuantCache, QuantConfig, plan_quantization, weights_digest
+from .quantize_calibration import MAX_STEPS, CalibrationRun
+from .quantize_patches import bake_weight_patches, install, patches_digest
+
+log = logging.getLogger("overdrive")
+DEFAULTS = QuantConfig()
+
+TOOLTIPS = {
+    "model": "The diffusion model to quantize. It is not modified; a patched copy is returned. Apply LoRAs before "
+             "this node: they are baked into the quantized weights.",
+    "bits": "Bits per weight and activation. 8 only (int8 or fp8 tensor-core kernels).",
+    "format": "auto: fp8 (e4m3) on GPUs that have it (Ada, Hopper, Blackwell), int8 on Ampere and on the CPU. "
+              "int8 / fp8_e4m3: force one; an error says so if your device cannot run it.",
+    "quantize_conv": "Consider 1x1 convolutions (SD1.5's attention projections, skip connections). Other convs stay "
+                     "in the model's precision (no 8-bit kernel for them).",
+    "quantize_linear": "Consider linear layers (attention and feed-forward projections).",
+    "conv_mse_threshold": "Largest error a conv may add to be quantized: mean squared error over output power, "
+                          "measured on your calibration inputs. 0.01 = noise 20 dB below the signal; 0 quantizes none.",
+    "linear_mse_threshold": "Largest error a linear layer may add to be quantized (as for convs). Lower keeps more "
+                            "layers in full precision; 0 quantizes none.",
+    "compute_density_threshold": "FLOP per byte a layer must reach to be quantized: below it the layer is "
+                                 "memory-bound and 8-bit math would not speed it up (an H100's ridge point is ~300). "
+                                 "0 accepts every layer whose error is low enough.",
+    "calibration_steps": "Sampling steps of the calibration run (euler, fixed seed) that records each layer's real "
+                         "inputs. 2-3 are enough. Skipped when the decisions for this model and settings are cached.",
+    "positive": "Optional: your positive prompt, so calibration measures the activations of your prompt. Without "
+                "it, empty (zero) conditioning is used.",
+    "negative": "Optional: your negative prompt (see positive).",
+    "latent": "Optional: your latent (e.g. Empty Latent Image), so calibration runs at your resolution and batch. "
+              "Without it, the model's natural resolution (SD1.5 512², SDXL 1024²) is used.",
+}
+
+
+def quant_cache_dir() -> str:
+    """Decisions and quantized weights: $OVERDRIVE_CACHE_DIR/quantization, else beside ComfyUI's models."""
+    root = os.environ.get("OVERDRIVE_CACHE_DIR")
+    if root:
+        return os.path.join(root, "quantization")
+    return os.path.join(folder_paths.models_dir, "overdrive_cache", "quantization")
+
+
+def eager_clone(model):
+    """A clone for calibration: every layer runs eager on every step (the calibration hooks see all the real inputs),
+    so Compile Model's and DeepCache's forwards, if they come before this node, are left out of it."""
+    calib = model.clone()
+    calib.object_patches = {k: v for k, v in calib.object_patches.items()
+                            if not isinstance(v, (CompiledMethod, DeepCacheRunner))}
+    return calib
+
+
+def quantized_clone(model, config: QuantConfig, run: CalibrationRun):
+    """(patched clone, report): calibrate if the cache has no decisions, quantize, install as object patches."""
+    calib = eager_clone(model)
+    # Loaded, the module tree holds this model's weights with its LoRAs applied: what is hashed and quantized.
+    comfy.model_management.load_models_gpu([calib])
+    diffusion = calib.model.diffusion_model
+    digest = hashlib.sha256(f"{weights_digest(diffusion)}|{patches_digest(calib.patches)}".encode()).hexdigest()
+    cache = QuantCache(quant_cache_dir())
+    plan = plan_quantization(diffusion, config, calibration=lambda: run(calib), cache=cache,
+                             resolution=run.cache_context(), device=model.load_device, weights_digest=digest)
+    patched = model.clone()
+    baked = bake_weight_patches(patched, plan.modules, model.load_device)
+    install(patched, plan.modules)
+    report = plan.report
+    path = cache.decisions_path(report.cache_key)
+    if report.cache_hit:
+        source = f"cache hit, no calibration ({path})"
+    else:
+        source = (f"cache miss, calibrated with {run.describe()} in {report.seconds.get('total', 0.0):.1f} s; "
+                  + (f"decisions saved to {path}" if path.is_file() else "decisions not saved (see the warning)"))
+    log.info("%s [%s]%s", report.summary(), source,
+             f"; LoRA/weight patches baked into {len(baked)} quantized layer(s)" if baked else "")
+    log.debug("%s", report.table())
+    return patched, report
+
+
+class OverdriveQuantizeModel:
+    DESCRIPTION = ("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 kernels. "
+                   "A short calibration run measures each layer's error on real inputs; only layers below the error "
+                   "threshold and dense enough to gain are quantized (the log lists every decision). Decisions are "
+                   "cached per model, settings, resolution and GPU. Put LoRAs before this node. If quantizing "
+                   "fails, the model runs unquantized with a warning in the log.")
+    CATEGORY = "overdrive"
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The model with the chosen layers running 8-bit kernels (the input MODEL is unchanged).",)
+    FUNCTION = "quantize"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        def tip(name, spec):
+            return spec[0], {**(spec[1] if len(spec) > 1 else {}), "tooltip": TOOLTIPS[name]}
+
+        threshold = {"min": 0.0, "max": 1000.0, "step": 0.001}
+        required = {
+            "model": ("MODEL",),
+            "bits": ("INT", {"default": 8, "min": 8, "max": 8}),
+            "format": (list(FORMATS), {"default": DEFAULTS.format}),
+            "quantize_conv": ("BOOLEAN", {"default": DEFAULTS.quantize_conv}),
+            "quantize_linear": ("BOOLEAN", {"default": DEFAULTS.quantize_linear}),
+            "conv_mse_threshold": ("FLOAT", {"default": DEFAULTS.conv_mse_threshold, **threshold}),
+            "linear_mse_threshold": ("FLOAT", {"default": DEFAULTS.linear_mse_threshold, **threshold}),
+            "compute_density_threshold": ("FLOAT", {"default": DEFAULTS.compute_density_threshold, "min": 0.0,
+                                                    "max": 100000.0, "step": 1.0}),
+            "calibration_steps": ("INT", {"default": 3, "min": 1, "max": MAX_STEPS}),
+        }
+        optional = {"positive": ("CONDITIONING",), "negative": ("CONDITIONING",), "latent": ("LATENT",)}
+        return {"required": {k: tip(k, v) for k, v in required.items()},
+                "optional": {k: tip(k, v) for k, v in optional.items()}}
+
+    def quantize(self, model, bits=8, format=DEFAULTS.format, quantize_conv=DEFAULTS.quantize_conv,
+                 quantize_linear=DEFAULTS.quantize_linear, conv_mse_threshold=DEFAULTS.conv_mse_threshold,
+                 linear_mse_threshold=DEFAULTS.linear_mse_threshold,
+                 compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=3,
+                 positive=None, negative=None, latent=None):
+        # Bad settings are the user's to fix: clear errors, before any work.
+        config = QuantConfig(bits=bits, format=format, quantize_conv=quantize_conv, quantize_linear=quantize_linear,
+                             conv_mse_threshold=conv_mse_threshold, linear_mse_threshold=linear_mse_threshold,
+                             compute_density_threshold=compute_density_threshold)
+        config.resolve_format(model.load_device)
+        run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)
+        self.last_report = None
+        try:
+            patched, self.last_report = quantized_clone(model, config, run)
+        except comfy.model_management.InterruptProcessingException:
+            raise
+        except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
+            log.warning("Overdrive: quantizing failed, so the model runs unquantized (your generation continues). "
+                        "Reason: %s: %s", type(error).__name__, str(error).splitlines()[0][:500] if str(error) else "",
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            return (model.clone(),)
+        return (patched,)

@@ -1,0 +1,128 @@
+"""Quantized layers as ComfyUI ModelPatcher object patches.
+
+- Weight patches (LoRA) applied BEFORE quantizing are baked into the quantized weights and dropped from the
+  clone's patches (ComfyUI could not apply them to an int8/fp8 layer: it has no `weight`).
+- Weight patches added AFTER quantizing to a quantized layer are refused with a clear error when they are added
+  (LoraLoader), instead of ComfyUI skipping them with "could not patch" at load.
+- The quantized layers follow the model between devices: ComfyUI calls `.to(device)` on the patches in
+  model_options whenever it loads or offloads the model, also when it reuses already-loaded weights and so
+  never moves the module tree itself.
+"""
+import hashlib
+import uuid
+
+import torch
+
+import comfy.utils
+
+PREFIX = "diffusion_model."
+LORA_AFTER_QUANTIZE = (
+    "{key} belongs to a layer that Quantize Model (Overdrive) replaced with an 8-bit layer, so this LoRA (or other "
+    "weight patch) cannot be applied to it after quantizing. Put LoraLoader before QuantizeModel: LoRAs applied "
+    "before it are baked into the quantized weights."
+)
+
+
+def patch_keys(name: str) -> tuple:
+    return f"{PREFIX}{name}.weight", f"{PREFIX}{name}.bias"
+
+
+def _calculate_weight(patcher, patches, weight, key):
+    if hasattr(patcher, "calculate_weight"):  # ComfyUI up to mid 2024
+        return patcher.calculate_weight(patches, weight, key)
+    import comfy.lora
+    return comfy.lora.calculate_weight(patches, weight, key)
+
+
+def patched_tensor(patcher, key: str, device):
+    """The tensor at `key` with `patcher`'s weight patches applied, as ModelPatcher.patch_weight_to_device
+    computes it (in float32 from the unpatched original, then cast to the original's dtype)."""
+    original = patcher.backup[key] if key in patcher.backup else comfy.utils.get_attr(patcher.model, key)
+    if original is None or key not in patcher.patches:
+        return original
+    weight = original.to(device=device, dtype=torch.float32, copy=True)
+    return _calculate_weight(patcher, patcher.patches[key], weight, key).to(original.dtype)
+
+
+def bake_weight_patches(patcher, modules: dict, device) -> list:
+    """Re-quantize each quantized layer that has weight patches from its patched weight, and drop those patches.
+    Returns the names of the layers baked."""
+    baked = []
+    for name, module in modules.items():
+        keys = patch_keys(name)
+        if any(key in patcher.patches for key in keys):
+            weight, bias = (patched_tensor(patcher, key, device) for key in keys)
+            module.load_float_weight(weight, bias)
+            baked.append(name)
+    for name in baked:
+        for key in patch_keys(name):
+            patcher.patches.pop(key, None)
+    if baked:
+        patcher.patches_uuid = uuid.uuid4()  # other weights than the input MODEL's: ComfyUI must not share them
+    return baked
+
+
+class QuantizedKeys(set):
+    """`model_keys` of a quantized clone (ModelPatcher.add_patches asks `key in model_keys` for every patch key):
+    asking about a quantized layer's weight or bias raises the error that says what to do."""
+
+    def __init__(self, keys=(), quantized=()):
+        super().__init__(keys)
+        self.quantized = frozenset(quantized)
+
+    def __contains__(self, key):
+        if key in self.quantized:
+            raise ValueError(LORA_AFTER_QUANTIZE.format(key=key))
+        return super().__contains__(key)
+
+    def __reduce__(self):
+        return type(self), (set(self), self.quantized)
+
+
+class QuantizedModules:
+    """Rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch
+    names there) so that ModelPatcher.model_patches_to moves the quantized layers with the model."""
+
+    def __init__(self, modules: dict):
+        self.modules = modules
+
+    def to(self, device_or_dtype):
+        if not isinstance(device_or_dtype, torch.dtype):  # the quantized storage keeps its dtype
+            for module in self.modules.values():
+                module.to(device_or_dtype)
+        return self
+
+    def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
+        return self
+
+
+def install(patcher, modules: dict) -> None:
+    """Object patches for the quantized layers, the LoRA-after guard and the device follower, on `patcher`."""
+    for name, module in modules.items():
+        patcher.add_object_patch(PREFIX + name, module)
+    keys = getattr(patcher, "model_keys", None)
+    if keys is not None:  # a new set: the input MODEL and its other clones keep theirs
+        patcher.model_keys = QuantizedKeys(keys, [key for name in modules for key in patch_keys(name)])
+    patcher.set_model_patch(QuantizedModules(modules), "overdrive_quantized")
+
+
+def patches_digest(patches: dict) -> str:
+    """sha256 of a ModelPatcher's weight patches (keys, strengths and tensors): part of the cache key."""
+    digest = hashlib.sha256()
+
+    def feed(value):
+        if isinstance(value, torch.Tensor):
+            digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[")
+            for item in value:
+                feed(item)
+            digest.update(b"]")
+        else:
+            digest.update(repr(value).encode())
+
+    for key in sorted(patches):
+        digest.update(key.encode())
+        feed(patches[key])
+    return digest.hexdigest()

@@ -1,0 +1,364 @@
+"""Quantize Model (Overdrive) on ComfyUI's real ModelPatcher, sampler and LoRA loader, in-process on the CPU (int8
+through torch._int_mm), plus one workflow queued through a real ComfyUI server."""
+import logging
+import math
+
+import pytest
+import torch
+
+from overdrive.quantization import Int8Linear, QuantConv2d1x1
+from overdrive.runner.inprocess import build_model, conditioning
+from overdrive.runner.workflows import load_workflow, set_inputs, without_overdrive
+
+RES = 64  # pixels: an 8x8 latent keeps CPU sampling and compiling short
+STEPS, CFG = 2, 1.0  # cfg 1: the comparisons measure quantization, not cfg's 7x amplification of a random model
+# Relative error of the final latent, int8 vs float (all 99 eligible layers quantized; measured ~0.02).
+TOLERANCE = 0.05
+EVERYTHING = dict(conv_mse_threshold=1e9, linear_mse_threshold=1e9, compute_density_threshold=0.0)
+QUANTIZED_TYPES = (Int8Linear, QuantConv2d1x1)
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory):
+    """Decisions of this module's runs only (the node reads OVERDRIVE_CACHE_DIR at each run)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path_factory.mktemp("overdrive-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def node(comfy):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    return NODE_CLASS_MAPPINGS["OverdriveQuantizeModel"]
+
+
+@pytest.fixture(scope="module")
+def base(comfy):
+    return build_model(comfy, "sd15", "tiny", torch.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def float_layers(base):
+    """{name: (weight shape, stride)} of the float Linear/Conv2d layers, read before any other clone is loaded (a
+    loaded quantized clone's object patches replace some of them in the shared module tree)."""
+    return {name: (tuple(m.weight.shape), getattr(m, "stride", None))
+            for name, m in base.model.diffusion_model.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    positive, negative = conditioning("sd15", RES, RES, seed=1)
+    return dict(positive=positive, negative=negative, latent={"samples": torch.zeros(1, 4, RES // 8, RES // 8)})
+
+
+@pytest.fixture(scope="module")
+def sample(comfy, prompt):
+    import comfy.sample
+
+    latent = prompt["latent"]["samples"]
+    noise = comfy.sample.prepare_noise(latent, 7)
+
+    def run(model):
+        with torch.inference_mode():  # as ComfyUI samples
+            return comfy.sample.sample(model, noise, STEPS, CFG, "euler", "normal", prompt["positive"],
+                                       prompt["negative"], latent, seed=7, disable_pbar=True)
+    return run
+
+
+def quantize(node, model, prompt, **settings):
+    """Run the node as ComfyUI does (in inference mode); returns (patched MODEL, report)."""
+    instance = node()
+    with torch.inference_mode():
+        (patched,) = instance.quantize(model, calibration_steps=2, **{**prompt, **settings})
+    return patched, instance.last_report
+
+
+def quantized_names(model):
+    return {key[len("diffusion_model."):] for key, value in model.object_patches.items()
+            if isinstance(value, QUANTIZED_TYPES)}
+
+
+def eligible(float_layers, kinds=("linear", "conv")):
+    """Layers with an 8-bit kernel: every Linear, and 1x1 convs with stride 1 (these models have no others)."""
+    names = set()
+    for name, (shape, stride) in float_layers.items():
+        if len(shape) == 2 and "linear" in kinds:
+            names.add(name)
+        elif len(shape) == 4 and shape[2:] == (1, 1) and stride == (1, 1) and "conv" in kinds:
+            names.add(name)
+    return names
+
+
+@pytest.fixture(scope="module")
+def float_latent(base, sample):
+    return sample(base.clone())
+
+
+@pytest.fixture(scope="module")
+def progress_updates(comfy):
+    import comfy.utils
+    updates = []
+    previous = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview=None: updates.append((value, total)))
+    yield updates
+    comfy.utils.set_progress_bar_global_hook(previous)
+
+
+@pytest.fixture(scope="module")
+def quantized(comfy, node, base, float_layers, prompt, float_latent, progress_updates):
+    """Every eligible layer quantized (huge error thresholds, no density limit), with the input MODEL's state just
+    before and just after the node."""
+    comfy.model_management.load_models_gpu([base.clone()])  # the input MODEL's own layers and weights in the tree
+    before = snapshot(base)
+    patched, report = quantize(node, base, prompt, **EVERYTHING)
+    return dict(model=patched, report=report, progress=list(progress_updates), before=before, after=snapshot(base))
+
+
+@pytest.fixture(scope="module")
+def quantized_latent(quantized, sample):
+    return sample(quantized["model"])
+
+
+def snapshot(model):
+    from overdrive.quantization import weights_digest
+    tree = model.model.diffusion_model
+    return dict(ids={name: id(m) for name, m in tree.named_modules()}, object_patches=dict(model.object_patches),
+                patches={k: list(v) for k, v in model.patches.items()}, model_keys=model.model_keys,
+                options=repr(model.model_options), weights=weights_digest(tree))
+
+
+def quantized_layers(model):
+    return {name: model.object_patches[f"diffusion_model.{name}"] for name in sorted(quantized_names(model))}
+
+
+# -------------------------------------------------------------------------------------------- what is quantized
+def test_huge_thresholds_quantize_every_eligible_layer_within_tolerance(quantized, quantized_latent, base,
+                                                                        float_layers, float_latent):
+    report = quantized["report"]
+    assert report.calibrated and not report.cache_hit
+    assert quantized_names(quantized["model"]) == set(report.quantized) == eligible(float_layers)
+    assert torch.isfinite(quantized_latent).all()
+    assert 0 < relative_error(quantized_latent, float_latent) < TOLERANCE
+    assert (2, 2) in quantized["progress"]  # the calibration's steps ticked ComfyUI's progress bar (2 of 2)
+
+
+def test_zero_thresholds_quantize_nothing(node, base, prompt, sample, float_latent):
+    patched, report = quantize(node, base, prompt, conv_mse_threshold=0.0, linear_mse_threshold=0.0,
+                               compute_density_threshold=0.0)
+    assert report.calibrated and report.quantized == [] and quantized_names(patched) == set()
+    assert torch.equal(sample(patched), float_latent)
+
+
+@pytest.mark.parametrize("switch, kept", [("quantize_conv", "linear"), ("quantize_linear", "conv")])
+def test_switching_a_layer_kind_off_leaves_those_layers_alone(node, base, prompt, float_layers, switch, kept):
+    patched, report = quantize(node, base, prompt, **EVERYTHING, **{switch: False})
+    assert quantized_names(patched) == eligible(float_layers, kinds=(kept,))
+    off = "conv" if kept == "linear" else "linear"
+    assert all(f"{off} quantization off" in report[name].reason for name in eligible(float_layers, (off,)))
+
+
+def test_the_input_model_is_never_changed(comfy, quantized, quantized_latent, base, sample, float_latent):
+    assert quantized["after"] == quantized["before"]  # the node changed nothing of the input MODEL
+    # The quantized clone has been sampled. Loaded (as sampling it does), its object patches hold the 8-bit layers
+    # in the shared module tree ...
+    comfy.model_management.load_models_gpu([quantized["model"]])
+    tree = base.model.diffusion_model
+    assert all(isinstance(tree.get_submodule(name), QUANTIZED_TYPES) for name in quantized_names(quantized["model"]))
+    # ... and loading the input MODEL puts its own float layers back: same modules, same weights, same result.
+    assert torch.equal(sample(base.clone()), float_latent)
+    assert snapshot(base) == quantized["before"]
+
+
+def test_a_second_run_with_the_same_settings_uses_the_cache_without_calibrating(quantized, node, base, prompt):
+    calls = []
+    hook = base.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        again, report = quantize(node, base, prompt, **EVERYTHING)
+    finally:
+        hook.remove()
+    first = quantized["report"]
+    assert report.cache_hit and not report.calibrated and calls == []  # no sampling pass ran
+    assert report.quantized == first.quantized and report.cache_key == first.cache_key
+    cached, fresh = quantized_layers(again), quantized_layers(quantized["model"])
+    assert cached.keys() == fresh.keys()
+    for name, module in cached.items():  # layers of its own, holding the same 8-bit weights
+        assert module is not fresh[name]
+        expected = fresh[name].state_dict()
+        for key, value in module.state_dict().items():
+            assert torch.equal(value, expected[key]), f"{name}.{key}"
+
+
+def test_quantized_layers_follow_the_model_between_devices(quantized, node, base, prompt):
+    again, _ = quantize(node, base, prompt, **EVERYTHING)  # from the cache: layers of its own
+    layers = list(quantized_layers(again).values())
+    again.model_patches_to(torch.float16)  # ComfyUI also passes the model dtype: the 8-bit storage keeps its dtype
+    assert {b.dtype for m in layers for b in m.buffers()} == {torch.int8, torch.float32}
+    again.model_patches_to(torch.device("meta"))  # as ComfyUI calls it on load and offload
+    assert {b.device.type for m in layers for b in m.buffers()} == {"meta"}
+
+
+# -------------------------------------------------------------------------------------------- LoRA
+def lora_for(base, float_layers, names, seed=5, rank=4):
+    """A LoRA file's tensors (kohya naming, as most LoRAs ship) for `names`, changing each weight by ~50%."""
+    import comfy.utils
+    to_diffusers = {v: k for k, v in comfy.utils.unet_to_diffusers(base.model.model_config.unet_config).items()}
+    generator = torch.Generator().manual_seed(seed)
+    lora = {}
+    for name in names:
+        (out_dim, in_dim, *kernel), _ = float_layers[name]
+        key = "lora_unet_" + to_diffusers[name + ".weight"][:-len(".weight")].replace(".", "_")
+        ones = [1] * len(kernel)
+        lora[f"{key}.lora_up.weight"] = torch.randn(out_dim, rank, *ones, generator=generator) * 0.5 / rank ** 0.5
+        lora[f"{key}.lora_down.weight"] = (torch.randn(rank, in_dim, *kernel, generator=generator)
+                                           / (in_dim * math.prod(kernel)) ** 0.5)
+        lora[f"{key}.alpha"] = torch.tensor(float(rank))
+    return lora
+
+
+LORA_LAYERS = ["input_blocks.1.1.proj_in", "input_blocks.1.1.transformer_blocks.0.attn1.to_q",
+               "input_blocks.1.1.transformer_blocks.0.ff.net.2", "middle_block.1.transformer_blocks.0.attn2.to_v",
+               "output_blocks.1.1.proj_out"]
+CONV3X3 = "input_blocks.1.0.in_layers.2"
+
+
+def test_a_lora_before_quantize_is_baked_into_the_quantized_weights(quantized_latent, node, base, prompt,
+                                                                    float_layers, sample, float_latent):
+    import comfy.sd
+    lora = lora_for(base, float_layers, LORA_LAYERS + [CONV3X3])
+    float_lora = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]
+    quantized_lora, report = quantize(node, float_lora, prompt, **EVERYTHING)
+    assert set(LORA_LAYERS) <= set(report.quantized)
+    # Baked in and dropped from the clone's weight patches; the 3x3 conv stays float and keeps its patch.
+    assert set(quantized_lora.patches) == {f"diffusion_model.{CONV3X3}.weight"}
+    expected = sample(float_lora)
+    assert relative_error(expected, float_latent) > 0.2  # the LoRA matters ...
+    out = sample(quantized_lora)
+    assert relative_error(out, expected) < TOLERANCE  # ... and the quantized model honours it
+    assert relative_error(out, quantized_latent) > 0.2
+
+
+def test_a_lora_after_quantize_is_refused_on_quantized_layers_and_applies_elsewhere(quantized, quantized_latent, base,
+                                                                                    float_layers, sample):
+    import comfy.sd
+    patched = quantized["model"]
+    patches = dict(patched.patches)
+    with pytest.raises(ValueError, match="Put LoraLoader before QuantizeModel"):
+        comfy.sd.load_lora_for_models(patched, None, lora_for(base, float_layers, LORA_LAYERS), 1.0, 0)
+    assert patched.patches == patches
+    on_float_layer = comfy.sd.load_lora_for_models(patched, None, lora_for(base, float_layers, [CONV3X3]), 1.0, 0)[0]
+    assert set(on_float_layer.patches) == {f"diffusion_model.{CONV3X3}.weight"}
+    assert relative_error(sample(on_float_layer), quantized_latent) > 0.05
+
+
+# -------------------------------------------------------------------------------------------- with Compile Model
+def test_quantize_then_compile_runs_the_int8_layers_through_torch_compile(quantized, quantized_latent, base,
+                                                                          sample, float_latent):
+    from overdrive.compiler import dynamo_graph_count
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+
+    patched = quantized["model"]
+    graphs = dynamo_graph_count()
+    compiled = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(patched, mode="default", cuda_graphs=True,
+                                                                      dynamic="auto")[0]
+    out = sample(compiled)
+    assert dynamo_graph_count() > graphs
+    tree = base.model.diffusion_model
+    assert all(isinstance(tree.get_submodule(name), QUANTIZED_TYPES) for name in quantized_names(patched))
+    # int8 rounding is a step function: compiled float math (~1e-6 off eager) flips the rounding of a few
+    # activations, a one-step change each, which this random-weight model amplifies like quantization noise
+    # (measured ~0.024). Both stay within the quantization tolerance of the float model.
+    assert relative_error(out, quantized_latent) < TOLERANCE
+    assert relative_error(out, float_latent) < TOLERANCE
+
+
+def test_compile_then_quantize_calibrates_eager_and_keeps_the_compiled_forward(comfy, node, base, prompt,
+                                                                              float_layers, monkeypatch, tmp_path):
+    from overdrive.compiler import CompiledMethod, dynamo_graph_count
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+
+    monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))  # a cache miss: calibration must run
+    compiled = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(base, mode="default", cuda_graphs=True,
+                                                                      dynamic="auto")[0]
+    graphs = dynamo_graph_count()
+    patched, report = quantize(node, compiled, prompt, quantize_linear=False, **EVERYTHING)
+    assert report.calibrated and dynamo_graph_count() == graphs  # calibrated eager: nothing compiled
+    assert quantized_names(patched) == eligible(float_layers, kinds=("conv",))
+    assert isinstance(patched.object_patches["diffusion_model.forward"], CompiledMethod)
+
+
+# -------------------------------------------------------------------------------------------- inputs and failures
+@pytest.mark.parametrize("settings, message", [
+    (dict(bits=4), "bits=4 is not supported.*Use bits=8"),
+    (dict(format="int4"), "format='int4' is unknown"),
+    (dict(conv_mse_threshold=-0.1), "conv_mse_threshold=-0.1 is negative. Use 0 or more"),
+    (dict(linear_mse_threshold=-1.0), "linear_mse_threshold=-1.0 is negative"),
+    (dict(compute_density_threshold=-5.0), "compute_density_threshold=-5.0 is negative"),
+    (dict(calibration_steps=0), "calibration_steps=0; use a whole number from 1"),
+    (dict(latent={"samples": torch.zeros(4, 8, 8)}), "latent is not a LATENT"),
+    (dict(positive="a cat"), "positive is not a CONDITIONING"),
+])
+def test_bad_settings_are_refused_with_a_clear_error(node, base, settings, message):
+    with pytest.raises(ValueError, match=message):
+        node().quantize(base, **settings)
+
+
+def test_fp8_on_a_device_without_fp8_matmul_is_refused(node, base):
+    # This CPU build of torch runs fp8 through torch._scaled_mm, so the CPU takes fp8: a model whose load device
+    # has no fp8 matmul (the meta device) stands for a GPU older than Ada.
+    model = base.clone()
+    model.load_device = torch.device("meta")
+    with pytest.raises(ValueError, match="format='fp8_e4m3' needs fp8 matrix multiply.*Use format='int8'"):
+        node().quantize(model, format="fp8_e4m3")
+
+
+def test_a_failure_while_quantizing_returns_the_unquantized_model_with_a_warning(node, base, prompt, caplog,
+                                                                                  monkeypatch, tmp_path):
+    monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))  # a cache miss: calibration must run
+    wrong = [[torch.zeros(1, 77, 512), {}]]  # SD1.5 takes 768-wide text embeddings: the calibration run fails
+    with caplog.at_level(logging.WARNING, logger="overdrive"):
+        patched, report = quantize(node, base, {**prompt, "positive": wrong, "negative": wrong}, **EVERYTHING)
+    assert report is None and quantized_names(patched) == set() and patched.model is base.model
+    assert "quantizing failed, so the model runs unquantized" in caplog.text
+
+
+def test_without_prompt_or_latent_calibration_uses_empty_conditioning_at_the_natural_size(comfy, base):
+    from overdrive.nodes.quantize_calibration import CalibrationRun
+
+    run = CalibrationRun.build(base, None, None, None, 2)
+    assert run.empty_conditioning and tuple(run.latent.shape) == (1, 4, 64, 64)  # SD1.5: 512² pixels
+    assert tuple(run.positive[0][0].shape) == (1, 77, 768) and not run.positive[0][0].any()
+    sdxl = build_model(comfy, "sdxl", "tiny", torch.float32)
+    run = CalibrationRun.build(sdxl, None, None, None, 1)
+    assert tuple(run.latent.shape) == (1, 4, 128, 128)  # SDXL: 1024²
+    cond, extra = run.negative[0]
+    assert tuple(cond.shape) == (1, 77, 2048) and tuple(extra["pooled_output"].shape) == (1, 1280)
+    # The real SDXL model samples with that conditioning (one step, at a small latent to keep the CPU quick).
+    small = CalibrationRun.build(sdxl, None, None, {"samples": torch.zeros(1, 4, 8, 8)}, 1)
+    small(sdxl.clone())
+
+
+# -------------------------------------------------------------------------------------------- in a real server
+def test_compile_quantize_workflow_runs_to_an_image_through_the_server(client, server):
+    from test_server import latent_of, small, with_latent_output
+
+    info = client.object_info()["OverdriveQuantizeModel"]
+    assert info["display_name"] == "Quantize Model (Overdrive)" and info["description"]
+    for section in ("required", "optional"):
+        for name, spec in info["input"][section].items():
+            assert len(spec) > 1 and spec[1].get("tooltip"), f"{name} has no tooltip"
+    workflow = small(load_workflow("compile_quantize_sd15_api.json"))
+    set_inputs(workflow, "OverdriveQuantizeModel", compute_density_threshold=0.0, calibration_steps=2)
+    set_inputs(workflow, "KSampler", cfg=CFG)
+    eager = client.run(with_latent_output(without_overdrive(workflow), "eager"))
+    result = client.run(with_latent_output(workflow, "quantized"))
+    (image,) = client.output_files(result, server.output_dir)
+    assert image.is_file() and image.stat().st_size > 0
+    out = latent_of(result, server)
+    assert torch.isfinite(out).all() and relative_error(out, latent_of(eager, server)) < TOLERANCE
+    log = server.log_text()
+    assert "99 of 119 layers quantized" in log and "cache miss, calibrated" in log

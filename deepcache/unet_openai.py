@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .config import DeepCacheConfigError
 from .paths import CallInfo
+from .weights import weights_token
 
 # transformer_options["patches"] keys implemented by the mirrored forward itself.
 FORWARD_PATCHES = ("input_block_patch", "input_block_patch_after_skip", "output_block_patch")
@@ -216,9 +217,7 @@ class OpenAIUNetPaths(nn.Module):
         return info
 
     def weights_token(self) -> int:
-        """Changes when parameters are replaced (ComfyUI applies LoRA and other weight patches by installing new
-        Parameter objects): features computed with other weights are never reused."""
-        return hash(tuple(map(id, self.unet.parameters())))
+        return weights_token(self.unet)
 
     def _unsupported(self, timesteps, control, options, extra) -> str | None:
         if not isinstance(timesteps, torch.Tensor):

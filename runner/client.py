@@ -49,6 +49,11 @@ class ComfyClient:
             time.sleep(0.25)
         raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout} s")
 
+    def events(self):
+        """This client id's websocket, to follow prompts as they run (open it before queueing): an EventStream."""
+        from .events import EventStream
+        return EventStream(self.url, self.client_id)
+
     def run(self, prompt: dict, timeout: float = 900) -> dict:
         return self.wait(self.queue(prompt), timeout)
 

@@ -27,6 +27,14 @@ def set_inputs(workflow: dict, class_type: str, **values) -> dict:
     return workflow
 
 
+def prefix_images(workflow: dict, prefix: str) -> dict:
+    """Every SaveImage node saves as `prefix-<node id>`: files of their own, and outputs ComfyUI must compute anew."""
+    for key, node in workflow.items():
+        if node["class_type"] == "SaveImage":
+            node["inputs"]["filename_prefix"] = f"{prefix}-{key}"
+    return workflow
+
+
 def without_overdrive(workflow: dict) -> dict:
     """The same workflow with every Overdrive node taken out and its consumers wired to what it consumed: the eager
     baseline. (Only for nodes that pass their first linked input through, such as the compile nodes.)"""
@@ -46,8 +54,8 @@ def without_overdrive(workflow: dict) -> dict:
     return workflow
 
 
-def model_paths_config(workdir, checkpoints: dict) -> pathlib.Path:
-    """An extra_model_paths.yaml that shows ComfyUI `checkpoints` ({file name: path}) without touching its folders."""
+def link_checkpoints(workdir, checkpoints: dict) -> None:
+    """Links `checkpoints` ({file name: path}) into workdir/models/checkpoints (a running ComfyUI sees new ones)."""
     folder = pathlib.Path(workdir) / "models" / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     for name, path in checkpoints.items():
@@ -55,6 +63,11 @@ def model_paths_config(workdir, checkpoints: dict) -> pathlib.Path:
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(pathlib.Path(path).resolve())
+
+
+def model_paths_config(workdir, checkpoints: dict) -> pathlib.Path:
+    """An extra_model_paths.yaml that shows ComfyUI `checkpoints` ({file name: path}) without touching its folders."""
+    link_checkpoints(workdir, checkpoints)
     config = pathlib.Path(workdir) / "extra_model_paths.yaml"
     config.write_text(f"overdrive:\n  base_path: {pathlib.Path(workdir).resolve() / 'models'}\n  checkpoints: checkpoints\n")
     return config

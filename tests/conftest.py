@@ -47,3 +47,13 @@ def server(tmp_path_factory, builtin_checkpoints):
 def client(server):
     from overdrive.runner import ComfyClient
     return ComfyClient(server.url)
+
+
+@pytest.fixture(scope="session")
+def sdxl_checkpoint(server):
+    """The built-in tiny SDXL checkpoint (2.4 GB, made on first use), added to the running server's checkpoints."""
+    from overdrive.builtin_models import ensure_checkpoint
+    from overdrive.runner.workflows import BUILTIN_NAMES, link_checkpoints
+
+    link_checkpoints(server.workdir, {BUILTIN_NAMES["sdxl"]: ensure_checkpoint("sdxl", "tiny")})
+    return BUILTIN_NAMES["sdxl"]

@@ -1,0 +1,105 @@
+"""ComfyUI's own web page in a real headless Chromium: drop each UI workflow file onto the canvas as a person would,
+check every node loads, queue it with the "Queue Prompt" button and wait for its images on the canvas."""
+import copy
+import json
+import os
+import shutil
+
+import pytest
+
+from overdrive.runner.workflow_formats import without_meta
+from overdrive.runner.workflows import WORKFLOWS, load_workflow, prefix_images
+from test_workflows import cpu_sized
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.name.endswith("_api.json"))
+pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
+                                reason="Chromium is not installed (Debian package chromium; scripts/install.sh installs it)")
+
+DROP = """([name, text]) => {
+    const data = new DataTransfer();
+    data.items.add(new File([text], name, {type: "application/json"}));
+    return data;
+}"""
+SET_WIDGETS = """(changes) => {
+    for (const [id, values] of Object.entries(changes))
+        for (const widget of app.graph.getNodeById(+id).widgets)
+            if (widget.name in values) widget.value = values[widget.name];
+    const right = Math.max(...app.graph._nodes.map(n => n.pos[0] + n.size[0]));
+    const bottom = Math.max(...app.graph._nodes.map(n => n.pos[1] + n.size[1]));
+    app.canvas.ds.scale = Math.min(1, (innerWidth - 260) / (right + 40), innerHeight / (bottom + 40));
+    app.canvas.ds.offset = [0, 0];
+    app.graph.setDirtyCanvas(true, true);
+}"""
+QUEUED = "async () => (await app.graphToPrompt()).output"  # what "Queue Prompt" sends
+# An error dialog, or every Save Image node showing its loaded images on the canvas.
+OUTCOME = """() => {
+    const dialog = app.ui.dialog.element;
+    if (getComputedStyle(dialog).display !== "none") return {dialog: dialog.innerText};
+    const saves = app.graph._nodes.filter(n => n.type === "SaveImage");
+    const shown = saves.every(n => n.imgs?.length && n.imgs.every(i => i.complete && i.naturalWidth > 0));
+    return shown ? {images: saves.map(n => app.nodeOutputs[n.id].images.map(i => i.filename))} : null;
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    page = browser.new_page(viewport={"width": 1920, "height": 1080})
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(error))
+    page.goto(server.url)
+    page.wait_for_function("window.app?.graph && 'KSampler' in LiteGraph.registered_node_types")
+    yield page
+    page.close()
+
+
+def drop_file(page, path):
+    """A real drop event carrying the file, dispatched on the canvas (ComfyUI's handler reads it with FileReader)."""
+    data = page.evaluate_handle(DROP, [path.name, path.read_text()])
+    page.dispatch_event("#graph-canvas", "dragover", {"dataTransfer": data})
+    page.dispatch_event("#graph-canvas", "drop", {"dataTransfer": data})
+
+
+def edits(api, runnable) -> dict:
+    """{node id: {widget: value}} that turn the workflow `api` into `runnable`."""
+    changes = {key: {name: value for name, value in node["inputs"].items() if value != api[key]["inputs"][name]}
+               for key, node in runnable.items()}
+    return {key: values for key, values in changes.items() if values}
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])
+def test_dropped_workflow_loads_and_queues_to_an_image(path, page, server, tmp_path):
+    ui, api = json.loads(path.read_text()), load_workflow(path.with_name(f"{path.stem}_api.json"))
+    drop_file(page, path)
+    page.wait_for_function("(ids) => app.graph._nodes.map(n => n.id).sort((a, b) => a - b).join() === ids",
+                           arg=",".join(str(i) for i in sorted(node["id"] for node in ui["nodes"])))
+    assert page.locator(".comfy-missing-nodes").count() == 0
+    assert page.evaluate("app.graph._nodes.filter(n => !(n.type in LiteGraph.registered_node_types)).map(n => n.type)") == []
+    assert page.evaluate(QUEUED) == without_meta(api)
+
+    # Smaller and quicker, as a person would set it in the widgets; then "Queue Prompt".
+    prefix = f"browser-{path.stem}"
+    runnable = prefix_images(cpu_sized(copy.deepcopy(api)), prefix)
+    page.evaluate(SET_WIDGETS, edits(api, runnable))
+    assert page.evaluate(QUEUED) == without_meta(runnable)
+    page.get_by_role("button", name="Queue Prompt", exact=True).click()
+    outcome = page.wait_for_function(OUTCOME, timeout=900_000, polling=500).json_value()
+    page.screenshot(path=str(tmp_path / f"{path.stem}.png"))
+    assert "dialog" not in outcome, outcome.get("dialog")
+    saves = [node for node in ui["nodes"] if node["type"] == "SaveImage"]
+    assert len(outcome["images"]) == len(saves) and all(len(files) == 1 for files in outcome["images"])
+    for (filename,) in outcome["images"]:
+        assert filename.startswith(prefix) and (server.output_dir / filename).is_file()
+    assert (tmp_path / f"{path.stem}.png").stat().st_size > 0 and page.errors == []

@@ -63,6 +63,12 @@ def _has_tensor(value) -> bool:
     return False
 
 
+def _inert(patch_list) -> bool:
+    """Entries that only ride along in transformer_options["patches"] (e.g. QuantizeModel's device follower) and
+    never run inside the forward declare `forward_inert = True`."""
+    return all(getattr(p, "forward_inert", False) for p in patch_list)
+
+
 def _bind(x, timesteps=None, context=None, y=None, control=None, transformer_options=None, **kwargs):
     """UNetModel.forward's signature."""
     return x, timesteps, context, y, control, transformer_options, kwargs
@@ -225,7 +231,7 @@ class OpenAIUNetPaths(nn.Module):
         if control is not None and _has_tensor(control):
             return "ControlNet/T2I-Adapter residuals (control) reach the skipped blocks"
         patches = options.get("patches") or {}
-        unknown = sorted(k for k, v in patches.items() if v and k not in KNOWN_PATCHES)
+        unknown = sorted(k for k, v in patches.items() if v and k not in KNOWN_PATCHES and not _inert(v))
         if unknown:
             return f"transformer_options patches DeepCache does not implement: {unknown}"
         wrappers = options.get("wrappers")

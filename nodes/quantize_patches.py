@@ -83,6 +83,8 @@ class QuantizedModules:
     """Rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch
     names there) so that ModelPatcher.model_patches_to moves the quantized layers with the model."""
 
+    forward_inert = True  # never called by the model's forward: DeepCache may run around it
+
     def __init__(self, modules: dict):
         self.modules = modules
 

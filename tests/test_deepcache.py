@@ -304,6 +304,19 @@ def test_unknown_patches_and_a_drifted_forward_are_loud_not_silent(tiny, caplog)
             out = runner(*args, **kwargs)
     assert "emb_patch" in caplog.text and torch.equal(out, tiny.plain(tiny.sigmas[0]))
 
+    # An entry that only rides along in the patches (QuantizeModel's device follower says forward_inert) does not
+    # stop caching: shallow steps still run.
+    class RidesAlong:
+        forward_inert = True
+
+    runner = tiny.runner(cache_interval=3)
+    for sigma in tiny.sigmas[:3]:
+        args, kwargs = tiny.inputs(sigma)
+        kwargs["transformer_options"]["patches"] = {"overdrive_quantized": [RidesAlong()]}
+        with torch.no_grad():
+            runner(*args, **kwargs)
+    assert runner.stats.shallow_calls == 2 and runner.stats.fallback_calls == 0
+
     # A UNet whose forward does something the mirror does not (as a newer ComfyUI might): verification turns
     # DeepCache off for it, with an error, and every call runs that model's own forward.
     class DriftedUNet(type(tiny.unet)):

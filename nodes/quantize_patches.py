@@ -8,6 +8,7 @@
   model_options whenever it loads or offloads the model, also when it reuses already-loaded weights and so
   never moves the module tree itself.
 """
+import copy
 import hashlib
 import uuid
 
@@ -128,3 +129,40 @@ def patches_digest(patches: dict) -> str:
         digest.update(key.encode())
         feed(patches[key])
     return digest.hexdigest()
+
+
+def quantized_modules(patcher) -> dict:
+    """{layer name: quantized module} that Quantize Model installed on `patcher` (empty if none)."""
+    return {key[len(PREFIX):]: value for key, value in patcher.object_patches.items()
+            if key.startswith(PREFIX) and hasattr(value, "load_float_weight")}
+
+
+def requantize_onto(patcher, diffusion_model) -> list:
+    """SwitchWeights on a quantized model: the same layers, the same format and scales rule, quantized again from
+    `diffusion_model`'s weights (the new checkpoint's), without re-measuring. New modules, so the model that was
+    running keeps its own. Returns the names of the layers re-quantized."""
+    old = quantized_modules(patcher)
+    if not old:
+        return []
+    fresh = {}
+    for name, module in old.items():
+        layer = diffusion_model.get_submodule(name)
+        fresh[name] = copy.deepcopy(module).load_float_weight(layer.weight, layer.bias)
+    patcher.model_options["transformer_options"]["patches"]["overdrive_quantized"] = []  # the old layers' follower
+    install(patcher, fresh)
+    return sorted(fresh)
+
+
+def float_view(patcher):
+    """`patcher`'s diffusion model as its checkpoint has it: where quantized layers are swapped into the shared
+    module tree right now (a loaded quantized model), the float layers they replaced. Shares every tensor; only
+    read (SwitchWeights builds its twin from it), never run."""
+    current = patcher.model.diffusion_model
+    originals = {key[len(PREFIX):]: module for key, module in patcher.object_patches_backup.items()
+                 if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
+    if not originals:
+        return current
+    memo = {id(current.get_submodule(name)): original for name, original in originals.items()}
+    memo.update({id(t): t for t in current.state_dict(keep_vars=True).values()})
+    memo.update({id(v): v for v in current.__dict__.values() if callable(v) and not isinstance(v, torch.nn.Module)})
+    return copy.deepcopy(current, memo)

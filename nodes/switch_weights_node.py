@@ -9,6 +9,7 @@ import folder_paths
 from ..compiler import WeightMismatchError, twin_with_weights
 from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors
 from .forward_patch import FORWARD, compile_options, forward_for
+from .quantize_patches import float_view, requantize_onto
 
 log = logging.getLogger("overdrive")
 
@@ -62,7 +63,7 @@ class OverdriveSwitchWeights:
         path = folder_paths.get_full_path("checkpoints", ckpt_name)
         if path is None:
             raise FileNotFoundError(f"Checkpoint {ckpt_name!r} is not in ComfyUI's checkpoints folder.")
-        current = model.model.diffusion_model
+        current = float_view(model)  # a loaded quantized model has 8-bit layers in the shared tree
         with SWITCH_LOCK:  # one switch at a time; the running model is never written to
             state = load_unet_weights(path, reference_tensors(current))
             twin = twin_with_weights(current, state, source=ckpt_name)
@@ -72,6 +73,8 @@ class OverdriveSwitchWeights:
                 # The same patch (compiled, DeepCache) over the twin. Same architecture: same graphs, no recompile.
                 switched.add_object_patch(FORWARD, forward_for(switched, forward))
             compiled = compile_options(forward) is not None
-        log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s)", ckpt_name,
-                 time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled")
+            requantized = requantize_onto(switched, twin)
+        log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s%s)", ckpt_name,
+                 time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled",
+                 f"; {len(requantized)} quantized layers re-quantized from the new weights" if requantized else "")
         return (switched,)

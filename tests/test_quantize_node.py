@@ -362,3 +362,27 @@ def test_compile_quantize_workflow_runs_to_an_image_through_the_server(client, s
     assert torch.isfinite(out).all() and relative_error(out, latent_of(eager, server)) < TOLERANCE
     log = server.log_text()
     assert "99 of 119 layers quantized" in log and "cache miss, calibrated" in log
+
+
+def test_switch_weights_on_a_quantized_model_requantizes_the_same_layers_from_the_new_weights(
+        comfy, quantized, quantized_latent, node, prompt, sample, builtin_checkpoints):
+    """Quantize -> (sampled, so its layers are in the tree) -> SwitchWeights: the new checkpoint's weights in the
+    same 8-bit layers, equal to quantizing that checkpoint directly; the quantized model that ran is unchanged."""
+    import os
+
+    import folder_paths
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+
+    path = builtin_checkpoints["overdrive-builtin-sd15-seed1.safetensors"]
+    folder_paths.add_model_folder_path("checkpoints", os.path.dirname(path))
+    model = quantized["model"]
+    switched = NODE_CLASS_MAPPINGS["OverdriveSwitchWeights"]().switch(model, os.path.basename(path))[0]
+    assert set(quantized_names(switched)) == set(quantized_names(model))
+    out = sample(switched)
+    assert relative_error(out, quantized_latent) > 0.05  # other weights ran
+
+    import comfy.sd
+    other = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
+    direct, _ = quantize(node, other, prompt, **EVERYTHING)
+    assert relative_error(out, sample(direct)) < TOLERANCE
+    assert torch.equal(sample(model), quantized_latent)  # the model that was running is untouched

@@ -7,6 +7,7 @@ runs through the graphs already compiled (its parameters are graph inputs), with
 anything really differs, Dynamo's guards catch it and recompile rather than run wrong code.
 """
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -105,6 +106,11 @@ def _own_copy(out):
         return out.clone()
     if isinstance(out, (tuple, list)):
         return type(out)(_own_copy(o) for o in out)
+    if isinstance(out, dict):  # e.g. diffusers' UNet2DConditionOutput / DecoderOutput (return_dict=True)
+        copied = copy.copy(out)
+        for key, value in out.items():
+            copied[key] = _own_copy(value)
+        return copied
     return out
 
 

@@ -16,9 +16,11 @@ from .config import DeepCacheConfig, DeepCacheConfigError
 from .paths import CallInfo, UNetPaths
 from .runner import DeepCacheRunner, DeepCacheUnsupportedError
 from .schedule import DeepCacheSchedule, RunStats, StepDecision
+from .unet_diffusers import DiffusersUNetPaths
 from .unet_openai import OpenAIUNetPaths, UnsupportedUNetError
 
 __all__ = [
     "DeepCacheConfig", "DeepCacheConfigError", "DeepCacheRunner", "DeepCacheUnsupportedError", "DeepCacheSchedule",
     "RunStats", "StepDecision", "FeatureCache", "CallInfo", "UNetPaths", "OpenAIUNetPaths", "UnsupportedUNetError",
+    "DiffusersUNetPaths",
 ]

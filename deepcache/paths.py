@@ -1,11 +1,11 @@
 """What a UNet adapter gives the runner: how to read a call, and the full and shallow paths.
 
 `DeepCacheRunner` is generic; one adapter per UNet family implements `UNetPaths`: `unet_openai.OpenAIUNetPaths`
-for ComfyUI's openaimodel UNet (input_blocks/middle_block/output_blocks); a diffusers adapter
-(down_blocks/mid_block/up_blocks) is another module implementing the same protocol.
+for ComfyUI's openaimodel UNet (input_blocks/middle_block/output_blocks), `unet_diffusers.DiffusersUNetPaths` for
+diffusers' UNet2DConditionModel (down_blocks/mid_block/up_blocks).
 """
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -22,6 +22,8 @@ class CallInfo:
     unsupported: str | None = None       # why this call cannot be served by the paths (it then runs the native forward)
     sample_sigmas: torch.Tensor | None = None  # the run's whole sigma schedule, when the caller passes it
     kind: tuple | None = None            # what the first-call verification is keyed on (None: the runner's default)
+    finish: Callable | None = None       # applied to a path's output before it is returned (e.g. the caller's
+                                         # return type); the native forward's output is returned as it is
 
 
 class UNetPaths(Protocol):

@@ -28,7 +28,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 class DeepCacheRunner:
     """Call it like the UNet's forward. Thread-safe bookkeeping; the model itself is never modified.
 
-    paths: a UNetPaths adapter (`OpenAIUNetPaths` for ComfyUI's UNetModel).
+    paths: a UNetPaths adapter (`OpenAIUNetPaths` for ComfyUI's UNetModel, `DiffusersUNetPaths` for diffusers'
+        UNet2DConditionModel).
     percent_to_sigma: needed when the config narrows [start_percent, end_percent] (ComfyUI:
         model.model_sampling.percent_to_sigma).
     native_forward: what to run for calls DeepCache cannot serve (default: the UNet class's own forward). Pass the
@@ -60,6 +61,16 @@ class DeepCacheRunner:
         config = config or DeepCacheConfig()
         paths = OpenAIUNetPaths(unet, config.cache_depth, forward_timestep_embed, timestep_embedding)
         return cls(paths, config, percent_to_sigma=percent_to_sigma, native_forward=native_forward)
+
+    @classmethod
+    def for_diffusers_unet(cls, unet, config: DeepCacheConfig | None = None, *, num_train_timesteps: int = 1000,
+                           native_forward=None) -> "DeepCacheRunner":
+        """Over a diffusers UNet2DConditionModel; steps are keyed on the timestep (diffusers passes no sigmas), and
+        start/end_percent map onto the `num_train_timesteps` axis as in ComfyUI (0 -> the last timestep, 1 -> 0)."""
+        from .unet_diffusers import DiffusersUNetPaths
+        config = config or DeepCacheConfig()
+        paths = DiffusersUNetPaths(unet, config.cache_depth, num_train_timesteps)
+        return cls(paths, config, percent_to_sigma=paths.percent_to_timestep, native_forward=native_forward)
 
     def compile_paths(self, wrap) -> None:
         """Route the two paths through compiled callables: `wrap(paths_module, "full_forward" | "shallow_forward")`
@@ -143,11 +154,11 @@ class DeepCacheRunner:
                     self.schedule.note_call("full")
                 else:
                     self.schedule.note_call("fallback", "no cached feature for this batch layout")
-            return out
+            return info.finish(out) if info.finish is not None else out
         out = self.shallow_path(cached, *info.path_args, **info.path_kwargs)
         with self._lock:
             self.schedule.note_call("shallow")
-        return out
+        return info.finish(out) if info.finish is not None else out
 
     def _read(self, info: CallInfo):
         """Sigmas, conditioning fingerprint and the run's sigma list, as Python floats (one device sync)."""
@@ -189,7 +200,7 @@ class DeepCacheRunner:
         if not error <= VERIFY_RTOL:
             name = type(getattr(self.paths, "unet", self.paths)).__name__
             self.disabled = (f"DeepCache's mirrored forward of {name} differs from the model's own forward (relative "
-                             f"error {error:.3g}, call kind {kind}); this ComfyUI version's UNet forward is not the one "
+                             f"error {error:.3g}, call kind {kind}); the installed version's UNet forward is not the one "
                              "DeepCache mirrors")
             log.error("%s. DeepCache is OFF for this model: every step runs the model's own forward.", self.disabled)
             if self.config.on_unsupported == "error":

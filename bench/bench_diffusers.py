@@ -1,0 +1,263 @@
+"""GPU benchmark of overdrive.api on a diffusers StableDiffusionXLPipeline: eager, the peer (torch.compile of the UNet
+and VAE decode as diffusers' "accelerate inference" tutorial does it: channels_last, mode="max-autotune",
+fullgraph=True) and Overdrive (compile_, + quantize_, + deepcache_), in one process, same seed.
+
+  python bench/bench_diffusers.py --out bench/results/DATE_h100_diffusers_sdxl1024.json
+  python bench/bench_diffusers.py --tiny --device cpu          # smoke test of every variant (Dynamo without Inductor)
+
+The UNet and VAE are diffusers' SDXL classes at SDXL base 1.0's config values with fixed-seed random weights (each
+variant builds the UNet again from the seed: identical weights, nothing left over from the previous variant). The
+text encoders are not called: random prompt_embeds / pooled_prompt_embeds of SDXL's shapes (77x2048, 1280) stand in
+for them. Reported per variant: s/image (median of --repeats, whole pipeline call incl. VAE decode), first run
+(cold: includes compiling; Inductor's caches start empty in a temp folder), warm compile (after
+torch._dynamo.reset(), with Inductor's and Overdrive's disk caches filled: what a restarted process pays), peak VRAM,
+relative error of the final latent (and image) vs eager, Dynamo graphs; plus GPU and torch/triton versions.
+"""
+import argparse
+import gc
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_compile import environment  # noqa: E402
+
+VARIANTS = ("eager", "peer", "overdrive", "overdrive+quant", "overdrive+quant+deepcache")
+SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                 transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+                 use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=2816, norm_num_groups=32)
+SDXL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=1024,
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                scaling_factor=0.13025, force_upcast=False)
+TINY_UNET = dict(SDXL_UNET, sample_size=8, layers_per_block=1, block_out_channels=(32, 64),
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                 transformer_layers_per_block=(1, 1), attention_head_dim=(4, 8), cross_attention_dim=64,
+                 addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32, norm_num_groups=8)
+TINY_VAE = dict(SDXL_VAE, block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8, sample_size=64, layers_per_block=1)
+EMBEDS = {"full": (77, 2048, 1280), "tiny": (8, 64, 32)}  # tokens, context width, pooled width
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_unet(args):
+    from diffusers import UNet2DConditionModel
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        unet = UNet2DConditionModel(**(TINY_UNET if args.tiny else SDXL_UNET))
+    return unet.to(args.dtype).eval().requires_grad_(False)
+
+
+def build_pipeline(args):
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline
+    torch.manual_seed(args.seed + 1)
+    with torch.device(args.device):
+        vae = AutoencoderKL(**(TINY_VAE if args.tiny else SDXL_VAE))
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       timestep_spacing="leading", steps_offset=1)
+    pipe = StableDiffusionXLPipeline(vae=vae.to(args.dtype).eval().requires_grad_(False), text_encoder=None,
+                                     text_encoder_2=None, tokenizer=None, tokenizer_2=None, unet=build_unet(args),
+                                     scheduler=scheduler, add_watermarker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def prompt_inputs(args) -> dict:
+    """Random stand-ins for the two text encoders' outputs (fixed seed), positive and negative."""
+    tokens, width, pooled = EMBEDS["tiny" if args.tiny else "full"]
+    g = torch.Generator().manual_seed(args.seed + 2)
+    make = lambda *shape: torch.randn(1, *shape, generator=g).to(args.device, args.dtype)  # noqa: E731
+    return {"prompt_embeds": make(tokens, width), "negative_prompt_embeds": make(tokens, width),
+            "pooled_prompt_embeds": make(pooled), "negative_pooled_prompt_embeds": make(pooled)}
+
+
+def generate(pipe, args, embeds, output_type="np"):
+    """One image; returns (image, final latent, seconds)."""
+    final = {}
+
+    def keep_latent(pipeline, step, timestep, callback_kwargs):
+        final["latent"] = callback_kwargs["latents"]
+        return callback_kwargs
+
+    sync()
+    start = time.perf_counter()
+    image = pipe(**embeds, height=args.res, width=args.res, num_inference_steps=args.steps,
+                 guidance_scale=args.guidance, output_type=output_type, callback_on_step_end=keep_latent,
+                 generator=torch.Generator().manual_seed(args.seed)).images
+    sync()
+    return torch.as_tensor(image), final["latent"].float().cpu(), time.perf_counter() - start
+
+
+def apply_variant(pipe, variant, args, embeds) -> dict:
+    """Install `variant` on a pipeline with a fresh UNet; returns what it reported (quantization, DeepCache)."""
+    from overdrive.api import CompileOptions, DeepCacheConfig, QuantConfig, compile_, deepcache_, quantize_
+    info = {}
+    if variant == "peer":
+        pipe.unet.to(memory_format=torch.channels_last)
+        pipe.vae.to(memory_format=torch.channels_last)
+        kwargs = dict(mode=args.peer_mode, fullgraph=True, backend=args.backend)
+        if args.backend != "inductor":
+            kwargs.pop("mode")
+        pipe.unet = torch.compile(pipe.unet, **kwargs)
+        pipe.vae.decode = torch.compile(pipe.vae.decode, **kwargs)
+        return info
+    parts = variant.split("+")
+    if "quant" in parts:
+        config = QuantConfig(format=args.quant_format, **({} if args.density is None else
+                                                          {"compute_density_threshold": args.density}))
+        start = time.perf_counter()
+        report = quantize_(pipe, config, calibration=dict(embeds, height=args.res, width=args.res,
+                                                          guidance_scale=args.guidance))
+        info["quantize_s"] = round(time.perf_counter() - start, 2)
+        info["quantization"] = report.summary()
+    if "overdrive" in parts:
+        compile_(pipe, CompileOptions(mode=args.mode, cuda_graphs=args.device == "cuda", backend=args.backend))
+    if "deepcache" in parts:
+        info["runner"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval))
+    return info
+
+
+def reset_pipeline(pipe, args):
+    """Back to eager with a freshly built UNet (same seed, same weights) and the VAE's own decode."""
+    pipe.vae.__dict__.pop("decode", None)
+    pipe.vae.to(memory_format=torch.contiguous_format)
+    pipe.unet = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    pipe.unet = build_unet(args)
+
+
+def warm_compile_s(pipe, variant, args, embeds, per_image) -> float:
+    """A restart's compile cost: forget every compiled graph in memory, compile again from the disk caches."""
+    from overdrive.api import CompileOptions, compile_
+    from overdrive.compiler import clear_shared_graphs
+    torch._dynamo.reset()
+    clear_shared_graphs()
+    if variant != "peer":
+        compile_(pipe, CompileOptions(mode=args.mode, cuda_graphs=args.device == "cuda", backend=args.backend))
+    _, _, first = generate(pipe, args, embeds)
+    return round(first - per_image, 2)
+
+
+def run_variant(pipe, variant, args, embeds, reference) -> dict:
+    from overdrive.compiler import dynamo_graph_count
+    info = apply_variant(pipe, variant, args, embeds)
+    graphs = dynamo_graph_count()
+    image, latent, first = generate(pipe, args, embeds)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        image, latent, seconds = generate(pipe, args, embeds)
+        times.append(seconds)
+    per_image = statistics.median(times)
+    reference = reference or {"image": image, "latent": latent}
+    error = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    row = {"variant": variant, "s_per_image": round(per_image, 4), "first_run_s": round(first, 2),
+           "cold_compile_s_est": round(first - per_image, 2), "dynamo_graphs": dynamo_graph_count() - graphs,
+           "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
+           "rel_err_latent_vs_eager": error(latent, reference["latent"]),
+           "rel_err_image_vs_eager": error(image, reference["image"]), "finite": bool(torch.isfinite(latent).all())}
+    runner = info.pop("runner", None)
+    if runner is not None:
+        stats = runner.stats
+        row["deepcache"] = {"full_calls": stats.full_calls, "shallow_calls": stats.shallow_calls,
+                            "decisions": stats.decisions}
+    row.update(info)
+    if variant != "eager" and not args.no_warm:
+        row["warm_compile_s_est"] = warm_compile_s(pipe, variant, args, embeds, per_image)
+    return row, reference
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--res", type=int, default=None, help="image side in pixels (default 1024; --tiny: 64)")
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default 20; --tiny: 4)")
+    parser.add_argument("--guidance", type=float, default=5.0, help="CFG scale (> 1: cond and uncond, batch 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 3; --tiny: 1)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny SDXL-shaped UNet/VAE: smoke test of the script")
+    parser.add_argument("--backend", default=None, help="torch.compile backend for the peer and Overdrive (default "
+                        "inductor; --tiny on the CPU: eager, i.e. Dynamo without Inductor's slow C++ compiles)")
+    parser.add_argument("--mode", default="default", choices=["default", "max-autotune"], help="Overdrive's mode")
+    parser.add_argument("--peer-mode", default=None, help="the peer's torch.compile mode (default max-autotune)")
+    parser.add_argument("--quant-format", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    parser.add_argument("--density", type=float, default=None, help="QuantConfig.compute_density_threshold "
+                        "(default: QuantConfig's; --tiny: 0, so tiny layers quantize too)")
+    parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval")
+    parser.add_argument("--no-warm", action="store_true", help="skip the warm (restart) compile measurement")
+    parser.add_argument("--out", default=None, help="JSON report path, e.g. bench/results/DATE_h100_diffusers.json")
+    args = parser.parse_args(argv)
+    tiny = {"res": 64, "steps": 4, "repeats": 1} if args.tiny else {"res": 1024, "steps": 20, "repeats": 3}
+    for name, value in tiny.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.backend is None:
+        args.backend = "eager" if args.tiny and args.device == "cpu" else "inductor"
+    args.peer_mode = args.peer_mode or "max-autotune"
+    if args.density is None and args.tiny:
+        args.density = 0.0
+    args.dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Cold compiles: Inductor's and Overdrive's caches start empty (a temp folder), and fill for the warm measurement.
+    cache = tempfile.mkdtemp(prefix="overdrive-bench-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+    os.environ["OVERDRIVE_CACHE_DIR"] = cache
+    from overdrive.compiler import CompileDiskCache, set_disk_cache
+    set_disk_cache(CompileDiskCache(pathlib.Path(cache) / "compiled"))
+    import diffusers
+
+    pipe, embeds = build_pipeline(args), prompt_inputs(args)
+    rows, reference = [], None
+    for variant in [v for v in VARIANTS if v in args.variants.split(",")]:
+        row, reference = run_variant(pipe, variant, args, embeds, reference)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        reset_pipeline(pipe, args)
+    eager = next((r for r in rows if r["variant"] == "eager"), None)
+    for r in rows:
+        r["speedup_vs_eager"] = round(eager["s_per_image"] / r["s_per_image"], 3) if eager else None
+    settings = {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}
+    report = {"benchmark": "diffusers", "pipeline": "StableDiffusionXLPipeline", "settings": settings,
+              "environment": dict(environment(), diffusers=diffusers.__version__), "batch": 1,
+              "text_encoders": "skipped: random prompt_embeds/pooled_prompt_embeds of SDXL's shapes",
+              "weights": "fixed-seed random (diffusers' default init), SDXL base 1.0 config values",
+              "peer": f"torch.compile(unet and vae.decode, mode={args.peer_mode!r}, fullgraph=True), channels_last",
+              "results": rows}
+    print("\n| variant | s/image | speedup | first run (s) | warm compile (s) | peak VRAM GiB | rel err latent |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['s_per_image']} | {r['speedup_vs_eager']} | {r['first_run_s']} | "
+              f"{r.get('warm_compile_s_est', '-')} | {r['peak_vram_gib']} | {r['rel_err_latent_vs_eager']:.2e} |")
+    print(json.dumps(report["environment"]))
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""compile_: torch.compile through Overdrive's compiler core, so graphs are shared per architecture in memory and
+cached on disk exactly as for the ComfyUI nodes (same CompiledMethod, same fingerprints, same cache keys)."""
+import torch.nn as nn
+
+from ..compiler import CompiledMethod, CompileOptions
+from .installed import compiled_runner_parts, install_runner_parts, runner_of
+from .targets import is_pipeline, pipeline_unet, pipeline_vae
+
+
+def compile_(target, options: CompileOptions | None = None, *, methods=("forward",)) -> dict:
+    """Compile in place; returns {"unet.forward": CompiledMethod, ...} (their `.graph` has the compile stats).
+
+    - a diffusers pipeline: its UNet's forward and its VAE's decode;
+    - a torch.nn.Module: `methods` of it (default: forward).
+    Compiling happens at the first call of each; if compiling or running compiled code ever fails, that model runs
+    eager from then on with a warning. With DeepCache on the UNet (deepcache_), its two paths are compiled too.
+    Calling compile_ again replaces the options.
+    """
+    options = CompileOptions() if options is None else options
+    if not isinstance(options, CompileOptions):
+        raise TypeError(f"compile_: options must be a CompileOptions, not {type(options).__name__}; e.g. "
+                        "CompileOptions(mode='max-autotune'). Nothing was changed.")
+    if is_pipeline(target):
+        plan = [("unet", pipeline_unet(target, "compile_"), "forward")]
+        vae = pipeline_vae(target)
+        if vae is not None:
+            plan.append(("vae", vae, "decode"))
+    elif isinstance(target, nn.Module):
+        methods = (methods,) if isinstance(methods, str) else tuple(methods)
+        missing = [m for m in methods if not callable(getattr(type(target), m, None))]
+        if missing or not methods:
+            raise ValueError(f"compile_: {type(target).__name__} has no method(s) {missing or methods}; pass methods= "
+                             "naming methods of its class (e.g. ('decode',) for a VAE). Nothing was changed.")
+        plan = [(type(target).__name__, target, m) for m in methods]
+    else:
+        raise TypeError(f"compile_ takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}. "
+                        "Nothing was changed.")
+
+    # Build everything first, install after: a failure leaves every module as it was.
+    built = []
+    for name, module, method in plan:
+        runner = runner_of(module) if method == "forward" else None
+        if runner is not None:
+            built.append((name, module, method, runner, compiled_runner_parts(runner, module, options)))
+        else:
+            built.append((name, module, method, None, CompiledMethod(module, method, options)))
+    compiled = {}
+    for name, module, method, runner, made in built:
+        if runner is not None:
+            install_runner_parts(runner, made)
+            compiled.update({f"{name}.{method}": made["native"], f"{name}.deepcache.full_forward": made["full_path"],
+                             f"{name}.deepcache.shallow_forward": made["shallow_path"]})
+        else:
+            setattr(module, method, made)
+            compiled[f"{name}.{method}"] = made
+    return compiled

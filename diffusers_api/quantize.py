@@ -1,0 +1,60 @@
+"""quantize_: Overdrive's measured int8/fp8 quantization (overdrive.quantization) on a pipeline's UNet or a module."""
+import torch
+
+from ..quantization import QuantConfig, QuantReport
+from ..quantization import quantize_ as quantize_module_
+from .installed import eager_forward, recompile_after_swap
+from .targets import is_pipeline, target_module
+
+CALIBRATION_STEPS = 4  # sampling steps of the default calibration run: spread over the whole noise range
+
+
+def quantize_(target, config: QuantConfig | None = None, calibration=None, *, cache=None, filter_fn=None,
+              resolution=None) -> QuantReport:
+    """Quantize in place, layer by layer where it is measured to be accurate and worth it; returns the report.
+
+    - target: a diffusers pipeline (its UNet is quantized; text encoders and VAE stay as they are) or a module.
+    - calibration: what runs the model so the layers' real inputs can be measured:
+        * for a pipeline, a dict of pipeline arguments with your prompt and resolution, e.g.
+          {"prompt": "a photo of a cat", "height": 1024, "width": 1024}: the pipeline runs once with them
+          (num_inference_steps=4 unless given, output_type="latent", generator seeded 0 unless given);
+        * a callable that runs the model (called with no arguments, or with the module if it takes one),
+          e.g. lambda: pipe("a cat", num_inference_steps=4);
+        * a Calibrator you already ran (overdrive.quantization.Calibrator);
+        * None: only with a cache that already holds the decisions for these weights and settings.
+      Calibration always runs the eager forward, even when compile_ or deepcache_ were applied before.
+    - cache: None (off), True (~/.cache/overdrive/quantization or $OVERDRIVE_CACHE_DIR), a folder or a QuantCache:
+      decisions and quantized weights, so a later process skips calibration.
+    - filter_fn(module, qualified_name) -> bool: False leaves that layer alone. resolution: part of the cache key
+      (taken from the calibration dict's height/width when not given).
+    All or nothing: if anything fails, the error propagates and the model is unchanged.
+    """
+    module = target_module(target, "quantize_")
+    if config is not None and not isinstance(config, QuantConfig):
+        raise TypeError(f"quantize_: config must be a QuantConfig, not {type(config).__name__}; e.g. "
+                        "QuantConfig(format='int8'). Nothing was changed.")
+    if calibration is None and cache in (None, False):
+        raise ValueError("quantize_ needs calibration: pass calibration={'prompt': ..., 'height': ..., 'width': ...} "
+                         "(a pipeline; it runs a few steps), a callable that runs the model, or a Calibrator; or a "
+                         "cache= that already holds the decisions. Nothing was changed.")
+    if isinstance(calibration, dict):
+        if not is_pipeline(target):
+            raise TypeError("quantize_: a dict of pipeline arguments calibrates a pipeline; for a module pass a "
+                            "callable that runs it. Nothing was changed.")
+        calibration, resolution = _pipeline_run(target, calibration, resolution)
+    with eager_forward(module):
+        report = quantize_module_(module, config, calibration, filter_fn, cache=cache, resolution=resolution)
+    recompile_after_swap(module)
+    return report
+
+
+def _pipeline_run(pipe, arguments: dict, resolution):
+    arguments = {"num_inference_steps": CALIBRATION_STEPS, "output_type": "latent",
+                 "generator": torch.Generator().manual_seed(0), **arguments}
+    if resolution is None and "height" in arguments and "width" in arguments:
+        resolution = (arguments["height"], arguments["width"])
+
+    def run():
+        pipe(**arguments)
+
+    return run, resolution

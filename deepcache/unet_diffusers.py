@@ -20,6 +20,7 @@ import torch.nn as nn
 from .config import DeepCacheConfigError
 from .paths import CallInfo
 from .unet_openai import UnsupportedUNetError
+from .weights import weights_token
 
 DOWN_BLOCKS = frozenset(("CrossAttnDownBlock2D", "DownBlock2D"))
 UP_BLOCKS = frozenset(("CrossAttnUpBlock2D", "UpBlock2D"))
@@ -219,8 +220,7 @@ class DiffusersUNetPaths(nn.Module):
         return info
 
     def weights_token(self) -> int:
-        """Changes when parameters are replaced by new Parameter objects: features of other weights are never reused."""
-        return hash(tuple(map(id, self.unet.parameters())))
+        return weights_token(self.unet)
 
     def _unsupported(self, cond, residuals) -> str | None:
         if any(r is not None for r in residuals):

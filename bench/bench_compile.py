@@ -9,25 +9,13 @@ are off for the side-by-side variants (`--warm-cache` keeps them on, for the res
 """
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
-import pathlib
 
 import torch
 
 from overdrive.runner.inprocess import build_model, conditioning, import_comfy
-
-
-def environment():
-    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["capability"] = list(torch.cuda.get_device_capability())
-        import triton
-        info["triton"] = triton.__version__
-    return info
+from report import add_speedups, environment, finish
 
 
 def sync():
@@ -214,21 +202,15 @@ def main():
         comfy.model_management.soft_empty_cache()
 
     vae_rows = bench_vae(comfy, run_node, reference, args.repeats) if args.vae else []
-    eager = next((r for r in results if r["variant"] == "eager"), None)
-    for r in results:
-        r["speedup_vs_eager"] = round(eager["s_per_image"] / r["s_per_image"], 3) if eager else None
+    add_speedups(results)
     report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
               "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results,
               "vae_decode": vae_rows}
-    print("\n| variant | s/image | s/step | speedup | first run (s) | peak VRAM GiB | rel err | graphs |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['variant']} | {r['s_per_image']} | {r['s_per_step']} | {r['speedup_vs_eager']} | {r['first_run_s']} "
-              f"| {r['peak_vram_gib']} | {r['rel_err_vs_first_variant']:.2e} | {r['dynamo_graphs']} |")
-    print(json.dumps(report["environment"]))
-    if args.out:
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+    finish(report, results, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
+                             ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),
+                             ("first run (s)", lambda r: r["first_run_s"]), ("peak VRAM GiB", lambda r: r["peak_vram_gib"]),
+                             ("rel err", lambda r: f"{r['rel_err_vs_first_variant']:.2e}"),
+                             ("graphs", lambda r: r["dynamo_graphs"])], args.out)
 
 
 if __name__ == "__main__":

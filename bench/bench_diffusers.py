@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_compile import environment  # noqa: E402
+from report import add_speedups, environment, finish  # noqa: E402
 
 VARIANTS = ("eager", "peer", "overdrive", "overdrive+quant", "overdrive+quant+deepcache")
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
@@ -237,9 +237,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         reset_pipeline(pipe, args)
-    eager = next((r for r in rows if r["variant"] == "eager"), None)
-    for r in rows:
-        r["speedup_vs_eager"] = round(eager["s_per_image"] / r["s_per_image"], 3) if eager else None
+    add_speedups(rows)
     settings = {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}
     report = {"benchmark": "diffusers", "pipeline": "StableDiffusionXLPipeline", "settings": settings,
               "environment": dict(environment(), diffusers=diffusers.__version__), "batch": 1,
@@ -247,15 +245,11 @@ def main(argv=None):
               "weights": "fixed-seed random (diffusers' default init), SDXL base 1.0 config values",
               "peer": f"torch.compile(unet and vae.decode, mode={args.peer_mode!r}, fullgraph=True), channels_last",
               "results": rows}
-    print("\n| variant | s/image | speedup | first run (s) | warm compile (s) | peak VRAM GiB | rel err latent |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['s_per_image']} | {r['speedup_vs_eager']} | {r['first_run_s']} | "
-              f"{r.get('warm_compile_s_est', '-')} | {r['peak_vram_gib']} | {r['rel_err_latent_vs_eager']:.2e} |")
-    print(json.dumps(report["environment"]))
-    if args.out:
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+    finish(report, rows, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
+                          ("speedup", lambda r: r["speedup_vs_eager"]), ("first run (s)", lambda r: r["first_run_s"]),
+                          ("warm compile (s)", lambda r: r.get("warm_compile_s_est", "-")),
+                          ("peak VRAM GiB", lambda r: r["peak_vram_gib"]),
+                          ("rel err latent", lambda r: f"{r['rel_err_latent_vs_eager']:.2e}")], args.out)
     return report
 
 

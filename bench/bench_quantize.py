@@ -11,7 +11,6 @@ embedding (padding path of _int_mm). `--m` forces one M for every shape. Compile
 import argparse
 import json
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from report import environment
 from overdrive.quantization import (Fp8Linear, Int8Linear, QuantConfig, fp8_supported, int8_supported,
                                     linear_density, normalised_mse, plan_quantization)
 
@@ -34,15 +34,6 @@ SHAPES = [
     ("ff out 5120->1280", 2048, 5120, 1280),
 ]
 QUICK = {"temb 320->1280 (M=2)", "attn qkvo 640", "ff GEGLU in 640->5120", "ff GEGLU in 1280->10240"}
-
-
-def environment():
-    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
-    if torch.cuda.is_available():
-        import triton
-        info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                    triton=triton.__version__)
-    return info
 
 
 def bench_ms(fn, smoke=False):

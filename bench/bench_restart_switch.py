@@ -99,7 +99,7 @@ def main():
             raise SystemExit(f"phase {name} failed")
         rows.append(json.loads(lines[-1][7:]))
         print(json.dumps(rows[-1]), flush=True)
-    from bench_compile import environment
+    from report import environment
     report = {"benchmark": "restart_switch", "settings": vars(args), "environment": environment(), "results": rows,
               "cache_mb": round(sum(p.stat().st_size for p in (workdir / "overdrive").rglob("*.bin")) / 1e6, 1)}
     print(json.dumps(report["environment"]), "cache MB:", report["cache_mb"])

@@ -40,7 +40,9 @@ class CompiledMethod:
     """
 
     def __init__(self, module: torch.nn.Module, method: str = "forward", options: CompileOptions | None = None,
-                 reporter=None):
+                 reporter=None, variant: str = ""):
+        """`variant`: what the module tree will hold at run time that it does not hold now (e.g. layers a
+        ModelPatcher swaps in when the model loads), so such a model gets its own graph entry."""
         self.module = module
         self.method = method
         self.options = options or CompileOptions()
@@ -48,7 +50,10 @@ class CompiledMethod:
         # Inference only. Weight patches (LoRA) and switched weights arrive as requires_grad=False parameters; the
         # same flag on the originals keeps Dynamo's guards equal, so they never cause a recompile.
         module.requires_grad_(False)
-        self.fingerprint = architecture_fingerprint(module, {"method": method, "options": self.options.as_key()})
+        extra = {"method": method, "options": self.options.as_key()}
+        if variant:
+            extra["variant"] = variant
+        self.fingerprint = architecture_fingerprint(module, extra)
         self.graph, self.shared = shared_graph(self.fingerprint, method, self.options, describe(module))
         if self.shared:
             log.info("Overdrive: %s.%s reuses the compiled graph of architecture %s (no recompile)",

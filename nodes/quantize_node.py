@@ -10,6 +10,7 @@ from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
 from ..quantization import FORMATS, QuantCache, QuantConfig, plan_quantization, weights_digest
 from .quantize_calibration import MAX_STEPS, CalibrationRun
+from .forward_patch import FORWARD, forward_for
 from .quantize_patches import bake_weight_patches, install, patches_digest
 
 log = logging.getLogger("overdrive")
@@ -71,6 +72,9 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun):
     patched = model.clone()
     baked = bake_weight_patches(patched, plan.modules, model.load_device)
     install(patched, plan.modules)
+    forward = patched.object_patches.get(FORWARD)
+    if forward is not None:  # Compile Model / DeepCache came first: rebuilt, so their graphs are keyed by the 8-bit layers
+        patched.add_object_patch(FORWARD, forward_for(patched, forward))
     report = plan.report
     path = cache.decisions_path(report.cache_key)
     if report.cache_hit:

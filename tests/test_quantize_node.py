@@ -288,7 +288,11 @@ def test_compile_then_quantize_calibrates_eager_and_keeps_the_compiled_forward(c
     patched, report = quantize(node, compiled, prompt, quantize_linear=False, **EVERYTHING)
     assert report.calibrated and dynamo_graph_count() == graphs  # calibrated eager: nothing compiled
     assert quantized_names(patched) == eligible(float_layers, kinds=("conv",))
-    assert isinstance(patched.object_patches["diffusion_model.forward"], CompiledMethod)
+    forward = patched.object_patches["diffusion_model.forward"]
+    assert isinstance(forward, CompiledMethod) and forward.options == compiled.object_patches[
+        "diffusion_model.forward"].options
+    # The 8-bit layers key the graph: the quantized model does not pose as the float model's compiled graph.
+    assert forward.fingerprint != compiled.object_patches["diffusion_model.forward"].fingerprint
 
 
 # -------------------------------------------------------------------------------------------- inputs and failures

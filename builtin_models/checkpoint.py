@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..cache_dirs import cache_dir
 from .clip import CLIP_BIGG, CLIP_L, clip_l_tensors, open_clip_tensors
 from .tensors import Specs, with_prefix
 from .unet import unet_config, unet_tensors
@@ -34,8 +35,7 @@ def checkpoint_tensors(arch: str, size: str) -> Specs:
 
 
 def default_directory() -> pathlib.Path:
-    root = os.environ.get("OVERDRIVE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "overdrive"
-    return pathlib.Path(root) / "checkpoints"
+    return cache_dir("checkpoints")
 
 
 def checkpoint_name(arch: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float16) -> str:

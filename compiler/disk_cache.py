@@ -16,13 +16,15 @@ import threading
 
 import torch
 
+from ..cache_dirs import cache_dir
+
 log = logging.getLogger("overdrive.compiler")
 MAGIC = b"OVDRV001"
 _lock = threading.Lock()
 
 
 def default_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("OVERDRIVE_CACHE_DIR", pathlib.Path.home() / ".cache" / "overdrive")) / "compiled"
+    return cache_dir("compiled")
 
 
 def device_identity(device: torch.device) -> dict:

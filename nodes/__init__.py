@@ -1,9 +1,6 @@
 """ComfyUI node registrations. Each node is a thin adapter over the core packages."""
-import os
-
-import folder_paths
-
-from ..compiler import CompileDiskCache, set_disk_cache
+from ..compiler import CompileDiskCache, get_disk_cache, set_disk_cache
+from .cache_folder import comfy_cache_dir
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
 from .quantize_node import OverdriveQuantizeModel
@@ -24,6 +21,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "OverdriveQuantizeModel": "Quantize Model (Overdrive)",
 }
 
-# Compiled artifacts live beside the user's models (OVERDRIVE_CACHE_DIR overrides), so they survive restarts.
-if "OVERDRIVE_CACHE_DIR" not in os.environ:
-    set_disk_cache(CompileDiskCache(os.path.join(folder_paths.models_dir, "overdrive_cache", "compiled")))
+# Compiled artifacts live beside the user's models (OVERDRIVE_CACHE_DIR overrides), so they survive restarts;
+# OVERDRIVE_DISK_CACHE=0 (no disk cache at all) is kept.
+if get_disk_cache() is not None:
+    set_disk_cache(CompileDiskCache(comfy_cache_dir("compiled")))

@@ -1,16 +1,15 @@
 """QuantizeModel: measured int8/fp8 quantization of the diffusion model, applied as ModelPatcher object patches."""
 import hashlib
 import logging
-import os
 
 import comfy.model_management
-import folder_paths
 
 from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
 from ..quantization import FORMATS, QuantCache, QuantConfig, plan_quantization, weights_digest
-from .quantize_calibration import MAX_STEPS, CalibrationRun
+from .cache_folder import comfy_cache_dir
 from .forward_patch import FORWARD, forward_for
+from .quantize_calibration import MAX_STEPS, CalibrationRun
 from .quantize_patches import bake_weight_patches, install, patches_digest
 
 log = logging.getLogger("overdrive")
@@ -44,10 +43,7 @@ TOOLTIPS = {
 
 def quant_cache_dir() -> str:
     """Decisions and quantized weights: $OVERDRIVE_CACHE_DIR/quantization, else beside ComfyUI's models."""
-    root = os.environ.get("OVERDRIVE_CACHE_DIR")
-    if root:
-        return os.path.join(root, "quantization")
-    return os.path.join(folder_paths.models_dir, "overdrive_cache", "quantization")
+    return str(comfy_cache_dir("quantization"))
 
 
 def eager_clone(model):

@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from ..cache_dirs import cache_dir
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
@@ -27,8 +28,7 @@ _TENSOR_NAMES = ("weight_q", "weight_scale", "bias")
 
 
 def default_cache_dir() -> pathlib.Path:
-    root = os.environ.get("OVERDRIVE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "overdrive"
-    return pathlib.Path(root) / "quantization"
+    return cache_dir("quantization")
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -27,9 +27,16 @@ def profile_run(run, steps):
     """Where the time goes: CUDA kernel time of one sampling run, grouped by kernel family, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync()
+        start = time.perf_counter()
         run()
+        sync()
+        wall = time.perf_counter() - start
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) or 1
+    busy = gpu_busy_seconds(prof)
+    print(f"\nOne run under the profiler: wall {wall:.3f} s, GPU busy {busy:.3f} s, GPU idle {wall - busy:.3f} s "
+          f"({100 * (wall - busy) / wall:.0f} %: the host's share, not hidden behind GPU work)")
     families = {}
     for e in events:
         name = e.key.lower()
@@ -43,6 +50,21 @@ def profile_run(run, steps):
         print(f"  {family:14s} {t / 1e6:7.3f} s  {100 * t / total:5.1f} %")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
+
+
+def gpu_busy_seconds(prof) -> float:
+    """Length of the union of all GPU activity intervals (kernels, copies) in a profile."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, None
+    for lo, hi in intervals:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    return busy / 1e6
 
 
 def cprofile_run(run):
@@ -105,6 +127,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--cprofile", action="store_true", help="print where host (Python) time goes in one run of the last variant")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
+    parser.add_argument("--profile-all", action="store_true", help="with --profile: profile every variant")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -193,7 +216,8 @@ def main():
         results.append(row)
         print(json.dumps(row), flush=True)
 
-        if args.profile and cuda and variant == args.variants.split(",")[-1]:
+        if args.profile and cuda and (args.profile_all or variant == args.variants.split(",")[-1]):
+            print(f"[{variant}]")
             profile_run(lambda: sample(patcher), args.steps)
         if args.cprofile and variant == args.variants.split(",")[-1]:
             cprofile_run(lambda: sample(patcher))

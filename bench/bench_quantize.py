@@ -3,7 +3,11 @@ eager and under torch.compile, plus the relative error of each and the time `qua
 
   python bench/bench_quantize.py --out bench/results/$(date +%F)_h100_quantize.json
 
-Standalone (no ComfyUI). Times are medians of `triton.testing.do_bench`. Shapes are the SDXL UNet's at 1024²,
+Standalone (no ComfyUI). Times come from CUDA graphs of 10 calls replayed 5 times (the timing QuantizeModel's
+`min_speedup` rule uses, `overdrive.quantization.speed`): launch overhead does not count, as under a compiled model
+with CUDA graphs. (An earlier version used `triton.testing.do_bench`, which at these sizes measured mostly
+launches.) `raw` rows time the bare 8-bit GEMM on already quantized inputs: what the kernels could give if the
+activation quantization and rescale were free. Shapes are the SDXL UNet's at 1024²,
 batch 2 (CFG): 4096 tokens x 2 at the 640-channel level, 1024 x 2 at the 1280-channel level, and the M = 2 time
 embedding (padding path of _int_mm). `--m` forces one M for every shape. Compiled variants stop when
 `--budget-s` is spent (default 150 s), so the whole run stays under ~3 minutes of GPU time.
@@ -44,8 +48,30 @@ def bench_ms(fn, smoke=False):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    from overdrive.quantization.speed import _graph_seconds, _warm
+    _warm(fn)
+    try:
+        return _graph_seconds(fn) * 1e3
+    except RuntimeError as error:  # e.g. something that cannot be captured: time it plainly, and say so
+        print(f"    (not capturable: {str(error).splitlines()[0][:120]}; timed with do_bench)")
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def kernels_min_rows():
+    from overdrive.quantization.kernels import INT_MM_MIN_ROWS
+    return INT_MM_MIN_ROWS
+
+
+def raw_gemm(fmt, x, module):
+    """The bare 8-bit GEMM of `module` on pre-quantized inputs (no activation quantization, no rescale)."""
+    from overdrive.quantization import kernels
+    if fmt == "int8":
+        xq, _ = kernels.quantize_rows_int8(x)
+        return lambda: torch._int_mm(xq, module.weight_q.t())
+    xq, xs = kernels.quantize_rows_fp8(x)
+    return lambda: torch._scaled_mm(xq, module.weight_q.t(), xs, module.weight_scale, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
 
 
 def rel_error(y, ref):
@@ -99,6 +125,14 @@ def main():
         variants = {"fp16": linear}
         for fmt in formats:
             variants[fmt] = classes[fmt].from_float(linear)
+        raw = {}
+        if not args.smoke and m >= kernels_min_rows():
+            for fmt in formats:
+                raw[f"{fmt} raw"] = raw_gemm(fmt, x, variants[fmt])
+        for variant, fn in raw.items():
+            ms = bench_ms(fn)
+            row["variants"][variant] = {"eager_ms": ms}
+            print(f"  {name:26s} {variant:13s} {ms:.4f} ms (GEMM only, inputs already 8-bit)", flush=True)
         for variant, module in variants.items():
             entry = {}
             with torch.no_grad():
@@ -138,7 +172,7 @@ def main():
     print(plan.report.table())
 
     # Markdown table: speed-up vs fp16 of the same mode (eager vs eager, compiled vs compiled).
-    print(f"\n{environment().get('gpu', device)}: ms (median of do_bench), speed-up vs fp16 in the same mode, relative error "
+    print(f"\n{environment().get('gpu', device)}: ms per call (CUDA graph replay), speed-up vs fp16 in the same mode, relative error "
           f"vs float32")
     head = "| shape | M | K | N | density | fp16 eager | fp16 compiled |"
     sep = "|---|---|---|---|---|---|---|"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
-#   PART: quant-sdxl | deepcache-sdxl | sd15 | gemm
+#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | gemm | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -14,10 +14,16 @@ case "$part" in
     python3 bench_compile.py --arch sdxl --res 1024 --warm-cache --repeats 2 \
       --variants eager,deepcache,overdrive,overdrive+deepcache \
       --out "$out/${day}_h100_sdxl_deepcache.json" > "$out/deepcache_sdxl.log" 2>&1; filter 12 < "$out/deepcache_sdxl.log" ;;
+  sdxl-all)  # the most important variants first: a run stopped at its time limit still printed those
+    python3 bench_compile.py --arch sdxl --res 1024 --warm-cache --profile --profile-all \
+      --variants eager,overdrive,overdrive+deepcache,peer,overdrive+int8 \
+      --out "$out/${day}_h100_sdxl_all.json" > "$out/sdxl_all.log" 2>&1; filter 40 < "$out/sdxl_all.log" ;;
   sd15)
     python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 \
-      --variants eager,overdrive,deepcache,overdrive+deepcache --cprofile \
+      --variants eager,peer,deepcache,overdrive,overdrive+deepcache --cprofile \
       --out "$out/${day}_h100_sd15_deepcache.json" > "$out/deepcache_sd15.log" 2>&1; filter 45 < "$out/deepcache_sd15.log" ;;
   gemm)
-    python3 bench_quantize.py --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 30 ;;
+    python3 bench_quantize.py --budget-s 40 --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 40 ;;
+  gpu-tests)
+    cd .. && python3 -m pytest tests/test_quantization_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 esac

@@ -20,7 +20,7 @@ import torch.nn as nn
 from .config import DeepCacheConfigError
 from .paths import CallInfo
 from .unet_openai import UnsupportedUNetError
-from .weights import weights_token
+from .weights import WeightsWatch
 
 DOWN_BLOCKS = frozenset(("CrossAttnDownBlock2D", "DownBlock2D"))
 UP_BLOCKS = frozenset(("CrossAttnUpBlock2D", "UpBlock2D"))
@@ -70,6 +70,7 @@ class DiffusersUNetPaths(nn.Module):
         if unet.config.get("addition_embed_type") == "image_hint":
             raise UnsupportedUNetError(f"{name} uses addition_embed_type='image_hint', which DeepCache does not mirror")
         self.unet = unet
+        self._weights = WeightsWatch(unet)  # cheap per-step check that the weights are the same
         self.down_stages, self.up_stages = self._stages(unet)
         n = len(self.down_stages)
         if n != len(self.up_stages):
@@ -220,7 +221,7 @@ class DiffusersUNetPaths(nn.Module):
         return info
 
     def weights_token(self) -> int:
-        return weights_token(self.unet)
+        return self._weights.token()
 
     def _unsupported(self, cond, residuals) -> str | None:
         if any(r is not None for r in residuals):

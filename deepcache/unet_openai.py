@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .config import DeepCacheConfigError
 from .paths import CallInfo
-from .weights import weights_token
+from .weights import WeightsWatch
 
 # transformer_options["patches"] keys implemented by the mirrored forward itself.
 FORWARD_PATCHES = ("input_block_patch", "input_block_patch_after_skip", "output_block_patch")
@@ -94,6 +94,7 @@ class OpenAIUNetPaths(nn.Module):
             raise DeepCacheConfigError(f"cache_depth={depth!r} is out of range for this UNet: it has {n_in} skip "
                                        f"branches (input/output block pairs), so cache_depth must be in 1..{n_in}")
         self.unet = unet
+        self._weights = WeightsWatch(unet)  # cheap per-step check that the weights are the same
         self.depth = depth
         self.forward_timestep_embed = forward_timestep_embed
         self.timestep_embedding = timestep_embedding
@@ -223,7 +224,7 @@ class OpenAIUNetPaths(nn.Module):
         return info
 
     def weights_token(self) -> int:
-        return weights_token(self.unet)
+        return self._weights.token()
 
     def _unsupported(self, timesteps, control, options, extra) -> str | None:
         if not isinstance(timesteps, torch.Tensor):

@@ -1,11 +1,45 @@
-"""Which weights a UNet runs with, as a cheap token: cached features are never reused across weight changes."""
+"""Which weights a UNet runs with, as a cheap token: cached features are never reused across weight changes.
+
+ComfyUI applies LoRA and other weight patches by installing new Parameters, QuantizeModel and SwitchWeights swap
+modules; all of these go through `nn.Module.__setattr__`, which calls torch's global parameter/module registration
+hooks. A process-wide generation counter bumped by those hooks tells `WeightsWatch` when anything, anywhere, may have
+changed; only then does it walk the module tree again. Sampling steps therefore cost one integer comparison instead
+of a walk over every module (2-5 ms per step for SD1.5/SDXL in Python, which was a third of a cached step's time).
+"""
+import threading
+
 import torch.nn as nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+
+_generation = 0
+_generation_lock = threading.Lock()
+
+
+def _bump(*_args):
+    global _generation
+    with _generation_lock:
+        _generation += 1
+    # None: the hook leaves the registered value as it is
+
+
+register_module_parameter_registration_hook(_bump)
+register_module_module_registration_hook(_bump)
+
+
+def weights_generation() -> int:
+    """Changes whenever a Parameter or a submodule is registered on any module in this process."""
+    return _generation
+
+
+def bump_weights_generation() -> None:
+    """For code that changes weights without registering anything (e.g. copying new values into Parameters)."""
+    _bump()
 
 
 def weights_token(module: nn.Module) -> int:
-    """Changes when a submodule or a Parameter object is replaced (ComfyUI applies LoRA and other weight patches by
-    installing new Parameters; QuantizeModel swaps modules). Walks the `_modules`/`_parameters` dicts directly: it
-    runs at every sampling step, and `module.parameters()` (named traversal) cost ~5 ms per step on SD1.5."""
+    """Changes when a submodule or a Parameter object of `module` is replaced. Walks the `_modules`/`_parameters`
+    dicts directly (`module.parameters()`' named traversal is several times slower)."""
     ids = []
     stack = [module]
     while stack:
@@ -14,3 +48,19 @@ def weights_token(module: nn.Module) -> int:
         ids.extend(id(p) for p in current._parameters.values() if p is not None)
         stack.extend(child for child in current._modules.values() if child is not None)
     return hash(tuple(ids))
+
+
+class WeightsWatch:
+    """`weights_token(module)`, recomputed only when the registration generation moved since the last walk."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._generation = None
+        self._token = None
+
+    def token(self) -> int:
+        generation = weights_generation()  # read before the walk: a change during it forces another walk next time
+        if generation != self._generation:
+            self._token = weights_token(self.module)
+            self._generation = generation
+        return self._token

@@ -31,6 +31,9 @@ TOOLTIPS = {
     "compute_density_threshold": "FLOP per byte a layer must reach to be quantized: below it the layer is "
                                  "memory-bound and 8-bit math would not speed it up (an H100's ridge point is ~300). "
                                  "0 accepts every layer whose error is low enough.",
+    "min_speedup": "On NVIDIA GPUs each layer that passes both checks is also timed at its real shape, float against "
+                   "8-bit, and quantized only if it runs at least this many times faster (1.1 = 10 % faster). 0 "
+                   "turns the timing off (density alone decides). Not used on the CPU.",
     "calibration_steps": "Sampling steps of the calibration run (euler, fixed seed) that records each layer's real "
                          "inputs. 2-3 are enough. Skipped when the decisions for this model and settings are cached.",
     "positive": "Optional: your positive prompt, so calibration measures the activations of your prompt. Without "
@@ -113,7 +116,9 @@ class OverdriveQuantizeModel:
                                                     "max": 100000.0, "step": 1.0}),
             "calibration_steps": ("INT", {"default": 3, "min": 1, "max": MAX_STEPS}),
         }
-        optional = {"positive": ("CONDITIONING",), "negative": ("CONDITIONING",), "latent": ("LATENT",)}
+        optional = {"min_speedup": ("FLOAT", {"default": DEFAULTS.min_speedup, "min": 0.0, "max": 10.0,
+                                              "step": 0.05}),
+                    "positive": ("CONDITIONING",), "negative": ("CONDITIONING",), "latent": ("LATENT",)}
         return {"required": {k: tip(k, v) for k, v in required.items()},
                 "optional": {k: tip(k, v) for k, v in optional.items()}}
 
@@ -121,11 +126,11 @@ class OverdriveQuantizeModel:
                  quantize_linear=DEFAULTS.quantize_linear, conv_mse_threshold=DEFAULTS.conv_mse_threshold,
                  linear_mse_threshold=DEFAULTS.linear_mse_threshold,
                  compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=3,
-                 positive=None, negative=None, latent=None):
+                 positive=None, negative=None, latent=None, min_speedup=DEFAULTS.min_speedup):
         # Bad settings are the user's to fix: clear errors, before any work.
         config = QuantConfig(bits=bits, format=format, quantize_conv=quantize_conv, quantize_linear=quantize_linear,
                              conv_mse_threshold=conv_mse_threshold, linear_mse_threshold=linear_mse_threshold,
-                             compute_density_threshold=compute_density_threshold)
+                             compute_density_threshold=compute_density_threshold, min_speedup=min_speedup)
         config.resolve_format(model.load_device)
         run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)
         self.last_report = None

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import metrics
+from . import metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
 from .modules import QuantConv2d1x1, quantized_module_for
@@ -161,6 +161,19 @@ def layer_density(candidate: Candidate, sample: LayerSample | None) -> float | N
     return metrics.conv2d_density(sample.input_shape, tuple(module.weight.shape), output_shape, module.groups)
 
 
+def _fast_enough(decision: LayerDecision, candidate: Candidate, sample: LayerSample, quantized: nn.Module,
+                 config: QuantConfig) -> bool:
+    """On CUDA with min_speedup > 0: time the layer (see speed.py); a failed timing keeps the layer in float."""
+    if config.min_speedup <= 0:
+        return True
+    try:
+        decision.speedup = speed.measured_speedup(candidate.module, quantized, sample.input_shape, sample.rows.dtype)
+    except Exception as error:  # noqa: BLE001 - timing is an optimisation check: never fail the run over it
+        log.warning("Overdrive quantization: could not time %s (%s); it stays in float.", candidate.name, error)
+        decision.speedup = 0.0
+    return decision.speedup is None or decision.speedup >= config.min_speedup
+
+
 def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
     """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision."""
     from . import kernels
@@ -194,10 +207,15 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
                                f"(memory-bound: low precision would not speed it up)")
         elif not decision.error < decision.threshold:
             decision.reason = f"error {decision.error:.2e} >= threshold {decision.threshold:g}"
+        elif not _fast_enough(decision, candidate, sample, quantized, config):
+            decision.reason = (f"measured {decision.speedup:.2f}x the float layer's speed in {fmt} at input "
+                               f"{'x'.join(map(str, sample.input_shape))} (< min_speedup {config.min_speedup:g})")
         else:
             decision.decision = QUANTIZE
             decision.reason = f"{fmt}: error {decision.error:.2e} < {decision.threshold:g}, " \
                               f"density {decision.density:.0f} >= {config.compute_density_threshold:g}"
+            if decision.speedup is not None:
+                decision.reason += f", measured {decision.speedup:.2f}x faster"
             modules[candidate.name] = quantized
     for decision in decisions:
         if decision.decision != QUANTIZE:

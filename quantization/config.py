@@ -29,6 +29,9 @@ class QuantConfig:
     - compute_density_threshold: FLOP per byte moved (fp16) at or above which a layer counts as compute-bound
       (an H100 does ~990 dense fp16 TFLOP/s over 3.35 TB/s: the ridge point is ~300). Below it a layer is
       memory-bound and lower-precision math would not speed it up.
+    - min_speedup: on CUDA, a layer that passes both checks is also timed (float layer against its 8-bit path at
+      its real input shape, see `overdrive.quantization.speed`) and quantized only if it runs at least this many
+      times faster; 0 turns the timing off (density alone then stands for speed). Not applied on the CPU.
     - calibration_tokens: input rows (tokens, or pixels of a 1x1 conv) kept per layer for measuring.
     - fp8_fast_accum: `use_fast_accum` of torch._scaled_mm (faster on Hopper; its error is measured like the rest).
     """
@@ -40,6 +43,7 @@ class QuantConfig:
     conv_mse_threshold: float = 0.01
     linear_mse_threshold: float = 0.01
     compute_density_threshold: float = 300.0
+    min_speedup: float = 1.1
     calibration_tokens: int = 256
     fp8_fast_accum: bool = True
 
@@ -55,7 +59,7 @@ class QuantConfig:
         for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} must be True or False.")
-        for name in ("conv_mse_threshold", "linear_mse_threshold", "compute_density_threshold"):
+        for name in ("conv_mse_threshold", "linear_mse_threshold", "compute_density_threshold", "min_speedup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise ValueError(f"QuantConfig.{name}={value!r} must be a number (0 or more).")

@@ -23,6 +23,7 @@ class LayerDecision:
     density: float | None = None   # FLOP/byte at fp16 for the largest call seen
     error: float | None = None     # normalised MSE on calibration inputs (see metrics.py)
     threshold: float | None = None
+    speedup: float | None = None   # float time / 8-bit time, measured on the GPU at this layer's shape
     rows: int | None = None        # M: rows (tokens / pixels) of the largest call seen
     calls: int = 0                 # calls seen during calibration
 
@@ -38,7 +39,7 @@ def _num(value):
     return value
 
 
-_NUMERIC = ("density", "error", "threshold")
+_NUMERIC = ("density", "error", "threshold", "speedup")
 
 
 def _unnum(value):
@@ -52,6 +53,8 @@ def _category(reason: str) -> str:
         return "memory-bound (density below threshold)"
     if reason.startswith("error"):
         return "error above threshold"
+    if reason.startswith("measured"):
+        return "not faster in 8 bits (measured)"
     if reason.startswith(("K=", "N=")):
         return "shape the kernel cannot take"
     return reason.split(" (")[0]
@@ -93,7 +96,7 @@ class QuantReport:
 
     def table(self) -> str:
         """A fixed-width table, one row per layer, for the log."""
-        head = ("layer", "kind", "shape", "M", "density", "error", "SQNR dB", "decision", "reason")
+        head = ("layer", "kind", "shape", "M", "density", "error", "SQNR dB", "speed-up", "decision", "reason")
         rows = [head]
         for layer in self.layers:
             db = sqnr_db(layer.error)
@@ -102,6 +105,7 @@ class QuantReport:
                          "" if layer.density is None else f"{layer.density:.0f}",
                          "" if layer.error is None else f"{layer.error:.2e}",
                          "" if db is None else f"{db:.1f}",
+                         "" if layer.speedup is None else f"{layer.speedup:.2f}x",
                          layer.decision, layer.reason))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths)) + "  " + row[-1]

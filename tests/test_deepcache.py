@@ -247,6 +247,24 @@ def test_cache_resets_when_the_weights_are_replaced(tiny):
         assert torch.equal(out, unet(*args, **kwargs))
 
 
+def test_weights_are_walked_only_after_something_was_registered(tiny, monkeypatch):
+    """The per-step weights check is one integer comparison; the module walk runs again only after a Parameter or
+    submodule was registered somewhere (here: a module swapped in, as QuantizeModel does), and then sees it."""
+    from overdrive.deepcache import weights
+    unet = copy.deepcopy(tiny.unet)
+    runner = tiny.runner(unet=unet, cache_interval=3)
+    walks = []
+    real_walk = weights.weights_token
+    monkeypatch.setattr(weights, "weights_token", lambda module: walks.append(1) or real_walk(module))
+    for sigma in tiny.sigmas[:3]:
+        tiny.step(runner, sigma)
+    assert len(walks) <= 1 and runner.stats.decisions == [True, False, False]
+    block = unet.output_blocks[-1]
+    block[0] = copy.deepcopy(block[0])  # same values, another module object
+    tiny.step(runner, tiny.sigmas[3])
+    assert len(walks) == 2 and runner.schedule.runs == 2 and runner.stats.decisions == [True]
+
+
 def test_a_new_layout_in_a_shallow_step_runs_full_instead_of_reusing_another(tiny):
     runner = tiny.runner(cache_interval=3)
     tiny.step(runner, tiny.sigmas[0], layout=(0, 1))

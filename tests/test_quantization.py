@@ -94,6 +94,8 @@ def test_config_errors_name_problem_and_fix():
         QuantConfig(linear_mse_threshold=-1)
     with pytest.raises(ValueError, match=r"compute_density_threshold"):
         QuantConfig(compute_density_threshold=-0.5)
+    with pytest.raises(ValueError, match=r"min_speedup=-1.*negative"):
+        QuantConfig(min_speedup=-1)
     with pytest.raises(ValueError, match=r"calibration_tokens"):
         QuantConfig(calibration_tokens=0)
     with pytest.raises(ValueError, match=r"no setting"):
@@ -445,3 +447,10 @@ def test_quantized_model_compiles_without_graph_breaks_and_follows_new_weights()
         assert rel(out, donor(x, t)) < REL_TOL
     assert len(compiles) == 1
     torch._dynamo.reset()
+
+
+def test_speed_is_not_timed_off_the_gpu():
+    """The measured-speed rule (min_speedup) needs CUDA graphs; on the CPU density alone decides."""
+    from overdrive.quantization.speed import measured_speedup
+    layer = nn.Linear(64, 64)
+    assert measured_speedup(layer, layer, (32, 64), torch.float32) is None

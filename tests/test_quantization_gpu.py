@@ -1,0 +1,45 @@
+"""Quantization on a real CUDA GPU: the measured-speed rule and the 8-bit kernels against the float layer.
+
+Skipped without CUDA (CI has no GPU); run on the GPU machine with `python3 -m pytest tests/test_quantization_gpu.py`.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from overdrive.quantization import QuantConfig, plan_quantization
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ACCEPT_ANY_ERROR = dict(linear_mse_threshold=1e9, conv_mse_threshold=1e9, compute_density_threshold=0)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1280, 5120), nn.GELU(), nn.Linear(5120, 1280)).cuda().half()
+
+
+def calibrate(model):
+    with torch.no_grad():
+        model(torch.randn(2, 4096, 1280, device="cuda", dtype=torch.half))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_speed_is_measured_and_steers_the_decision(fmt):
+    model = mlp()
+    if fmt == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    never = plan_quantization(model, QuantConfig(format=fmt, min_speedup=1000.0, **ACCEPT_ANY_ERROR),
+                              calibration=calibrate)
+    assert never.report.quantized == []
+    for layer in never.report.layers:
+        assert layer.speedup is not None and 0.05 < layer.speedup < 20, layer
+        assert layer.reason.startswith("measured"), layer.reason
+    always = plan_quantization(model, QuantConfig(format=fmt, min_speedup=0.0, **ACCEPT_ANY_ERROR),
+                               calibration=calibrate)
+    assert sorted(always.report.quantized) == ["0", "2"]
+    assert all(layer.speedup is None for layer in always.report.layers)
+    x = torch.randn(2, 4096, 1280, device="cuda", dtype=torch.half)
+    with torch.no_grad():
+        reference = model(x).float()
+        y = always.modules["2"](model[1](always.modules["0"](x))).float()
+    assert ((y - reference).norm() / reference.norm()).item() < 0.1
+

@@ -80,15 +80,19 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out")
     parser.add_argument("--phase")
+    parser.add_argument("--phases", default="cold,warm", help="e.g. cold+dynamo,warm,warm+dynamo: '+dynamo' runs "
+                        "the phase with OVERDRIVE_DYNAMO_CACHE=1 (Dynamo's frames persisted too)")
     parser.add_argument("--workdir")
     args = parser.parse_args()
     if args.phase:
         return phase(args)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-bench-"))
     rows = []
-    for name in ("cold", "warm"):
+    for label in args.phases.split(","):
+        name, _, flavour = label.partition("+")
         env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
-                   TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
+                   TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{label}"),  # only Overdrive's own cache carries over
+                   OVERDRIVE_DYNAMO_CACHE="1" if flavour == "dynamo" else "0")
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -96,8 +100,8 @@ def main():
         print(out.stderr[-2500:], flush=True)  # Dynamo's per-phase compile times
         if out.returncode or not lines:
             print(out.stdout[-3000:], out.stderr[-5000:])
-            raise SystemExit(f"phase {name} failed")
-        rows.append(json.loads(lines[-1][7:]))
+            raise SystemExit(f"phase {label} failed")
+        rows.append(dict(json.loads(lines[-1][7:]), phase=label))
         print(json.dumps(rows[-1]), flush=True)
     from report import environment
     report = {"benchmark": "restart_switch", "settings": vars(args), "environment": environment(), "results": rows,

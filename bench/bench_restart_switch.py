@@ -80,8 +80,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out")
     parser.add_argument("--phase")
-    parser.add_argument("--phases", default="cold,warm", help="e.g. cold+dynamo,warm,warm+dynamo: '+dynamo' runs "
-                        "the phase with OVERDRIVE_DYNAMO_CACHE=1 (Dynamo's frames persisted too)")
+    parser.add_argument("--phases", default="cold,warm", help="phases in order, each a fresh process; "
+                        "'NAME+FLAVOUR' sets OVERDRIVE_<FLAVOUR>=1 for it (for experiments behind an env switch)")
     parser.add_argument("--workdir")
     args = parser.parse_args()
     if args.phase:
@@ -92,7 +92,7 @@ def main():
         name, _, flavour = label.partition("+")
         env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
                    TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{label}"),  # only Overdrive's own cache carries over
-                   OVERDRIVE_DYNAMO_CACHE="1" if flavour == "dynamo" else "0")
+                   **({f"OVERDRIVE_{flavour.upper()}": "1"} if flavour else {}))
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)

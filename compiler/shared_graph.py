@@ -21,15 +21,6 @@ from .options import CompileOptions
 
 log = logging.getLogger("overdrive.compiler")
 
-# Experimental (OVERDRIVE_DYNAMO_CACHE=1): also persist Dynamo's traced frames and guards (torch's
-# `caching_precompile`), so a restarted process skips re-tracing the UNet, not only Inductor's work. Off by default:
-# its guards must be serialisable, so global guards are dropped (a ComfyUI global swapped after the first compile,
-# e.g. an attention function, would not trigger a recompile), and torch 2.11 fails the first recompile after a
-# cache hit (retried once below).
-DYNAMO_CACHE = os.environ.get("OVERDRIVE_DYNAMO_CACHE", "0") == "1"
-if DYNAMO_CACHE:
-    torch._dynamo.config.caching_precompile = True
-
 
 def _call_method(module, method, args, kwargs):
     # The class's method, not `module.<method>`: the instance attribute may be our own forwarder.
@@ -70,27 +61,13 @@ class SharedGraph:
         self.disk_keys_loaded: set = set()
         self.disk_keys: dict = {}  # device -> disk cache key
         self.function = _fresh_function(f"overdrive_{method}_{fingerprint}")
-        self.compiled = None  # made at the first call, after the disk cache is loaded (Dynamo looks entries up then)
-
-    def __getstate__(self):
-        # Dynamo's precompile cache (DYNAMO_CACHE) pickles the modules it guards on, and with them a forward replaced
-        # by a CompiledMethod: keep the bookkeeping, not the lock or the compiled callables.
-        state = dict(self.__dict__, lock=None, compiled=None, function=None)
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.lock = threading.RLock()
-        self.function = _fresh_function(f"overdrive_{self.method}_{self.fingerprint}")
+        self.compiled = None  # made at the first call (after the disk cache for its device is loaded)
 
     def _wrap(self):
         options = self.options
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
-        if options.backend == "inductor" and not DYNAMO_CACHE:
+        if options.backend == "inductor":
             kwargs["mode"] = options.inductor_mode()
-        elif options.backend == "inductor":  # torch.compile takes a mode or options, not both
-            kwargs["options"] = {**torch._inductor.list_mode_options(options.inductor_mode()),
-                                 "guard_filter_fn": _serialisable_guards}
         return torch.compile(self.function, **kwargs)
 
     def call(self, module, args, kwargs):
@@ -111,12 +88,7 @@ class SharedGraph:
             if self.compiled is None:
                 self.compiled = self._wrap()
         with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs), attention_preference(self.options):
-            try:
-                out = self.compiled(module, self.method, args, kwargs)
-            except AssertionError as error:
-                if not (DYNAMO_CACHE and "already exists in scope" in str(error)):
-                    raise
-                out = self.compiled(module, self.method, args, kwargs)  # torch 2.11: works the second time
+            out = self.compiled(module, self.method, args, kwargs)
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
@@ -133,12 +105,6 @@ class SharedGraph:
                 except OSError as error:
                     log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
         return out
-
-
-def _serialisable_guards(entries):
-    """Keep the guards Dynamo can save with a precompiled frame (see DYNAMO_CACHE)."""
-    unsupported = torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    return [not (entry.guard_type in unsupported or entry.is_global) for entry in entries]
 
 
 def _own_copy(out):

@@ -34,16 +34,6 @@ def test_restart_loads_compiled_artifacts_from_disk(tmp_path):
     assert warm["max_error"] < 1e-5
 
 
-def test_dynamo_cache_restart_traces_nothing(tmp_path):
-    """OVERDRIVE_DYNAMO_CACHE=1 (experimental): the restarted process reuses Dynamo's saved frame too: no graph is
-    traced again (no FX-graph lookup at all), and the output is the same."""
-    cold, _ = run_child(tmp_path / "cache", tmp_path / "inductor1", OVERDRIVE_DYNAMO_CACHE="1")
-    assert cold["failure"] is None and cold["graphs"] == 1
-    warm, log = run_child(tmp_path / "cache", tmp_path / "inductor2", OVERDRIVE_DYNAMO_CACHE="1")
-    assert warm["failure"] is None and warm["graphs"] == 0 and warm["hits"] == warm["misses"] == 0, warm
-    assert warm["max_error"] < 1e-5
-
-
 def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):
     cache = CompileDiskCache(tmp_path)
     key = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))

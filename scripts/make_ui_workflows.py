@@ -21,7 +21,10 @@ def in_step(api_path, object_info) -> bool:
     if not ui_path.is_file():
         return False
     api = json.loads(api_path.read_text())
-    return without_meta(ui_to_api(json.loads(ui_path.read_text()), object_info)) == without_meta(api)
+    try:
+        return without_meta(ui_to_api(json.loads(ui_path.read_text()), object_info)) == without_meta(api)
+    except ValueError:  # e.g. a node gained a widget since the UI file was written
+        return False
 
 
 def unknown_types(api_path, object_info) -> set:

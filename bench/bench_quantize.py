@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from report import environment
+from overdrive.quantization import kernels
+from overdrive.quantization.kernels import INT_MM_MIN_ROWS
 from overdrive.quantization import (Fp8Linear, Int8Linear, QuantConfig, fp8_supported, int8_supported,
                                     linear_density, normalised_mse, plan_quantization)
 
@@ -58,14 +60,8 @@ def bench_ms(fn, smoke=False):
         return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def kernels_min_rows():
-    from overdrive.quantization.kernels import INT_MM_MIN_ROWS
-    return INT_MM_MIN_ROWS
-
-
 def raw_gemm(fmt, x, module):
     """The bare 8-bit GEMM of `module` on pre-quantized inputs (no activation quantization, no rescale)."""
-    from overdrive.quantization import kernels
     if fmt == "int8":
         xq, _ = kernels.quantize_rows_int8(x)
         return lambda: torch._int_mm(xq, module.weight_q.t())
@@ -126,7 +122,7 @@ def main():
         for fmt in formats:
             variants[fmt] = classes[fmt].from_float(linear)
         raw = {}
-        if not args.smoke and m >= kernels_min_rows():
+        if not args.smoke and m >= INT_MM_MIN_ROWS:  # the bare _int_mm needs M > 16
             for fmt in formats:
                 raw[f"{fmt} raw"] = raw_gemm(fmt, x, variants[fmt])
         for variant, fn in raw.items():

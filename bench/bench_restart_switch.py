@@ -80,19 +80,15 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out")
     parser.add_argument("--phase")
-    parser.add_argument("--phases", default="cold,warm", help="phases in order, each a fresh process; "
-                        "'NAME+FLAVOUR' sets OVERDRIVE_<FLAVOUR>=1 for it (for experiments behind an env switch)")
     parser.add_argument("--workdir")
     args = parser.parse_args()
     if args.phase:
         return phase(args)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-bench-"))
     rows = []
-    for label in args.phases.split(","):
-        name, _, flavour = label.partition("+")
+    for name in ("cold", "warm"):
         env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
-                   TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{label}"),  # only Overdrive's own cache carries over
-                   **({f"OVERDRIVE_{flavour.upper()}": "1"} if flavour else {}))
+                   TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -100,8 +96,8 @@ def main():
         print(out.stderr[-2500:], flush=True)  # Dynamo's per-phase compile times
         if out.returncode or not lines:
             print(out.stdout[-3000:], out.stderr[-5000:])
-            raise SystemExit(f"phase {label} failed")
-        rows.append(dict(json.loads(lines[-1][7:]), phase=label))
+            raise SystemExit(f"phase {name} failed")
+        rows.append(json.loads(lines[-1][7:]))
         print(json.dumps(rows[-1]), flush=True)
     from report import environment
     report = {"benchmark": "restart_switch", "settings": vars(args), "environment": environment(), "results": rows,

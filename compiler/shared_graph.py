@@ -60,15 +60,10 @@ class SharedGraph:
         self.failure: str | None = None  # set once compiling or running compiled code failed
         self.disk_keys_loaded: set = set()
         self.disk_keys: dict = {}  # device -> disk cache key
-        self.function = _fresh_function(f"overdrive_{method}_{fingerprint}")
-        self.compiled = None  # made at the first call (after the disk cache for its device is loaded)
-
-    def _wrap(self):
-        options = self.options
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
         if options.backend == "inductor":
             kwargs["mode"] = options.inductor_mode()
-        return torch.compile(self.function, **kwargs)
+        self.compiled = torch.compile(_fresh_function(f"overdrive_{method}_{fingerprint}"), **kwargs)
 
     def call(self, module, args, kwargs):
         disk, key = _disk_cache, None
@@ -84,9 +79,6 @@ class SharedGraph:
         start = time.perf_counter()
         if self.options.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # each call is a new inference step, not a continuation
-        with self.lock:
-            if self.compiled is None:
-                self.compiled = self._wrap()
         with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs), attention_preference(self.options):
             out = self.compiled(module, self.method, args, kwargs)
         if self.options.cuda_graphs:

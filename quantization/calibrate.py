@@ -161,17 +161,20 @@ def layer_density(candidate: Candidate, sample: LayerSample | None) -> float | N
     return metrics.conv2d_density(sample.input_shape, tuple(module.weight.shape), output_shape, module.groups)
 
 
-def _fast_enough(decision: LayerDecision, candidate: Candidate, sample: LayerSample, quantized: nn.Module,
-                 config: QuantConfig) -> bool:
-    """On CUDA with min_speedup > 0: time the layer (see speed.py); a failed timing keeps the layer in float."""
+def _too_slow(decision: LayerDecision, candidate: Candidate, sample: LayerSample, quantized: nn.Module,
+              config: QuantConfig, fmt: str) -> str | None:
+    """On CUDA with min_speedup > 0: time the layer (see speed.py). Why it stays in float, or None to quantize it."""
     if config.min_speedup <= 0:
-        return True
+        return None
     try:
         decision.speedup = speed.measured_speedup(candidate.module, quantized, sample.input_shape, sample.rows.dtype)
     except Exception as error:  # noqa: BLE001 - timing is an optimisation check: never fail the run over it
         log.warning("Overdrive quantization: could not time %s (%s); it stays in float.", candidate.name, error)
-        decision.speedup = 0.0
-    return decision.speedup is None or decision.speedup >= config.min_speedup
+        return f"measuring its speed failed ({type(error).__name__}), so it stays in float"
+    if decision.speedup is None or decision.speedup >= config.min_speedup:
+        return None
+    return (f"measured {decision.speedup:.2f}x the float layer's speed in {fmt} at input "
+            f"{'x'.join(map(str, sample.input_shape))} (< min_speedup {config.min_speedup:g})")
 
 
 def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
@@ -207,9 +210,8 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
                                f"(memory-bound: low precision would not speed it up)")
         elif not decision.error < decision.threshold:
             decision.reason = f"error {decision.error:.2e} >= threshold {decision.threshold:g}"
-        elif not _fast_enough(decision, candidate, sample, quantized, config):
-            decision.reason = (f"measured {decision.speedup:.2f}x the float layer's speed in {fmt} at input "
-                               f"{'x'.join(map(str, sample.input_shape))} (< min_speedup {config.min_speedup:g})")
+        elif (slow := _too_slow(decision, candidate, sample, quantized, config, fmt)) is not None:
+            decision.reason = slow
         else:
             decision.decision = QUANTIZE
             decision.reason = f"{fmt}: error {decision.error:.2e} < {decision.threshold:g}, " \

@@ -75,7 +75,9 @@ def cprofile_run(run):
     profiler.enable()
     run()
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)  # which caller each step's host time sits under
 
 
 def bench_vae(comfy, run_node, latent, repeats):
@@ -119,7 +121,7 @@ def main():
     parser.add_argument("--cfg", type=float, default=7.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="eager,peer,overdrive",
-                        help="comma-separated; each '+'-joined from eager, peer, overdrive[-no-cudagraphs|-autotune], "
+                        help="comma-separated; each '+'-joined from eager, peer, overdrive[-no-cudagraphs|-autotune|-flat], "
                              "int8, fp8, deepcache, e.g. overdrive+fp8+deepcache")
     parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval for '+deepcache' variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
@@ -134,6 +136,7 @@ def main():
     comfy = import_comfy(cpu=not cuda)
     import comfy.sample
     from overdrive.compiler import dynamo_graph_count, set_disk_cache
+    from overdrive.compiler.regions import uninstall_regions
 
     if not args.warm_cache:
         torch._inductor.config.fx_graph_cache = False
@@ -157,11 +160,11 @@ def main():
         return getattr(cls(), cls.FUNCTION)(**values)[0]
 
     compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
-                       "overdrive-autotune": {"mode": "max-autotune"}}
+                       "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False}}
 
     def make(variant):
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8), compile (peer |
-        overdrive[-no-cudagraphs|-autotune]), deepcache. 'eager' alone is the baseline."""
+        overdrive[-no-cudagraphs|-autotune|-flat]), deepcache. 'eager' alone is the baseline."""
         parts = variant.split("+")
         unknown = set(parts) - {"eager", "peer", "int8", "fp8", "deepcache"} - set(compile_options)
         if unknown:
@@ -176,6 +179,7 @@ def main():
                 sync()
                 calibration[variant] = time.perf_counter() - start
         if "peer" in parts:
+            uninstall_regions(base.model.diffusion_model)  # an earlier Overdrive variant's regions: not the peer's
             patcher.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
         for name, overrides in compile_options.items():
             if name in parts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
-#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | gemm | gpu-tests
+#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | gemm | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -22,6 +22,12 @@ case "$part" in
     python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 \
       --variants eager,peer,deepcache,overdrive,overdrive+deepcache --cprofile \
       --out "$out/${day}_h100_sd15_deepcache.json" > "$out/deepcache_sd15.log" 2>&1; filter 45 < "$out/deepcache_sd15.log" ;;
+  regional)  # cold compile with regions vs one flat graph vs the peer (caches off), then where SD1.5's step time goes
+    timeout 400 python3 bench_compile.py --arch sdxl --res 1024 --variants eager,overdrive,peer,overdrive-flat \
+      --out "$out/${day}_h100_sdxl_regional.json" > "$out/sdxl_regional.log" 2>&1; filter 12 < "$out/sdxl_regional.log"
+    timeout 170 python3 bench_compile.py --arch sd15 --res 512 --repeats 5 --profile --profile-all --cprofile \
+      --variants eager,overdrive,overdrive+deepcache \
+      --out "$out/${day}_h100_sd15_profile.json" > "$out/sd15_profile.log" 2>&1; filter 12 < "$out/sd15_profile.log" ;;
   gemm)
     python3 bench_quantize.py --budget-s 40 --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 40 ;;
   gpu-tests)

@@ -1,11 +1,13 @@
 """The callable that stands in for `module.<method>`: compiled path first, the eager path if that fails."""
 import contextlib
+import dataclasses
 import logging
 
 import torch
 
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
+from .regions import install_regions, uninstall_regions
 from .shared_graph import shared_graph
 
 log = logging.getLogger("overdrive.compiler")
@@ -45,19 +47,29 @@ class CompiledMethod:
         ModelPatcher swaps in when the model loads), so such a model gets its own graph entry."""
         self.module = module
         self.method = method
-        self.options = options or CompileOptions()
         self.reporter = reporter
+        self.variant = variant
         # Inference only. Weight patches (LoRA) and switched weights arrive as requires_grad=False parameters; the
         # same flag on the originals keeps Dynamo's guards equal, so they never cause a recompile.
         module.requires_grad_(False)
-        extra = {"method": method, "options": self.options.as_key()}
-        if variant:
-            extra["variant"] = variant
-        self.fingerprint = architecture_fingerprint(module, extra)
-        self.graph, self.shared = shared_graph(self.fingerprint, method, self.options, describe(module))
+        self._use_options(options or CompileOptions())
+
+    def _use_options(self, options: CompileOptions):
+        """Pick the shared graph for these options. Regions are installed on the module in place: outside
+        torch.compile a region is a plain call, so every other user of the module runs exactly as before."""
+        self.options = options
+        if options.regional:
+            install_regions(self.module)
+        else:
+            uninstall_regions(self.module)
+        extra = {"method": self.method, "options": options.as_key()}
+        if self.variant:
+            extra["variant"] = self.variant
+        self.fingerprint = architecture_fingerprint(self.module, extra)
+        self.graph, self.shared = shared_graph(self.fingerprint, self.method, options, describe(self.module))
         if self.shared:
             log.info("Overdrive: %s.%s reuses the compiled graph of architecture %s (no recompile)",
-                     describe(module), method, self.fingerprint)
+                     describe(self.module), self.method, self.fingerprint)
 
     def eager(self, *args, **kwargs):
         return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
@@ -68,6 +80,9 @@ class CompiledMethod:
     def __call__(self, *args, **kwargs):
         graph = self.graph
         if graph.failure is not None:
+            if self.options.regional:  # another module of this architecture found that regions fail here
+                self._use_options(dataclasses.replace(self.options, regional=False))
+                return self(*args, **kwargs)
             return self.eager(*args, **kwargs)
         signature = shape_signature(args, kwargs)
         new_shape = self._may_compile(signature)
@@ -83,10 +98,15 @@ class CompiledMethod:
             with progress:
                 out = graph.call(self.module, args, kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
-            graph.failure = f"{type(error).__name__}: {error}"
+            graph.failure = reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            if self.options.regional:
+                # Regions are newer compiler machinery than whole-graph compilation: try that before giving up.
+                log.warning("Overdrive: compiling %s.%s with regions failed (%s); compiling it as one graph instead.",
+                            graph.description, self.method, reason)
+                self._use_options(dataclasses.replace(self.options, regional=False))
+                return self(*args, **kwargs)
             log.warning("Overdrive: the compiled %s.%s failed, so it runs eager from now on (your generation "
-                        "continues, only slower). Reason: %s", graph.description, self.method,
-                        graph.failure.splitlines()[0][:500])
+                        "continues, only slower). Reason: %s", graph.description, self.method, reason)
             return self.eager(*args, **kwargs)
         graph.shapes_seen.add(signature)
         return out
@@ -104,3 +124,4 @@ def uncompile_module(module: torch.nn.Module, method: str = "forward") -> None:
     """Undo `compile_module`: the module's own method runs again."""
     if isinstance(module.__dict__.get(method), CompiledMethod):
         delattr(module, method)
+        uninstall_regions(module)

@@ -1,0 +1,85 @@
+"""Regional compilation: a model's repeated transformer blocks are compiled once per shape and reused.
+
+SDXL's UNet holds 70 transformer blocks of two widths. Compiled as one flat graph, AOTAutograd and Inductor lower,
+schedule and generate code for every one of them: most of a two-minute cold compile on an H100. Each block's
+forward is instead called through `torch.compiler.nested_compile_region`: Dynamo still sees every call, but
+identical block graphs become one subgraph that AOTAutograd and Inductor compile once and the outer graph calls
+(still one graph, one CUDA graph per step). Outside torch.compile the region is a plain call.
+
+ComfyUI's blocks take `transformer_options`, whose per-block entries ("block", "block_index") would make every
+block's traced graph different. Blocks only read them to look up patches, so a block whose options hold no patch it
+would apply runs in the region without them; a block that has such a patch (IP-Adapter's attention patches, an
+attention override) runs inline with its options, exactly as without regions.
+"""
+import inspect
+import types
+
+import torch
+
+# Classes whose instances are repeated, structurally identical blocks: ComfyUI's and diffusers' transformer blocks.
+REPEATED_BLOCK_CLASSES = frozenset({"BasicTransformerBlock"})
+
+# ComfyUI transformer_options entries that change what a BasicTransformerBlock computes.
+BLOCK_PATCHES = ("attn1_patch", "attn1_output_patch", "middle_patch", "attn2_patch", "attn2_output_patch")
+BLOCK_REPLACES = ("attn1", "attn2")
+ATTENTION_OVERRIDE = "optimized_attention_override"
+
+
+def _run_block(block, *args, **kwargs):
+    return type(block).forward(block, *args, **kwargs)
+
+
+_block_region = torch.compiler.nested_compile_region(_run_block)
+
+
+def options_change_block(options) -> bool:
+    """Whether ComfyUI transformer_options carry something a transformer block applies (so it must see them)."""
+    if not options:
+        return False
+    patches = options.get("patches") or {}
+    replaces = options.get("patches_replace") or {}
+    return (ATTENTION_OVERRIDE in options or any(patches.get(key) for key in BLOCK_PATCHES)
+            or any(replaces.get(key) for key in BLOCK_REPLACES))
+
+
+# The forwards installed on blocks, as methods bound to the block: Dynamo then sees the block under its own path in
+# the model, which torch >= 2.12's region reuse needs to swap in each block's parameters (reached through a helper
+# object's attribute instead, every block ran with the first block's weights).
+def _region_forward(self, *args, **kwargs):
+    return _block_region(self, *args, **kwargs)
+
+
+def _comfy_region_forward(self, x, context=None, transformer_options=None):
+    if options_change_block(transformer_options):
+        return _run_block(self, x, context, transformer_options)
+    return _block_region(self, x, context)
+
+
+REGION_FORWARDS = (_region_forward, _comfy_region_forward)
+
+
+def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every repeated transformer block in `module`."""
+    return [sub for sub in module.modules() if type(sub).__name__ in REPEATED_BLOCK_CLASSES]
+
+
+def has_region(block: torch.nn.Module) -> bool:
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ in REGION_FORWARDS
+
+
+def install_regions(module: torch.nn.Module) -> int:
+    """Route the repeated blocks' forwards through compile regions, in place; returns how many blocks."""
+    blocks = repeated_blocks(module)
+    for block in blocks:
+        if not has_region(block):
+            # ComfyUI's blocks take forward(x, context=None, transformer_options={}); diffusers' take no options.
+            takes_options = "transformer_options" in inspect.signature(type(block).forward).parameters
+            block.forward = types.MethodType(_comfy_region_forward if takes_options else _region_forward, block)
+    return len(blocks)
+
+
+def uninstall_regions(module: torch.nn.Module) -> None:
+    for block in repeated_blocks(module):
+        if has_region(block):
+            del block.forward

@@ -15,7 +15,7 @@ import time
 import torch
 
 from overdrive.runner.inprocess import build_model, conditioning, import_comfy
-from report import add_speedups, environment, finish
+from report import add_speedups, compile_phases, environment, finish
 
 
 def sync():
@@ -213,7 +213,8 @@ def main():
                "dynamo_graphs": dynamo_graph_count() - graphs_before,
                "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
                "finite": bool(torch.isfinite(out).all()),
-               "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None}
+               "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None,
+               "compile_phases_s": compile_phases()}
         if reference is None:
             reference = out
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())

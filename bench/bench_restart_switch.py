@@ -25,6 +25,7 @@ def phase(args):
     from overdrive.compiler import dynamo_graph_count
     from overdrive.nodes.compile_nodes import OverdriveCompileModel
     from overdrive.nodes.switch_weights_node import OverdriveSwitchWeights
+    from report import compile_phases
 
     dtype = torch.float16 if torch.cuda.is_available() else torch.float32
     t0 = time.perf_counter()
@@ -51,7 +52,7 @@ def phase(args):
     _, result["second_image_s"] = sample(compiled)
     result["graphs_compiled"] = dynamo_graph_count() - graphs
     result["compile_overhead_s"] = round(result["first_image_s"] - result["second_image_s"], 2)
-    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
+    result["compile_phases_s"] = compile_phases()
     if args.phase == "warm":
         from safetensors.torch import save_file
         folder = pathlib.Path(args.workdir) / "checkpoints"
@@ -93,7 +94,6 @@ def main():
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        print(out.stderr[-2500:], flush=True)  # Dynamo's per-phase compile times
         if out.returncode or not lines:
             print(out.stdout[-3000:], out.stderr[-5000:])
             raise SystemExit(f"phase {name} failed")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
-#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | gemm | gpu-tests
+#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | diffusers-restart | gemm | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -28,6 +28,17 @@ case "$part" in
     timeout 170 python3 bench_compile.py --arch sd15 --res 512 --repeats 5 --profile --profile-all --cprofile \
       --variants eager,overdrive,overdrive+deepcache \
       --out "$out/${day}_h100_sd15_profile.json" > "$out/sd15_profile.log" 2>&1; filter 12 < "$out/sd15_profile.log" ;;
+  issue6)  # DeepCache's one run per architecture: eager, DeepCache alone, compile (+ DeepCache, + int8 + DeepCache), peer
+    variants=eager,deepcache,overdrive,overdrive+deepcache,overdrive+int8+deepcache,peer
+    timeout 300 python3 bench_compile.py --arch sdxl --res 1024 --warm-cache --variants $variants \
+      --out "$out/${day}_h100_sdxl_deepcache_all.json" > "$out/sdxl_deepcache_all.log" 2>&1; filter 10 < "$out/sdxl_deepcache_all.log"
+    timeout 270 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 --variants $variants \
+      --out "$out/${day}_h100_sd15_deepcache_all.json" > "$out/sd15_deepcache_all.log" 2>&1; filter 10 < "$out/sd15_deepcache_all.log" ;;
+  diffusers-restart)  # the diffusers API against eager and the peer; then a restart and a switch with the disk cache warm
+    timeout 340 python3 bench_diffusers.py --variants eager,peer,overdrive,overdrive+quant+deepcache --peer-mode default \
+      --no-warm --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 10 < "$out/diffusers.log"
+    timeout 230 python3 bench_restart_switch.py --arch sdxl --res 1024 \
+      --out "$out/${day}_h100_sdxl_restart_regional.json" > "$out/restart.log" 2>&1; filter 6 < "$out/restart.log" ;;
   gemm)
     python3 bench_quantize.py --budget-s 40 --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 40 ;;
   gpu-tests)

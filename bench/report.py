@@ -32,3 +32,12 @@ def finish(report: dict, rows: list, columns: list, out=None) -> None:
     if out:
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out).write_text(json.dumps(report, indent=2))
+
+
+def compile_phases(min_s: float = 0.5) -> dict:
+    """Seconds per torch.compile phase (Dynamo tracing, AOTAutograd, Inductor lowering/codegen, guards, autotuning)
+    since the last call, the phases of at least `min_s`; then starts counting afresh."""
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    phases = {name: round(sum(times), 2) for name, times in metrics.items() if sum(times) >= min_s}
+    metrics.clear()
+    return dict(sorted(phases.items(), key=lambda item: -item[1]))

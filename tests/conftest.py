@@ -1,15 +1,24 @@
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
-# Compiled artifacts and generated checkpoints of test runs stay out of the user's cache (set before imports).
-os.environ.setdefault("OVERDRIVE_CACHE_DIR", tempfile.mkdtemp(prefix="overdrive-test-cache-"))
+# Compiled artifacts and generated checkpoints of test runs stay out of the user's cache (set before imports), in a
+# folder of this run that is removed at its end (up to a few GB with the tiny SDXL checkpoint).
+_TEST_CACHE = None if "OVERDRIVE_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="overdrive-test-cache-")
+if _TEST_CACHE:
+    os.environ["OVERDRIVE_CACHE_DIR"] = _TEST_CACHE
 # Two cores on CI: keep torch from oversubscribing them.
 torch.set_num_threads(int(os.environ.get("OVERDRIVE_TEST_THREADS", "2")))
 
 from comfy_env import import_comfy_in_process  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _TEST_CACHE:  # servers and workers are stopped by now (fixture teardown comes first)
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

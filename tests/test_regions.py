@@ -5,7 +5,6 @@ import logging
 import pytest
 import torch
 
-from comfy_env import import_comfy_in_process
 from test_compile_core import relative_error
 
 from overdrive.compiler import CompileOptions, clear_shared_graphs, compile_module, regions
@@ -13,15 +12,9 @@ from overdrive.compiler import CompileOptions, clear_shared_graphs, compile_modu
 DEPTH = 3
 
 
-@pytest.fixture(scope="module")
-def comfy():
-    return import_comfy_in_process()
-
-
 @pytest.fixture
-def transformer(comfy):
+def transformer(comfy):  # conftest's `comfy`: ComfyUI's real modules, imported in this process
     """ComfyUI's SpatialTransformer with DEPTH BasicTransformerBlocks, each with its own random weights."""
-    import comfy.ops
     from comfy.ldm.modules.attention import SpatialTransformer
 
     torch.manual_seed(0)

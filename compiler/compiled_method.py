@@ -71,6 +71,11 @@ class CompiledMethod:
             log.info("Overdrive: %s.%s reuses the compiled graph of architecture %s (no recompile)",
                      describe(self.module), self.method, self.fingerprint)
 
+    def _without_regions(self, *args, **kwargs):
+        """Switch this module to the whole-graph entry of its architecture and run the call there."""
+        self._use_options(dataclasses.replace(self.options, regional=False))
+        return self(*args, **kwargs)
+
     def eager(self, *args, **kwargs):
         return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
 
@@ -81,8 +86,7 @@ class CompiledMethod:
         graph = self.graph
         if graph.failure is not None:
             if self.options.regional:  # another module of this architecture found that regions fail here
-                self._use_options(dataclasses.replace(self.options, regional=False))
-                return self(*args, **kwargs)
+                return self._without_regions(*args, **kwargs)
             return self.eager(*args, **kwargs)
         signature = shape_signature(args, kwargs)
         new_shape = self._may_compile(signature)
@@ -103,8 +107,7 @@ class CompiledMethod:
                 # Regions are newer compiler machinery than whole-graph compilation: try that before giving up.
                 log.warning("Overdrive: compiling %s.%s with regions failed (%s); compiling it as one graph instead.",
                             graph.description, self.method, reason)
-                self._use_options(dataclasses.replace(self.options, regional=False))
-                return self(*args, **kwargs)
+                return self._without_regions(*args, **kwargs)
             log.warning("Overdrive: the compiled %s.%s failed, so it runs eager from now on (your generation "
                         "continues, only slower). Reason: %s", graph.description, self.method, reason)
             return self.eager(*args, **kwargs)

@@ -177,7 +177,7 @@ def run_variant(pipe, variant, args, embeds, reference) -> dict:
         row["deepcache"] = {"full_calls": stats.full_calls, "shallow_calls": stats.shallow_calls,
                             "decisions": stats.decisions}
     row.update(info)
-    if variant != "eager" and not args.no_warm:
+    if variant != "eager" and not args.no_warm and (args.warm_variants is None or variant in args.warm_variants):
         row["warm_compile_s_est"] = warm_compile_s(pipe, variant, args, embeds, per_image)
     return row, reference
 
@@ -202,6 +202,8 @@ def parse_args(argv=None):
                         "(default: QuantConfig's; --tiny: 0, so tiny layers quantize too)")
     parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval")
     parser.add_argument("--no-warm", action="store_true", help="skip the warm (restart) compile measurement")
+    parser.add_argument("--warm-variants", default=None, help="comma-separated variants whose warm (restart) compile is "
+                        "measured (default: every compiled variant)")
     parser.add_argument("--out", default=None, help="JSON report path, e.g. bench/results/DATE_h100_diffusers.json")
     args = parser.parse_args(argv)
     tiny = {"res": 64, "steps": 4, "repeats": 1} if args.tiny else {"res": 1024, "steps": 20, "repeats": 3}
@@ -214,7 +216,9 @@ def parse_args(argv=None):
     if args.density is None and args.tiny:
         args.density = 0.0
     args.dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    args.variants = args.variants.split(",")
+    args.warm_variants = args.warm_variants.split(",") if args.warm_variants else None
+    unknown = sorted(set(args.variants + (args.warm_variants or [])) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     return args
@@ -231,20 +235,23 @@ def main(argv=None):
     import diffusers
 
     pipe, embeds = build_pipeline(args), prompt_inputs(args)
-    rows, reference = [], None
-    for variant in [v for v in VARIANTS if v in args.variants.split(",")]:
-        row, reference = run_variant(pipe, variant, args, embeds, reference)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        reset_pipeline(pipe, args)
-    add_speedups(rows)
     settings = {k: (str(v) if k == "dtype" else v) for k, v in vars(args).items()}
     report = {"benchmark": "diffusers", "pipeline": "StableDiffusionXLPipeline", "settings": settings,
               "environment": dict(environment(), diffusers=diffusers.__version__), "batch": 1,
               "text_encoders": "skipped: random prompt_embeds/pooled_prompt_embeds of SDXL's shapes",
               "weights": "fixed-seed random (diffusers' default init), SDXL base 1.0 config values",
               "peer": f"torch.compile(unet and vae.decode, mode={args.peer_mode!r}, fullgraph=True), channels_last",
-              "results": rows}
+              "results": []}
+    rows, reference = report["results"], None
+    for variant in args.variants:  # in the order given: a run stopped at a time limit keeps what it measured
+        row, reference = run_variant(pipe, variant, args, embeds, reference)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        add_speedups(rows)
+        if args.out:
+            pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+        reset_pipeline(pipe, args)
     finish(report, rows, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
                           ("speedup", lambda r: r["speedup_vs_eager"]), ("first run (s)", lambda r: r["first_run_s"]),
                           ("warm compile (s)", lambda r: r.get("warm_compile_s_est", "-")),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
-#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | diffusers-restart | gemm | gpu-tests
+#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | diffusers | diffusers-restart | gemm | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -34,6 +34,10 @@ case "$part" in
       --out "$out/${day}_h100_sdxl_deepcache_all.json" > "$out/sdxl_deepcache_all.log" 2>&1; filter 10 < "$out/sdxl_deepcache_all.log"
     timeout 270 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 --variants $variants \
       --out "$out/${day}_h100_sd15_deepcache_all.json" > "$out/sd15_deepcache_all.log" 2>&1; filter 10 < "$out/sd15_deepcache_all.log" ;;
+  diffusers)  # issue 9's one run, Overdrive's variants first; the peer as diffusers' torch.compile docs show it
+    timeout 560 python3 bench_diffusers.py --variants eager,overdrive,overdrive+quant+deepcache,peer \
+      --peer-mode reduce-overhead --warm-variants overdrive \
+      --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 12 < "$out/diffusers.log" ;;
   diffusers-restart)  # the diffusers API against eager and the peer; then a restart and a switch with the disk cache warm
     timeout 340 python3 bench_diffusers.py --variants eager,peer,overdrive,overdrive+quant+deepcache --peer-mode default \
       --no-warm --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 10 < "$out/diffusers.log"

@@ -6,6 +6,7 @@ hooks. A process-wide generation counter bumped by those hooks tells `WeightsWat
 changed; only then does it walk the module tree again. Sampling steps therefore cost one integer comparison instead
 of a walk over every module (2-5 ms per step for SD1.5/SDXL in Python, which was a third of a cached step's time).
 """
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -14,18 +15,31 @@ _generation = 0
 
 
 def _bump(*_args):
-    # No lock: a racing increment may be lost, but the value still moves, which is all a watcher compares. Plain
-    # enough for Dynamo to trace when a compiled forward registers a module (a lock there would break the graph).
+    # No lock: a racing increment may be lost, but the value still moves, which is all a watcher compares.
     global _generation
     _generation += 1
 
 
-register_module_parameter_registration_hook(_bump)
-register_module_module_registration_hook(_bump)
+def _on_registration(registry: str):
+    def hook(module, name, _value):
+        # Under torch.compile this is a registration inside a traced forward: a temporary container such as
+        # diffusers' `self.resnets[1:]` (a new ModuleList per call), never a weight swap. Touching the counter there
+        # made Dynamo guard on its value and recompile every call (torch 2.11: SDXL ran eager after 8 recompiles).
+        if torch.compiler.is_compiling():
+            return
+        # Only a replacement can change what an existing tree runs; filling a new container (that same slice in
+        # eager mode, or building a model) does not, and must not send every watcher on a walk each step.
+        if getattr(module, registry).get(name) is not None:
+            _bump()
+    return hook
+
+
+register_module_parameter_registration_hook(_on_registration("_parameters"))
+register_module_module_registration_hook(_on_registration("_modules"))
 
 
 def weights_generation() -> int:
-    """Changes whenever a Parameter or a submodule is registered on any module in this process."""
+    """Changes whenever a Parameter or a submodule of any module in this process is replaced."""
     return _generation
 
 

@@ -265,6 +265,38 @@ def test_weights_are_walked_only_after_something_was_registered(tiny, monkeypatc
     assert len(walks) == 2 and runner.schedule.runs == 2 and runner.stats.decisions == [True]
 
 
+class _SlicesItsLayers(torch.nn.Module):
+    """Builds a temporary ModuleList in every forward, as diffusers' UNetMidBlock2DCrossAttn does (`self.resnets[1:]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return x
+
+
+def test_temporary_containers_in_a_forward_are_not_weight_changes_and_do_not_recompile():
+    """Regression (H100, torch 2.11): the registration hook ran inside the compiled diffusers UNet, Dynamo guarded on
+    the counter and recompiled every call until its limit, and SDXL ran eager (3.2 s/image instead of ~0.8 s)."""
+    from overdrive.compiler import CompileOptions, compile_module, dynamo_graph_count
+    from overdrive.deepcache.weights import weights_generation
+    model, x = _SlicesItsLayers(), torch.randn(2, 4)
+    generation = weights_generation()
+    with torch.no_grad():
+        eager = model(x)
+        compile_module(model, CompileOptions(backend="eager", cuda_graphs=False, regional=False))
+        graphs = dynamo_graph_count()
+        for _ in range(4):
+            assert torch.equal(model(x), eager)
+    assert dynamo_graph_count() - graphs == 1
+    assert weights_generation() == generation
+    model.layers[0] = torch.nn.Linear(4, 4)  # a real swap still counts
+    assert weights_generation() > generation
+
+
 def test_a_new_layout_in_a_shallow_step_runs_full_instead_of_reusing_another(tiny):
     runner = tiny.runner(cache_interval=3)
     tiny.step(runner, tiny.sigmas[0], layout=(0, 1))

@@ -35,7 +35,7 @@ case "$part" in
     timeout 270 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 --variants $variants \
       --out "$out/${day}_h100_sd15_deepcache_all.json" > "$out/sd15_deepcache_all.log" 2>&1; filter 10 < "$out/sd15_deepcache_all.log" ;;
   diffusers)  # issue 9's one run, Overdrive's variants first; the peer as diffusers' torch.compile docs show it
-    timeout 560 python3 bench_diffusers.py --variants eager,overdrive,overdrive+quant+deepcache,peer \
+    timeout 470 python3 bench_diffusers.py --variants eager,overdrive,overdrive+quant+deepcache,peer \
       --peer-mode reduce-overhead --warm-variants overdrive \
       --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 12 < "$out/diffusers.log" ;;
   diffusers-restart)  # the diffusers API against eager and the peer; then a restart and a switch with the disk cache warm

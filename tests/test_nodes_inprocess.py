@@ -153,19 +153,32 @@ def test_switching_while_another_prompt_samples_never_mixes_weights(nodes, compi
         assert torch.equal(out, expected)
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage that Python objects still reach (each storage once). Unlike the process RSS, which
+    the allocator keeps high after frees and which moved by +-300 MB between identical runs, this sees exactly what a
+    switch leaves alive: old weights, twin modules, cached copies."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 def test_twenty_switches_do_not_grow_memory(nodes, compiled, checkpoints):
     import psutil
 
     switcher = nodes["OverdriveSwitchWeights"]()
-    process = psutil.Process()
-    rss = []
+    live, rss = [], []
     for i in range(20):
         out = switcher.switch(compiled, f"sd15-seed{1 + i % 2}.safetensors")[0]
         del out
-        gc.collect()
-        rss.append(process.memory_info().rss)
+        live.append(live_tensor_bytes())
+        rss.append(psutil.Process().memory_info().rss)
     model_bytes = sum(p.numel() * p.element_size() for p in compiled.model.diffusion_model.parameters())
-    assert rss[-1] - rss[4] < model_bytes * 0.5, [r / 2**20 for r in rss]
+    # After the first switches (loaded file buffers, the twin's first allocation), nothing more may stay alive.
+    assert max(live[4:]) - live[4] < model_bytes * 0.05, ([b / 2**20 for b in live], [r / 2**20 for r in rss])
 
 
 def test_compile_vae_decodes_like_eager(comfy, nodes):

@@ -65,9 +65,9 @@ def raw_gemm(fmt, x, module):
     if fmt == "int8":
         xq, _ = kernels.quantize_rows_int8(x)
         return lambda: torch._int_mm(xq, module.weight_q.t())
-    xq, xs = kernels.quantize_rows_fp8(x)
-    return lambda: torch._scaled_mm(xq, module.weight_q.t(), xs, module.weight_scale, out_dtype=torch.bfloat16,
-                                    use_fast_accum=True)
+    xq, xs = kernels.quantize_tensor_fp8(x)
+    return lambda: torch._scaled_mm(xq, module.weight_q.t(), xs.reshape(()), module.weight_scale.reshape(()),
+                                    out_dtype=x.dtype, use_fast_accum=True)
 
 
 def rel_error(y, ref):

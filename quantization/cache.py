@@ -23,7 +23,7 @@ from ..cache_dirs import cache_dir
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 1
+SCHEMA = 2  # 2: fp8 layers hold one weight scale per tensor (was per channel)
 _TENSOR_NAMES = ("weight_q", "weight_scale", "bias")
 
 

@@ -1,11 +1,11 @@
 """Drop-in quantized replacements for nn.Linear and 1x1 nn.Conv2d, running real int8 / fp8 GEMMs.
 
 - `Int8Linear`: W8A8, `torch._int_mm` (runs on CUDA sm80+ and on the CPU).
-- `Fp8Linear`: e4m3 weights and activations with row-wise scales, `torch._scaled_mm` (CUDA sm89+; CPU too).
+- `Fp8Linear`: e4m3 weights and activations, one scale per tensor, `torch._scaled_mm` (CUDA sm89+; CPU too).
 - `QuantConv2d1x1`: a 1x1 / stride 1 / ungrouped conv as a GEMM over pixels (NCHW -> rows of channels) through
   one of the two linears above.
 
-Every module keeps its quantized weight, its per-channel scales and the float bias as buffers whose dtypes never
+Every module keeps its quantized weight, its scales (per channel for int8, per tensor for fp8) and the float bias as buffers whose dtypes never
 change (`model.half()` or `.to(dtype)` moves them between devices but does not cast them), and can be re-quantized
 in place from a new float weight (`load_float_weight`) without re-measuring: the buffers are overwritten, so a
 compiled graph that captured them keeps working (weight switching).
@@ -23,6 +23,7 @@ class _QuantizedGemm(nn.Module):
 
     format: str = ""
     storage_dtype: torch.dtype = torch.int8
+    per_channel_scales: bool = True  # weight_scale is (1, N); else (1, 1)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None):
         super().__init__()
@@ -30,7 +31,8 @@ class _QuantizedGemm(nn.Module):
         self.out_features = int(out_features)
         self.register_buffer("weight_q", torch.zeros(self.out_features, self.in_features, dtype=self.storage_dtype,
                                                      device=device))
-        self.register_buffer("weight_scale", torch.ones(1, self.out_features, dtype=torch.float32, device=device))
+        scales = self.out_features if self.per_channel_scales else 1
+        self.register_buffer("weight_scale", torch.ones(1, scales, dtype=torch.float32, device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(self.out_features, dtype=torch.float32, device=device))
         else:
@@ -76,6 +78,9 @@ class _QuantizedGemm(nn.Module):
         if weight_q.dtype != self.storage_dtype or tuple(weight_q.shape) != tuple(self.weight_q.shape):
             raise ValueError(f"{type(self).__name__}: quantized weight {tuple(weight_q.shape)} {weight_q.dtype} does "
                              f"not fit {tuple(self.weight_q.shape)} {self.storage_dtype}.")
+        if weight_scale.numel() != self.weight_scale.numel():
+            raise ValueError(f"{type(self).__name__}: {weight_scale.numel()} weight scales do not fit this layer's "
+                             f"{self.weight_scale.numel()}.")
         self.weight_q.copy_(weight_q)
         self.weight_scale.copy_(weight_scale.reshape(1, -1))
         if self.bias is not None and bias is not None:
@@ -138,10 +143,12 @@ class Int8Linear(_QuantizedGemm):
 
 
 class Fp8Linear(_QuantizedGemm):
-    """fp8 e4m3 linear: row-wise weight scales, dynamic row-wise activation scales, `torch._scaled_mm`."""
+    """fp8 e4m3 linear: a weight scale and a dynamic activation scale per tensor, `torch._scaled_mm` (bias and
+    output cast fused into the GEMM)."""
 
     format = "fp8_e4m3"
     storage_dtype = kernels.FP8_DTYPE
+    per_channel_scales = False
 
     def __init__(self, in_features, out_features, bias=True, device=None, fast_accum: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device)

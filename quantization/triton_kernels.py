@@ -6,6 +6,8 @@ cast, ...) and the int8 rescale 5 more, which costs several times the GEMM itsel
 - `quantize_rows(x, fmt)`: per-row amax, scale = amax / qmax, quantize (round half to even for int8, the same
   as torch.round; round to nearest even for fp8, as torch's cast), one read of x, one write of q.
 - `rescale(acc, x_scale, w_scale, bias, out_dtype)`: y = acc * x_scale * w_scale + bias, cast, one pass.
+- `quantize_tensor_fp8(x)`: one scale for the whole tensor: torch.aminmax (one reduction, no |x| copy), then one
+  kernel that turns it into the scale and casts x to e4m3.
 
 Numerics match the torch ops in kernels.py: float casts round to nearest even on the GPU, as torch's do. Tests run
 the kernels through Triton's interpreter (TRITON_INTERPRET=1) on CPU; the interpreter's own fp8/bf16 casts round
@@ -71,6 +73,37 @@ if triton is not None:
             y = y + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
         out = out_ptr + rows64[:, None] * stride_out + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_tensor_kernel(x_ptr, q_ptr, s_ptr, min_ptr, max_ptr, n, QMAX: tl.constexpr, EPS: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        amax = tl.maximum(-tl.load(min_ptr).to(tl.float32), tl.load(max_ptr).to(tl.float32))
+        scale = tl.maximum(amax / QMAX, EPS)
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) / scale
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+        if pid == 0:
+            tl.store(s_ptr, scale)
+
+
+def quantize_tensor_fp8(x: torch.Tensor):
+    """(M, K) float -> (float8_e4m3fn (M, K), float32 scale (1, 1)), one dynamic scale for the tensor."""
+    from .kernels import EPS, FP8_DTYPE, FP8_MAX
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((1, 1), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, scale.fill_(EPS)
+    low, high = torch.aminmax(x)
+    block = 4096
+    _quantize_tensor_kernel[(triton.cdiv(x.numel(), block),)](x, q, scale, low, high, x.numel(), QMAX=FP8_MAX,
+                                                              EPS=EPS, BLOCK=block, num_warps=8)
+    return q, scale
 
 
 def quantize_rows(x: torch.Tensor, fmt: str):

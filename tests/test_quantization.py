@@ -157,6 +157,11 @@ TRITON_CHECK = textwrap.dedent("""
         qr, sr = kernels.quantize_rows_fp8(x)
         # the interpreter's fp8 cast loses the carry at powers of two: compare most elements and the scales
         assert torch.equal(s, sr) and (q.float() == qr.float()).float().mean() > 0.9
+    for m, k, dtype in [(5, 40, torch.float16), (70, 300, torch.bfloat16), (3, 5000, torch.float32)]:
+        x = torch.randn(m, k).to(dtype) * 3
+        q, s = tk.quantize_tensor_fp8(x)
+        qr, sr = kernels.quantize_tensor_fp8(x)
+        assert torch.equal(s, sr) and (q.float() == qr.float()).float().mean() > 0.9, (m, k, dtype)
     acc = torch.randint(-3000, 3000, (70, 90), dtype=torch.int32)
     xs, ws, b = torch.rand(70, 1) * 1e-2, torch.rand(1, 90) * 1e-2, torch.randn(90)
     for dtype in (torch.float16, torch.float32):

@@ -25,13 +25,6 @@ BLOCK_REPLACES = ("attn1", "attn2")
 ATTENTION_OVERRIDE = "optimized_attention_override"
 
 
-def _run_block(block, *args, **kwargs):
-    return type(block).forward(block, *args, **kwargs)
-
-
-_block_region = torch.compiler.nested_compile_region(_run_block)
-
-
 def options_change_block(options) -> bool:
     """Whether ComfyUI transformer_options carry something a transformer block applies (so it must see them)."""
     if not options:
@@ -42,20 +35,38 @@ def options_change_block(options) -> bool:
             or any(replaces.get(key) for key in BLOCK_REPLACES))
 
 
-# The forwards installed on blocks, as methods bound to the block: Dynamo then sees the block under its own path in
-# the model, which torch >= 2.12's region reuse needs to swap in each block's parameters (reached through a helper
-# object's attribute instead, every block ran with the first block's weights).
-def _region_forward(self, *args, **kwargs):
-    return _block_region(self, *args, **kwargs)
+_nested_region = torch.compiler.nested_compile_region  # a seam for tests that make regions fail
+_forwards_by_class: dict = {}
 
 
-def _comfy_region_forward(self, x, context=None, transformer_options=None):
-    if options_change_block(transformer_options):
-        return _run_block(self, x, context, transformer_options)
-    return _block_region(self, x, context)
+def region_forwards(cls) -> tuple:
+    """(forward, ComfyUI forward) to install on blocks of `cls`, made once per class.
 
+    They are bound to each block as methods: Dynamo then sees the block under its own path in the model, which
+    torch >= 2.12's region reuse needs to swap in each block's parameters (reached through a helper object's attribute
+    instead, every block ran with the first block's weights). The class's own forward is held here rather than read
+    as `type(block).forward` inside the region: diffusers registers its blocks with allow_in_graph, and Dynamo
+    (torch 2.14) cannot take `.forward` of such a class, so every diffusers region failed."""
+    made = _forwards_by_class.get(cls)
+    if made is None:
+        class_forward = cls.forward
 
-REGION_FORWARDS = (_region_forward, _comfy_region_forward)
+        def run_block(block, *args, **kwargs):
+            return class_forward(block, *args, **kwargs)
+
+        region = _nested_region(run_block)
+
+        def region_forward(self, *args, **kwargs):
+            return region(self, *args, **kwargs)
+
+        def comfy_region_forward(self, x, context=None, transformer_options=None):
+            if options_change_block(transformer_options):
+                return run_block(self, x, context, transformer_options)
+            return region(self, x, context)
+
+        region_forward.overdrive_region = comfy_region_forward.overdrive_region = True
+        made = _forwards_by_class[cls] = (region_forward, comfy_region_forward)
+    return made
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -65,7 +76,7 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def has_region(block: torch.nn.Module) -> bool:
     forward = block.__dict__.get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__ in REGION_FORWARDS
+    return isinstance(forward, types.MethodType) and getattr(forward.__func__, "overdrive_region", False)
 
 
 def install_regions(module: torch.nn.Module) -> int:
@@ -75,7 +86,8 @@ def install_regions(module: torch.nn.Module) -> int:
         if not has_region(block):
             # ComfyUI's blocks take forward(x, context=None, transformer_options={}); diffusers' take no options.
             takes_options = "transformer_options" in inspect.signature(type(block).forward).parameters
-            block.forward = types.MethodType(_comfy_region_forward if takes_options else _region_forward, block)
+            plain, comfy = region_forwards(type(block))
+            block.forward = types.MethodType(comfy if takes_options else plain, block)
     return len(blocks)
 
 

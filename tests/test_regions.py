@@ -82,7 +82,8 @@ def test_regions_failing_to_compile_fall_back_to_one_whole_graph(transformer, mo
     def broken_region(block, *args, **kwargs):
         raise RuntimeError("region failure injected by the test")
 
-    monkeypatch.setattr(regions, "_block_region", broken_region)
+    monkeypatch.setattr(regions, "_forwards_by_class", {})
+    monkeypatch.setattr(regions, "_nested_region", lambda run_block: broken_region)
     compiled = compile_module(transformer, CompileOptions(backend="aot_eager", cuda_graphs=False))
     with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
         out = transformer(x, context=context, transformer_options={})

@@ -65,6 +65,8 @@ def test_compile_matches_eager_and_switching_weights_does_not_recompile(pipe, re
 
     compiled = compile_(pipe, CompileOptions(cuda_graphs=False))
     assert set(compiled) == {"unet.forward", "vae.decode"}
+    conv = pipe.unet.conv_in.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     before = dynamo_graph_count()
     image = generate(pipe, "np", steps=4)
     assert dynamo_graph_count() - before == 2  # one UNet graph (CFG batch), one VAE decode graph
@@ -72,6 +74,7 @@ def test_compile_matches_eager_and_switching_weights_does_not_recompile(pipe, re
 
     graphs = dynamo_graph_count()
     switch_weights_(pipe, reference["weights_b"])
+    assert pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)  # the layout the graph expects
     image_b = generate(pipe, "np", steps=4)
     assert relative_error(image_b, reference["np_b"]) < COMPILE_RTOL  # = a fresh pipeline with those weights
     assert relative_error(image_b, image) > 0.05
@@ -192,7 +195,8 @@ def test_compile_deepcache_and_quantize_compose_in_any_order(pipe):
     compiled = compile_(pipe, CompileOptions(backend="eager", cuda_graphs=False))
     assert compiled["unet.forward"] is runner.native and compiled["unet.deepcache.full_forward"] is runner.full_path
     breaks = sum(counters["graph_break"].values())
-    assert torch.equal(generate(pipe, steps=6), expected)
+    # not bit-equal: compile_ moves the conv weights to channels-last, so the convolutions take other algorithms
+    assert relative_error(generate(pipe, steps=6), expected) < COMPILE_RTOL
     assert runner.full_path.graph.graphs_compiled == 1 and runner.shallow_path.graph.graphs_compiled == 1
     assert sum(counters["graph_break"].values()) == breaks
 

@@ -34,8 +34,8 @@ case "$part" in
       --out "$out/${day}_h100_sdxl_deepcache_all.json" > "$out/sdxl_deepcache_all.log" 2>&1; filter 10 < "$out/sdxl_deepcache_all.log"
     timeout 270 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 --variants $variants \
       --out "$out/${day}_h100_sd15_deepcache_all.json" > "$out/sd15_deepcache_all.log" 2>&1; filter 10 < "$out/sd15_deepcache_all.log" ;;
-  diffusers)  # issue 9's one run, Overdrive's variants first; the peer as diffusers' torch.compile docs show it
-    timeout 470 python3 bench_diffusers.py --variants eager,overdrive,overdrive+quant+deepcache,peer \
+  diffusers)  # issue 9's one run; the peer as diffusers' torch.compile docs show it; quantization last (new fp8 path)
+    timeout 440 python3 bench_diffusers.py --variants eager,overdrive,peer,overdrive+quant+deepcache \
       --peer-mode reduce-overhead --warm-variants overdrive \
       --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 12 < "$out/diffusers.log" ;;
   diffusers-restart)  # the diffusers API against eager and the peer; then a restart and a switch with the disk cache warm
@@ -44,7 +44,7 @@ case "$part" in
     timeout 230 python3 bench_restart_switch.py --arch sdxl --res 1024 \
       --out "$out/${day}_h100_sdxl_restart_regional.json" > "$out/restart.log" 2>&1; filter 6 < "$out/restart.log" ;;
   gemm)
-    python3 bench_quantize.py --budget-s 40 --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 40 ;;
+    timeout 90 python3 bench_quantize.py --budget-s 30 --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 40 ;;
   gpu-tests)
     cd .. && python3 -m pytest tests/test_quantization_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 esac

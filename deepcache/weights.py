@@ -43,11 +43,6 @@ def weights_generation() -> int:
     return _generation
 
 
-def bump_weights_generation() -> None:
-    """For code that changes weights without registering anything (e.g. copying new values into Parameters)."""
-    _bump()
-
-
 def weights_token(module: nn.Module) -> int:
     """Changes when a submodule or a Parameter object of `module` is replaced. Walks the `_modules`/`_parameters`
     dicts directly (`module.parameters()`' named traversal is several times slower)."""

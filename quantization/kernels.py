@@ -77,13 +77,6 @@ def quantize_rows_int8(x: torch.Tensor):
     return q, scale
 
 
-def quantize_rows_fp8(x: torch.Tensor):
-    """(M, K) float -> (float8_e4m3fn (M, K), float32 scale (M, 1)); per row (token), dynamic, symmetric."""
-    scale = _row_scale(x, FP8_MAX)
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
 def quantize_tensor_fp8(x: torch.Tensor):
     """(M, K) float -> (float8_e4m3fn (M, K), float32 scale (1, 1)); one dynamic scale for the whole tensor."""
     scale = (x.abs().amax().float() / FP8_MAX).clamp(min=EPS).reshape(1, 1)
@@ -107,33 +100,19 @@ def _triton_failed(error: Exception):
                 error)
 
 
-def _quantize_rows(x: torch.Tensor, fmt: str):
+def _eager_fused(fused, plain, x: torch.Tensor, *args):
+    """`fused(x, *args)` (a Triton kernel) in eager CUDA mode, else `plain(x, *args)` (the torch ops); a Triton
+    failure switches to the torch ops for good."""
     if _eager_triton(x):
         try:
-            return triton_kernels.quantize_rows(x, fmt)
+            return fused(x, *args)
         except Exception as error:  # noqa: BLE001 - e.g. a Triton build problem: fall back, never fail the run
             _triton_failed(error)
-    return quantize_rows_int8(x) if fmt == "int8" else quantize_rows_fp8(x)
-
-
-def _quantize_tensor_fp8(x: torch.Tensor):
-    if _eager_triton(x):
-        try:
-            return triton_kernels.quantize_tensor_fp8(x)
-        except Exception as error:  # noqa: BLE001
-            _triton_failed(error)
-    return quantize_tensor_fp8(x)
+    return plain(x, *args)
 
 
 def _rescale(acc, x_scale, w_scale, bias, out_dtype):
-    if _eager_triton(acc):
-        try:
-            return triton_kernels.rescale(acc, x_scale, w_scale, bias, out_dtype)
-        except Exception as error:  # noqa: BLE001
-            _triton_failed(error)
-    y = acc.float()
-    if x_scale is not None:
-        y = y * x_scale * w_scale
+    y = acc.float() * x_scale * w_scale
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
@@ -144,20 +123,20 @@ def int8_linear(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, 
                 out_dtype: torch.dtype) -> torch.Tensor:
     """y = x @ W^T + b through `torch._int_mm`. x2d: (M, K) float; w_int8: (N, K) int8; w_scale: (1, N) fp32."""
     m = x2d.shape[0]
-    xq, x_scale = _quantize_rows(x2d, "int8")
+    xq, x_scale = _eager_fused(triton_kernels.quantize_rows_int8, quantize_rows_int8, x2d)
     if m < INT_MM_MIN_ROWS:  # a shape (not value) branch: a guard under torch.compile, never a graph break
         xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - m))
     acc = torch._int_mm(xq, w_int8.t())
     if m < INT_MM_MIN_ROWS:
         acc = acc[:m]
-    return _rescale(acc, x_scale, w_scale, bias, out_dtype)
+    return _eager_fused(triton_kernels.rescale, _rescale, acc, x_scale, w_scale, bias, out_dtype)
 
 
 def fp8_linear(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
     """y = x @ W^T + b through `torch._scaled_mm` with tensor-wise scales. x2d: (M, K) float; w_fp8: (N, K) e4m3;
     w_scale: (1, 1) float32. The scaling, the bias and the output cast happen inside the GEMM."""
-    xq, x_scale = _quantize_tensor_fp8(x2d)
+    xq, x_scale = _eager_fused(triton_kernels.quantize_tensor_fp8, quantize_tensor_fp8, x2d)
     fused_bias = bias is not None and out_dtype != torch.float32  # the fp8 GEMM adds a bias only for 16-bit outputs
     y = torch._scaled_mm(xq, w_fp8.t(), x_scale.reshape(()), w_scale.reshape(()),
                          bias=bias.to(out_dtype) if fused_bias else None, out_dtype=out_dtype,

@@ -3,8 +3,8 @@ equivalent fused code from the plain torch ops in kernels.py, which then also fu
 
 Without them, eager activation quantization is ~7 separate memory-bound kernels (abs, amax, divide, round, clamp,
 cast, ...) and the int8 rescale 5 more, which costs several times the GEMM itself. Here each is one kernel:
-- `quantize_rows(x, fmt)`: per-row amax, scale = amax / qmax, quantize (round half to even for int8, the same
-  as torch.round; round to nearest even for fp8, as torch's cast), one read of x, one write of q.
+- `quantize_rows_int8(x)`: per-row amax, scale = amax / 127, quantize (round half to even, the same as
+  torch.round), one read of x, one write of q.
 - `rescale(acc, x_scale, w_scale, bias, out_dtype)`: y = acc * x_scale * w_scale + bias, cast, one pass.
 - `quantize_tensor_fp8(x)`: one scale for the whole tensor: torch.aminmax (one reduction, no |x| copy), then one
   kernel that turns it into the scale and casts x to e4m3.
@@ -31,7 +31,7 @@ AVAILABLE = triton is not None and os.environ.get("OVERDRIVE_QUANT_TRITON", "1")
 if triton is not None:
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr, EPS: tl.constexpr,
-                              IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         q_row = q_ptr + row * stride_q
@@ -45,19 +45,17 @@ if triton is not None:
         for start in range(0, K, BLOCK_K):
             mask = start + offs < K
             y = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32) / scale
-            if IS_INT8:
-                r = tl.floor(y + 0.5)
-                tie = (r - y) == 0.5
-                odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-                y = tl.where(tie & odd, r - 1.0, r)
+            r = tl.floor(y + 0.5)
+            tie = (r - y) == 0.5
+            odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+            y = tl.where(tie & odd, r - 1.0, r)
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
             tl.store(q_row + start + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
     @triton.jit
     def _rescale_kernel(acc_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
-                        HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < M
@@ -65,17 +63,14 @@ if triton is not None:
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
         y = tl.load(acc_ptr + rows64[:, None] * stride_acc + cols[None, :], mask=mask, other=0).to(tl.float32)
-        if HAS_SCALES:
-            xs = tl.load(xs_ptr + rows, mask=rmask, other=0.0)
-            ws = tl.load(ws_ptr + cols, mask=cmask, other=0.0)
-            y = y * xs[:, None] * ws[None, :]
+        xs = tl.load(xs_ptr + rows, mask=rmask, other=0.0)
+        ws = tl.load(ws_ptr + cols, mask=cmask, other=0.0)
+        y = y * xs[:, None] * ws[None, :]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
         out = out_ptr + rows64[:, None] * stride_out + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-
-if triton is not None:
     @triton.jit
     def _quantize_tensor_kernel(x_ptr, q_ptr, s_ptr, min_ptr, max_ptr, n, QMAX: tl.constexpr, EPS: tl.constexpr,
                                 BLOCK: tl.constexpr):
@@ -106,37 +101,33 @@ def quantize_tensor_fp8(x: torch.Tensor):
     return q, scale
 
 
-def quantize_rows(x: torch.Tensor, fmt: str):
-    """(M, K) float -> (q (M, K) int8 or float8_e4m3fn, float32 scale (M, 1)), one fused kernel."""
-    from .kernels import EPS, FP8_DTYPE, FP8_MAX, INT8_MAX
+def quantize_rows_int8(x: torch.Tensor):
+    """(M, K) float -> (int8 (M, K), float32 scale (M, 1)), one fused kernel."""
+    from .kernels import EPS, INT8_MAX
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    int8 = fmt == "int8"
-    q = torch.empty((m, k), dtype=torch.int8 if int8 else FP8_DTYPE, device=x.device)
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
     block = min(triton.next_power_of_2(max(k, 16)), 2048)
-    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=INT8_MAX if int8 else FP8_MAX,
-                                EPS=EPS, IS_INT8=int8, BLOCK_K=block, num_warps=4 if block <= 1024 else 8)
+    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=INT8_MAX, EPS=EPS, BLOCK_K=block,
+                                num_warps=4 if block <= 1024 else 8)
     return q, scale
 
 
-def rescale(acc: torch.Tensor, x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-            bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """(acc * x_scale * w_scale + bias).to(out_dtype) in one pass; scales (M, 1) and (1, N) float32, optional."""
+def rescale(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """(acc * x_scale * w_scale + bias).to(out_dtype) in one pass; scales (M, 1) and (1, N) float32, bias optional."""
     if acc.stride(-1) != 1:
         acc = acc.contiguous()
     m, n = acc.shape
     out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
     if m == 0 or n == 0:
         return out
-    has_scales = x_scale is not None
-    dummy = acc  # never read when the matching flag is off
     grid = (triton.cdiv(m, 64), triton.cdiv(n, 64))
-    _rescale_kernel[grid](acc, x_scale.reshape(-1) if has_scales else dummy,
-                          w_scale.reshape(-1) if has_scales else dummy,
-                          bias if bias is not None else dummy, out, m, n, acc.stride(0), out.stride(0),
-                          HAS_SCALES=has_scales, HAS_BIAS=bias is not None, BLOCK_M=64, BLOCK_N=64, num_warps=4)
+    _rescale_kernel[grid](acc, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else acc, out, m, n,
+                          acc.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=64, BLOCK_N=64,
+                          num_warps=4)  # without a bias, acc stands in for the pointer and is never read
     return out

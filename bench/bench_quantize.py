@@ -50,10 +50,10 @@ def bench_ms(fn, smoke=False):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    from overdrive.quantization.speed import _graph_seconds, _warm
-    _warm(fn)
+    from overdrive.quantization.speed import graph_seconds, warm_up
+    warm_up(fn)
     try:
-        return _graph_seconds(fn) * 1e3
+        return graph_seconds(fn) * 1e3
     except RuntimeError as error:  # e.g. something that cannot be captured: time it plainly, and say so
         print(f"    (not capturable: {str(error).splitlines()[0][:120]}; timed with do_bench)")
         from triton.testing import do_bench

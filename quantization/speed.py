@@ -27,7 +27,7 @@ _timings: dict = {}
 _lock = threading.Lock()
 
 
-def _graph_seconds(fn) -> float:
+def graph_seconds(fn) -> float:
     """Seconds per call of `fn()` (already warm), from a CUDA graph of REPEATS calls replayed REPLAYS times."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -45,7 +45,7 @@ def _graph_seconds(fn) -> float:
     return seconds
 
 
-def _warm(fn) -> None:
+def warm_up(fn) -> None:
     # Outside the capture: Triton JIT, cuBLAS heuristics and workspaces happen here, on a side stream as capture needs.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -72,9 +72,9 @@ def measured_speedup(module, quantized, input_shape: tuple, dtype: torch.dtype) 
             generator = torch.Generator(device=device).manual_seed(0)
             x = torch.randn(*input_shape, device=device, dtype=dtype, generator=generator)
             quantized = quantized.to(device)
-            _warm(lambda: module(x))
-            _warm(lambda: quantized(x))
-            speedup = _graph_seconds(lambda: module(x)) / _graph_seconds(lambda: quantized(x))
+            warm_up(lambda: module(x))
+            warm_up(lambda: quantized(x))
+            speedup = graph_seconds(lambda: module(x)) / graph_seconds(lambda: quantized(x))
         _timings[key] = speedup
         log.debug("Overdrive quantization: %s %s %s on %s: %.2fx the float layer's speed", key[1], key[3],
                   "x".join(map(str, input_shape)), key[0], speedup)

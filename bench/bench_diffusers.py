@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from report import add_speedups, environment, finish  # noqa: E402
+from report import add_speedups, environment, finish, write_report  # noqa: E402
 
 VARIANTS = ("eager", "peer", "overdrive", "overdrive+quant", "overdrive+quant+deepcache")
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
@@ -248,9 +248,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         add_speedups(rows)
-        if args.out:
-            pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+        write_report(report, args.out)
         reset_pipeline(pipe, args)
     finish(report, rows, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
                           ("speedup", lambda r: r["speedup_vs_eager"]), ("first run (s)", lambda r: r["first_run_s"]),

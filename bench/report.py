@@ -29,6 +29,11 @@ def finish(report: dict, rows: list, columns: list, out=None) -> None:
     for r in rows:
         print("| " + " | ".join(str(cell(r)) for _, cell in columns) + " |")
     print(json.dumps(report["environment"]))
+    write_report(report, out)
+
+
+def write_report(report: dict, out=None) -> None:
+    """The report as JSON at `out` (if given), folders created."""
     if out:
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out).write_text(json.dumps(report, indent=2))

@@ -15,7 +15,7 @@ import time
 import torch
 
 from overdrive.runner.inprocess import build_model, conditioning, import_comfy
-from report import add_speedups, compile_phases, environment, finish
+from report import add_speedups, compile_phases, environment, finish, write_report
 
 
 def sync():
@@ -197,6 +197,8 @@ def main():
         return out, time.perf_counter() - start
 
     results, reference, calibration = [], None, {}
+    report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
+              "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
         patcher = make(variant)
         graphs_before = dynamo_graph_count()
@@ -220,6 +222,7 @@ def main():
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         results.append(row)
         print(json.dumps(row), flush=True)
+        write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured
 
         if args.profile and cuda and (args.profile_all or variant == args.variants.split(",")[-1]):
             print(f"[{variant}]")
@@ -230,11 +233,8 @@ def main():
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
 
-    vae_rows = bench_vae(comfy, run_node, reference, args.repeats) if args.vae else []
+    report["vae_decode"] = bench_vae(comfy, run_node, reference, args.repeats) if args.vae else []
     add_speedups(results)
-    report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
-              "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results,
-              "vae_decode": vae_rows}
     finish(report, results, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
                              ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),
                              ("first run (s)", lambda r: r["first_run_s"]), ("peak VRAM GiB", lambda r: r["peak_vram_gib"]),

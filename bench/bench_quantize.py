@@ -9,7 +9,10 @@ with CUDA graphs. (An earlier version used `triton.testing.do_bench`, which at t
 launches.) `raw` rows time the bare 8-bit GEMM on already quantized inputs: what the kernels could give if the
 activation quantization and rescale were free. Shapes are the SDXL UNet's at 1024²,
 batch 2 (CFG): 4096 tokens x 2 at the 640-channel level, 1024 x 2 at the 1280-channel level, and the M = 2 time
-embedding (padding path of _int_mm). `--m` forces one M for every shape. Compiled variants stop when
+embedding (padding path of _int_mm). `--m` forces one M for every shape. "fp8_e4m3 static" is the fp8 layer with a
+static activation scale (QuantizeModel's default): its compiled rows also time the layer behind a GELU
+(`compiled_gelu_ms`, as in the model, where every linear has a producer) so that the cast's fusion into the producer
+shows. Compiled variants stop when
 `--budget-s` is spent (default 150 s), so the whole run stays under ~3 minutes of GPU time.
 """
 import argparse
@@ -121,6 +124,8 @@ def main():
         variants = {"fp16": linear}
         for fmt in formats:
             variants[fmt] = classes[fmt].from_float(linear)
+        if "fp8_e4m3" in formats:
+            variants["fp8_e4m3 static"] = Fp8Linear.from_float(linear).set_input_amax(F.gelu(x).abs().amax())
         raw = {}
         if not args.smoke and m >= INT_MM_MIN_ROWS:  # the bare _int_mm needs M > 16
             for fmt in formats:
@@ -147,9 +152,16 @@ def main():
                         entry["compile_s"] = time.perf_counter() - t0
                         entry["compiled_rel_err"] = rel_error(yc, reference)
                         entry["compiled_ms"] = bench_ms(lambda: compiled(x), args.smoke)
+                        if variant in ("fp16", "fp8_e4m3 static"):
+                            behind_gelu = torch.compile(nn.Sequential(nn.GELU(), module), mode=args.mode,
+                                                        dynamic=False)
+                            behind_gelu(x)
+                            entry["compiled_gelu_ms"] = bench_ms(lambda: behind_gelu(x), args.smoke)
             row["variants"][variant] = entry
-            print(f"  {name:26s} {variant:9s} eager {entry['eager_ms']:.4f} ms"
+            print(f"  {name:26s} {variant:15s} eager {entry['eager_ms']:.4f} ms"
                   + (f"  compiled {entry['compiled_ms']:.4f} ms" if "compiled_ms" in entry else "")
+                  + (f"  GELU+layer compiled {entry['compiled_gelu_ms']:.4f} ms" if "compiled_gelu_ms" in entry
+                     else "")
                   + f"  rel err {entry['rel_err']:.2e}", flush=True)
         rows.append(row)
 
@@ -170,11 +182,15 @@ def main():
     # Markdown table: speed-up vs fp16 of the same mode (eager vs eager, compiled vs compiled).
     print(f"\n{environment().get('gpu', device)}: ms per call (CUDA graph replay), speed-up vs fp16 in the same mode, relative error "
           f"vs float32")
-    head = "| shape | M | K | N | density | fp16 eager | fp16 compiled |"
-    sep = "|---|---|---|---|---|---|---|"
-    for fmt in formats:
+    quantized_variants = [v for v in rows[0]["variants"] if v != "fp16" and not v.endswith(" raw")] if rows else []
+    head = "| shape | M | K | N | density | fp16 eager | fp16 compiled | fp16 GELU+layer compiled |"
+    sep = "|---|---|---|---|---|---|---|---|"
+    for fmt in quantized_variants:
         head += f" {fmt} eager | {fmt} compiled | {fmt} rel err |"
         sep += "---|---|---|"
+    if "fp8_e4m3 static" in quantized_variants:
+        head += " fp8 static GELU+layer compiled |"
+        sep += "---|"
     print(head)
     print(sep)
 
@@ -187,15 +203,18 @@ def main():
     for row in rows:
         base = row["variants"]["fp16"]
         line = f"| {row['shape']} | {row['M']} | {row['K']} | {row['N']} | {row['density']:.0f} | " \
-               f"{cell(base, 'eager_ms', base)} | {cell(base, 'compiled_ms', base)} |"
-        for fmt in formats:
+               f"{cell(base, 'eager_ms', base)} | {cell(base, 'compiled_ms', base)} | " \
+               f"{cell(base, 'compiled_gelu_ms', base)} |"
+        for fmt in quantized_variants:
             entry = row["variants"][fmt]
             line += f" {cell(entry, 'eager_ms', base)} | {cell(entry, 'compiled_ms', base)} | " \
                     f"{entry['rel_err']:.2e} |"
+        if "fp8_e4m3 static" in quantized_variants:
+            line += f" {cell(row['variants']['fp8_e4m3 static'], 'compiled_gelu_ms', base)} |"
         print(line)
     speedups = {fmt: [r["variants"]["fp16"]["compiled_ms"] / r["variants"][fmt]["compiled_ms"] for r in rows
                       if "compiled_ms" in r["variants"][fmt] and "compiled_ms" in r["variants"]["fp16"]
-                      and r["M"] > 16] for fmt in formats}
+                      and r["M"] > 16] for fmt in quantized_variants}
     for fmt, values in speedups.items():
         if values:
             print(f"{fmt}: compiled speed-up vs compiled fp16, median over shapes with M > 16: "

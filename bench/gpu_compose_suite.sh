@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
-#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | diffusers | diffusers-restart | gemm | gpu-tests
+#   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
+#         restart | gemm | gemm-fp8 | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -34,6 +35,13 @@ case "$part" in
       --out "$out/${day}_h100_sdxl_deepcache_all.json" > "$out/sdxl_deepcache_all.log" 2>&1; filter 10 < "$out/sdxl_deepcache_all.log"
     timeout 270 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 --variants $variants \
       --out "$out/${day}_h100_sd15_deepcache_all.json" > "$out/sd15_deepcache_all.log" 2>&1; filter 10 < "$out/sd15_deepcache_all.log" ;;
+  issue5-6)  # issues 5 and 6 in one SDXL run: compile + fp8 (static activation scales) and DeepCache against eager/peer
+    variants=eager,overdrive,overdrive+fp8,overdrive+fp8+deepcache,overdrive+deepcache,deepcache,peer
+    timeout "${SDXL_TIMEOUT:-420}" python3 bench_compile.py --arch sdxl --res 1024 --warm-cache --variants $variants \
+      --out "$out/${day}_h100_sdxl_issue5_6.json" > "$out/sdxl_issue5_6.log" 2>&1; filter 14 < "$out/sdxl_issue5_6.log" ;;
+  restart)  # issue 4: cold compile, warm restart from Overdrive's disk cache, SwitchWeights (each phase a new process)
+    timeout "${RESTART_TIMEOUT:-400}" python3 bench_restart_switch.py --arch sdxl --res 1024 \
+      --out "$out/${day}_h100_sdxl_restart_regional.json" > "$out/restart.log" 2>&1; filter 12 < "$out/restart.log" ;;
   diffusers)  # issue 9's one run; the peer as diffusers' torch.compile docs show it; quantization last (new fp8 path)
     timeout 440 python3 bench_diffusers.py --variants eager,overdrive,peer,overdrive+quant+deepcache \
       --peer-mode reduce-overhead --warm-variants overdrive \
@@ -45,6 +53,10 @@ case "$part" in
       --out "$out/${day}_h100_sdxl_restart_regional.json" > "$out/restart.log" 2>&1; filter 6 < "$out/restart.log" ;;
   gemm)
     timeout 90 python3 bench_quantize.py --budget-s 30 --out "$out/${day}_h100_quantize_gemm.json" 2>&1 | filter 40 ;;
+  gemm-fp8)  # fp8 with static activation scales against fp16 and dynamic fp8, alone and behind a GELU (fusion)
+    timeout 150 python3 bench_quantize.py --quick --formats fp8_e4m3 --budget-s 90 \
+      --out "$out/${day}_h100_quantize_gemm_fp8_static.json" > "$out/quantize_gemm_fp8_static.log" 2>&1
+    filter 16 < "$out/quantize_gemm_fp8_static.log" ;;
   gpu-tests)
     cd .. && python3 -m pytest tests/test_quantization_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 esac

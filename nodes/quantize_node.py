@@ -32,8 +32,9 @@ TOOLTIPS = {
                                  "memory-bound and 8-bit math would not speed it up (an H100's ridge point is ~300). "
                                  "0 accepts every layer whose error is low enough.",
     "min_speedup": "On NVIDIA GPUs each layer that passes both checks is also timed at its real shape, float against "
-                   "8-bit, and quantized only if it runs at least this many times faster (1.1 = 10 % faster). 0 "
-                   "turns the timing off (density alone decides). Not used on the CPU.",
+                   "8-bit, and quantized only if it runs at least this many times faster (1.1 = 10 % faster). fp8 "
+                   "layers are timed as they run under Compile Model (their input cast fused into the layer before). "
+                   "0 turns the timing off (density alone decides). Not used on the CPU.",
     "calibration_steps": "Sampling steps of the calibration run (euler, fixed seed) that records each layer's real "
                          "inputs. 2-3 are enough. Skipped when the decisions for this model and settings are cached.",
     "positive": "Optional: your positive prompt, so calibration measures the activations of your prompt. Without "

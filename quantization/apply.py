@@ -96,6 +96,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
                                      bias=candidate.module.bias is not None, device=device,
                                      fast_accum=config.fp8_fast_accum)
                 module.load_quantized(tensors["weight_q"], tensors["weight_scale"], tensors.get("bias"))
+                module.load_input_scale(tensors.get("input_scale"))
             except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
                 log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
                 module = None

@@ -23,8 +23,8 @@ from ..cache_dirs import cache_dir
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 2  # 2: fp8 layers hold one weight scale per tensor (was per channel)
-_TENSOR_NAMES = ("weight_q", "weight_scale", "bias")
+SCHEMA = 3  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale
+_TENSOR_NAMES = ("weight_q", "weight_scale", "bias", "input_scale")
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -148,7 +148,7 @@ class QuantCache:
         return None if entry is None else entry["report_obj"]
 
     def load_weights(self, key: str, device) -> dict | None:
-        """{layer name: {"weight_q", "weight_scale"[, "bias"]}} from `<key>.safetensors`, or None."""
+        """{layer name: {"weight_q", "weight_scale"[, "bias"][, "input_scale"]}} from `<key>.safetensors`, or None."""
         entry = self._entry(key)
         info = None if entry is None else entry.get("weights")
         path = self.weights_path(key)

@@ -36,6 +36,7 @@ class LayerSample:
     max_rows: int = 0                  # M of the largest call
     input_shape: tuple | None = None   # input shape of the largest call
     output_hw: tuple | None = None     # conv: output H, W of the largest call
+    amax: torch.Tensor | None = None   # largest |input| over every call (0-d float32, on the input's device)
 
 
 class Calibrator:
@@ -110,6 +111,8 @@ class Calibrator:
                 sample.output_hw = metrics.conv2d_output_hw(module, x.shape[2], x.shape[3])
         if not measurable or m == 0:
             return
+        amax = torch.linalg.vector_norm(x, float("inf")).float()  # one reduction, no host sync
+        sample.amax = amax if sample.amax is None else torch.maximum(sample.amax, amax)
         cap = self.config.calibration_tokens
         have = 0 if sample.rows is None else sample.rows.shape[0]
         if have < cap:           # still filling: take what is missing
@@ -137,9 +140,13 @@ class Calibrator:
         return decide(self.candidates, self.samples, config or self.config, fmt)
 
 
-def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig):
-    """Quantize `module` to `fmt` and measure its normalised MSE on `rows`: returns (quantized module, error)."""
-    quantized = quantized_module_for(module, fmt, fast_accum=config.fp8_fast_accum, device=rows.device)
+def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig,
+                  input_amax: torch.Tensor | None = None):
+    """Quantize `module` to `fmt` and measure its normalised MSE on `rows`: returns (quantized module, error).
+    fp8 layers get a static activation scale from `input_amax` when the config asks for one."""
+    static = input_amax if config.fp8_static_activations else None
+    quantized = quantized_module_for(module, fmt, fast_accum=config.fp8_fast_accum, device=rows.device,
+                                     input_amax=static)
     gemm = quantized.gemm if isinstance(quantized, QuantConv2d1x1) else quantized
     weight = module.weight.detach().to(rows.device)
     weight = weight.reshape(weight.shape[0], -1).float()
@@ -204,7 +211,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
         if sample.rows is None:
             decision.reason = "not called during calibration (no inputs to measure)"
             continue
-        quantized, decision.error = measure_layer(module, sample.rows, fmt, config)
+        quantized, decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)
         if not decision.density >= config.compute_density_threshold:
             decision.reason = (f"density {decision.density:.0f} < {config.compute_density_threshold:g} FLOP/byte "
                                f"(memory-bound: low precision would not speed it up)")

@@ -34,6 +34,9 @@ class QuantConfig:
       times faster; 0 turns the timing off (density alone then stands for speed). Not applied on the CPU.
     - calibration_tokens: input rows (tokens, or pixels of a 1x1 conv) kept per layer for measuring.
     - fp8_fast_accum: `use_fast_accum` of torch._scaled_mm (faster on Hopper; its error is measured like the rest).
+    - fp8_static_activations: fp8 layers scale their inputs by a static scale from the calibration amax (with 2x
+      headroom, `kernels.STATIC_HEADROOM`), so under torch.compile the cast fuses into the producing kernel; False:
+      a dynamic scale per input (a reduction over every input first; no saturation possible).
     """
 
     bits: int = 8
@@ -46,6 +49,7 @@ class QuantConfig:
     min_speedup: float = 1.1
     calibration_tokens: int = 256
     fp8_fast_accum: bool = True
+    fp8_static_activations: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -56,7 +60,7 @@ class QuantConfig:
                              f"(int8 or fp8 tensor-core kernels). Use bits=8.")
         if self.format not in FORMATS:
             raise ValueError(f"QuantConfig.format={self.format!r} is unknown. Use one of {', '.join(map(repr, FORMATS))}.")
-        for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum"):
+        for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum", "fp8_static_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} must be True or False.")
         for name in ("conv_mse_threshold", "linear_mse_threshold", "compute_density_threshold", "min_speedup"):

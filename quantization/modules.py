@@ -1,7 +1,8 @@
 """Drop-in quantized replacements for nn.Linear and 1x1 nn.Conv2d, running real int8 / fp8 GEMMs.
 
 - `Int8Linear`: W8A8, `torch._int_mm` (runs on CUDA sm80+ and on the CPU).
-- `Fp8Linear`: e4m3 weights and activations, one scale per tensor, `torch._scaled_mm` (CUDA sm89+; CPU too).
+- `Fp8Linear`: e4m3 weights and activations, one scale per tensor (the activation's static, from calibration, or
+  dynamic), `torch._scaled_mm` (CUDA sm89+; CPU too).
 - `QuantConv2d1x1`: a 1x1 / stride 1 / ungrouped conv as a GEMM over pixels (NCHW -> rows of channels) through
   one of the two linears above.
 
@@ -93,6 +94,11 @@ class _QuantizedGemm(nn.Module):
             state["bias"] = self.bias
         return state
 
+    def load_input_scale(self, input_scale: torch.Tensor | None):
+        """Static activation scale from the cache (only fp8 layers have one)."""
+        if input_scale is not None:
+            raise ValueError(f"{type(self).__name__} takes no static input scale.")
+
     def _apply(self, fn, recurse=True):
         # Quantized storage keeps its dtype under model.half()/.to(dtype): only the device follows `fn`.
         for name, buf in self._buffers.items():
@@ -143,8 +149,9 @@ class Int8Linear(_QuantizedGemm):
 
 
 class Fp8Linear(_QuantizedGemm):
-    """fp8 e4m3 linear: a weight scale and a dynamic activation scale per tensor, `torch._scaled_mm` (bias and
-    output cast fused into the GEMM)."""
+    """fp8 e4m3 linear: one weight scale and one activation scale per tensor, `torch._scaled_mm` (bias and output
+    cast fused into the GEMM). The activation scale is static (`input_scale`, set from the calibration amax with
+    `set_input_amax`) or, until one is set, dynamic (each input's own amax)."""
 
     format = "fp8_e4m3"
     storage_dtype = kernels.FP8_DTYPE
@@ -153,15 +160,55 @@ class Fp8Linear(_QuantizedGemm):
     def __init__(self, in_features, out_features, bias=True, device=None, fast_accum: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.fast_accum = bool(fast_accum)
+        self.register_buffer("input_scale", None)
+
+    @property
+    def static_input(self) -> bool:
+        return self.input_scale is not None
+
+    @torch.no_grad()
+    def set_input_amax(self, amax: torch.Tensor) -> "Fp8Linear":
+        """Use a static activation scale for inputs whose largest magnitude in calibration was `amax`."""
+        self.load_input_scale(kernels.static_fp8_scale(amax.to(self.weight_q.device)))
+        return self
+
+    @torch.no_grad()
+    def load_input_scale(self, input_scale: torch.Tensor | None):
+        if input_scale is None:
+            return
+        if input_scale.numel() != 1:
+            raise ValueError(f"Fp8Linear: a static input scale is one number, not {tuple(input_scale.shape)}.")
+        scale = input_scale.detach().float().reshape(1, 1).to(self.weight_q.device)
+        if self.input_scale is None:
+            self.input_scale = scale.clone()
+        else:  # in place: a compiled graph that captured the buffer sees the new value
+            self.input_scale.copy_(scale)
+
+    def quantized_state(self) -> dict:
+        state = super().quantized_state()
+        if self.input_scale is not None:
+            state["input_scale"] = self.input_scale
+        return state
 
     def quantize_weight(self, weight):
         return kernels.quantize_weight_fp8(weight)
 
     def gemm(self, x2d, out_dtype):
-        return kernels.fp8_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype, self.fast_accum)
+        return kernels.fp8_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype, self.fast_accum,
+                                  self.input_scale)
+
+    def gemm_quantized(self, xq, out_dtype):
+        """The GEMM alone on an input already cast with the static scale (what is left of `gemm` once torch.compile
+        has fused the cast into the input's producer; speed.py times it)."""
+        return kernels.fp8_gemm(xq, self.input_scale, self.weight_q, self.weight_scale, self.bias, out_dtype,
+                                self.fast_accum)
 
     def reference_gemm(self, x2d, out_dtype):
-        return kernels.reference_fp8_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype)
+        return kernels.reference_fp8_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype,
+                                            self.input_scale)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", activation scale={'static' if self.static_input else 'dynamic'}"
 
 
 GEMM_CLASSES = {"int8": Int8Linear, "fp8_e4m3": Fp8Linear}
@@ -199,6 +246,13 @@ class QuantConv2d1x1(nn.Module):
         self.gemm.load_quantized(weight_q, weight_scale, bias)
         return self
 
+    def load_input_scale(self, input_scale):
+        self.gemm.load_input_scale(input_scale)
+
+    def set_input_amax(self, amax):
+        self.gemm.set_input_amax(amax)
+        return self
+
     def _run(self, x, gemm_fn):
         unbatched = x.dim() == 3
         if unbatched:
@@ -220,18 +274,25 @@ class QuantConv2d1x1(nn.Module):
         return f"{self.in_channels}, {self.out_channels}, kernel_size=(1, 1), format={self.format}"
 
 
-def quantized_module_for(module: nn.Module, fmt: str, fast_accum: bool = True, device=None) -> nn.Module:
-    """The quantized replacement of an nn.Linear or 1x1 nn.Conv2d, on `device` (default: the weight's device)."""
+def quantized_module_for(module: nn.Module, fmt: str, fast_accum: bool = True, device=None,
+                         input_amax: torch.Tensor | None = None) -> nn.Module:
+    """The quantized replacement of an nn.Linear or 1x1 nn.Conv2d, on `device` (default: the weight's device);
+    an fp8 one with a static activation scale when `input_amax` (the calibration inputs' largest magnitude) is
+    given."""
     kwargs = {"fast_accum": fast_accum} if fmt == "fp8_e4m3" else {}
     weight, bias = module.weight, module.bias
     if device is not None:
         weight = weight.to(device)
         bias = None if bias is None else bias.to(device)
     if isinstance(module, nn.Linear):
-        return GEMM_CLASSES[fmt].from_float(weight, bias, **kwargs)
-    if isinstance(module, nn.Conv2d):
-        return QuantConv2d1x1(GEMM_CLASSES[fmt].from_float(weight, bias, **kwargs))
-    raise TypeError(f"no quantized replacement for {type(module).__name__}")
+        quantized = GEMM_CLASSES[fmt].from_float(weight, bias, **kwargs)
+    elif isinstance(module, nn.Conv2d):
+        quantized = QuantConv2d1x1(GEMM_CLASSES[fmt].from_float(weight, bias, **kwargs))
+    else:
+        raise TypeError(f"no quantized replacement for {type(module).__name__}")
+    if input_amax is not None and fmt == "fp8_e4m3":
+        quantized.set_input_amax(input_amax)
+    return quantized
 
 
 def build_empty(kind: str, fmt: str, in_features: int, out_features: int, bias: bool, device=None,

@@ -6,8 +6,10 @@ many layers). So on CUDA each candidate that passed the density and error checks
 against its quantized replacement (activation quantization, the int8/fp8 GEMM, rescale and bias; for a 1x1 conv
 also the layout change), both on a random input of the layer's largest calibration shape, each captured in a
 CUDA graph of `REPEATS` calls and replayed, so launch overhead does not count (under a compiled model with CUDA
-graphs it does not either). Inductor may fuse the activation quantization into the producing kernel, which only
-makes the real 8-bit path cheaper than measured here: the rule errs towards leaving layers in float.
+graphs it does not either). A dynamic activation scale is timed with its quantization pass (a reduction over the
+input, then the cast). A static fp8 scale makes the cast elementwise, and under torch.compile Inductor fuses it into
+the kernel that produces the input (which then writes 1 byte per value instead of 2): such a layer is timed as the
+GEMM on an already cast input, as it runs compiled. Without Compile Model the cast is one more kernel per layer.
 
 Timings are memoised per GPU, format, dtype and shape for the process: a UNet has a few dozen distinct shapes.
 """
@@ -56,6 +58,17 @@ def warm_up(fn) -> None:
     torch.cuda.synchronize()
 
 
+def compiled_cost(quantized, x: torch.Tensor):
+    """A call of `quantized` on `x` that costs what the layer costs in a compiled model (see the module docstring)."""
+    from .kernels import quantize_tensor_fp8_static
+    from .modules import Fp8Linear
+
+    if isinstance(quantized, Fp8Linear) and quantized.static_input:
+        xq = quantize_tensor_fp8_static(x.reshape(-1, quantized.in_features), quantized.input_scale)
+        return lambda: quantized.gemm_quantized(xq, x.dtype)
+    return lambda: quantized(x)
+
+
 def measured_speedup(module, quantized, input_shape: tuple, dtype: torch.dtype) -> float | None:
     """Time of `module` (the float nn.Linear / 1x1 nn.Conv2d, on its CUDA device) / time of `quantized` (its 8-bit
     replacement) on a random input of `input_shape` and `dtype`; None where nothing can be timed (not CUDA)."""
@@ -72,9 +85,10 @@ def measured_speedup(module, quantized, input_shape: tuple, dtype: torch.dtype) 
             generator = torch.Generator(device=device).manual_seed(0)
             x = torch.randn(*input_shape, device=device, dtype=dtype, generator=generator)
             quantized = quantized.to(device)
+            quantized_call = compiled_cost(quantized, x)
             warm_up(lambda: module(x))
-            warm_up(lambda: quantized(x))
-            speedup = graph_seconds(lambda: module(x)) / graph_seconds(lambda: quantized(x))
+            warm_up(quantized_call)
+            speedup = graph_seconds(lambda: module(x)) / graph_seconds(quantized_call)
         _timings[key] = speedup
         log.debug("Overdrive quantization: %s %s %s on %s: %.2fx the float layer's speed", key[1], key[3],
                   "x".join(map(str, input_shape)), key[0], speedup)

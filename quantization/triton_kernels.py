@@ -7,7 +7,8 @@ cast, ...) and the int8 rescale 5 more, which costs several times the GEMM itsel
   torch.round), one read of x, one write of q.
 - `rescale(acc, x_scale, w_scale, bias, out_dtype)`: y = acc * x_scale * w_scale + bias, cast, one pass.
 - `quantize_tensor_fp8(x)`: one scale for the whole tensor: torch.aminmax (one reduction, no |x| copy), then one
-  kernel that turns it into the scale and casts x to e4m3.
+  kernel that turns it into the scale and casts x to e4m3; `quantize_tensor_fp8_static(x, scale)`: that kernel
+  alone, with a given (calibrated) scale.
 
 Numerics match the torch ops in kernels.py: float casts round to nearest even on the GPU, as torch's do. Tests run
 the kernels through Triton's interpreter (TRITON_INTERPRET=1) on CPU; the interpreter's own fp8/bf16 casts round
@@ -73,17 +74,21 @@ if triton is not None:
 
     @triton.jit
     def _quantize_tensor_kernel(x_ptr, q_ptr, s_ptr, min_ptr, max_ptr, n, QMAX: tl.constexpr, EPS: tl.constexpr,
-                                BLOCK: tl.constexpr):
-        amax = tl.maximum(-tl.load(min_ptr).to(tl.float32), tl.load(max_ptr).to(tl.float32))
-        scale = tl.maximum(amax / QMAX, EPS)
+                                BLOCK: tl.constexpr, STATIC: tl.constexpr):
+        if STATIC:  # the scale is given
+            scale = tl.load(s_ptr)
+        else:
+            amax = tl.maximum(-tl.load(min_ptr).to(tl.float32), tl.load(max_ptr).to(tl.float32))
+            scale = tl.maximum(amax / QMAX, EPS)
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) / scale
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
-        if pid == 0:
-            tl.store(s_ptr, scale)
+        if not STATIC:
+            if pid == 0:
+                tl.store(s_ptr, scale)
 
 
 def quantize_tensor_fp8(x: torch.Tensor):
@@ -95,10 +100,26 @@ def quantize_tensor_fp8(x: torch.Tensor):
     if x.numel() == 0:
         return q, scale.fill_(EPS)
     low, high = torch.aminmax(x)
+    _cast_fp8(x, q, scale, low, high, static=False)
+    return q, scale
+
+
+def quantize_tensor_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(M, K) float, float32 scale (1, 1) -> float8_e4m3fn (M, K), one kernel."""
+    from .kernels import FP8_DTYPE
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if x.numel():
+        scale = scale.float().reshape(1).contiguous()
+        _cast_fp8(x, q, scale, scale, scale, static=True)  # min/max pointers are unused when static
+    return q
+
+
+def _cast_fp8(x, q, scale, low, high, static: bool):
+    from .kernels import EPS, FP8_MAX
     block = 4096
     _quantize_tensor_kernel[(triton.cdiv(x.numel(), block),)](x, q, scale, low, high, x.numel(), QMAX=FP8_MAX,
-                                                              EPS=EPS, BLOCK=block, num_warps=8)
-    return q, scale
+                                                              EPS=EPS, BLOCK=block, STATIC=static, num_warps=8)
 
 
 def quantize_rows_int8(x: torch.Tensor):

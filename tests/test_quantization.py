@@ -17,6 +17,7 @@ from overdrive.quantization import (Calibrator, Fp8Linear, Int8Linear, QuantCach
                                     QuantReport, apply_modules, plan_quantization, quantize_)
 from overdrive.quantization import calibrate as calibrate_mod
 from overdrive.quantization import config as config_mod
+from overdrive.quantization import kernels
 
 ALL = dict(linear_mse_threshold=1e9, conv_mse_threshold=1e9, compute_density_threshold=0)
 QUANTIZABLE = {"proj_in", "block.ff1", "block.ff2", "block.attn_out", "temb", "proj_out"}  # linears + 1x1 convs
@@ -140,6 +141,31 @@ def test_fp8_linear_real_kernel_matches_dequantize_reference():
     assert rel(q(x), linear(x)) < 6e-2
 
 
+def test_fp8_static_activation_scale():
+    """A static scale (from a calibration amax) runs the same GEMM as the dynamic one; inputs up to the headroom keep
+    their precision, larger ones saturate at the fp8 maximum, as the reference does."""
+    if not oq.fp8_supported("cpu"):
+        pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
+    torch.manual_seed(4)
+    linear = nn.Linear(128, 64)
+    x = torch.randn(3, 40, 128)
+    q = Fp8Linear.from_float(linear)
+    assert not q.static_input
+    dynamic = q(x)
+    q.set_input_amax(x.abs().amax())
+    assert q.static_input and "activation scale=static" in repr(q)
+    assert q.input_scale.item() == pytest.approx(x.abs().amax().item() * kernels.STATIC_HEADROOM / kernels.FP8_MAX)
+    torch.testing.assert_close(q(x), q.reference_forward(x), rtol=2e-2, atol=2e-2)
+    assert rel(q(x), linear(x)) < 6e-2 and rel(q(x), dynamic) < 6e-2
+    grown = x * kernels.STATIC_HEADROOM * 0.99           # later steps' inputs, within the headroom: still exact-ish
+    assert rel(q(grown), linear(grown)) < 6e-2
+    outlier = x.clone()
+    outlier[0, 0, 0] = x.abs().amax() * 10                # beyond the headroom: saturates, like the reference
+    xq = kernels.quantize_tensor_fp8_static(outlier.reshape(-1, 128), q.input_scale)
+    assert xq.float().abs().max().item() == kernels.FP8_MAX
+    torch.testing.assert_close(q(outlier), q.reference_forward(outlier), rtol=2e-2, atol=2e-2)
+
+
 TRITON_CHECK = textwrap.dedent("""
     import torch
     from overdrive.quantization import kernels, triton_kernels as tk
@@ -159,6 +185,8 @@ TRITON_CHECK = textwrap.dedent("""
         qr, sr = kernels.quantize_tensor_fp8(x)
         # the interpreter's fp8 cast loses the carry at powers of two: compare most elements and the scales
         assert torch.equal(s, sr) and (q.float() == qr.float()).float().mean() > 0.9, (m, k, dtype)
+        static = tk.quantize_tensor_fp8_static(x, sr * 2)
+        assert (static.float() == kernels.quantize_tensor_fp8_static(x, sr * 2).float()).float().mean() > 0.9
     acc = torch.randint(-3000, 3000, (70, 90), dtype=torch.int32)
     xs, ws, b = torch.rand(70, 1) * 1e-2, torch.rand(1, 90) * 1e-2, torch.randn(90)
     for dtype in (torch.float16, torch.float32):
@@ -238,10 +266,23 @@ def test_fp8_model_stays_close():
     model = make_model()
     x, t = inputs(8)
     reference = model(x, t)
+    seen = []
+    hook = model.block.ff1.register_forward_pre_hook(lambda m, args: seen.append(args[0].abs().amax()))
     report = quantize_(model, QuantConfig(format="fp8_e4m3", **ALL), calibration=calibration_for(model))
+    hook.remove()
     assert set(report.quantized) == QUANTIZABLE - {"odd"} and report.format == "fp8_e4m3"
-    assert isinstance(model.block.ff1, Fp8Linear)
+    assert isinstance(model.block.ff1, Fp8Linear) and model.block.ff1.static_input
+    # The static scale covers the largest input of all calibration calls, with the headroom.
+    expected = max(seen) * kernels.STATIC_HEADROOM / kernels.FP8_MAX
+    assert model.block.ff1.input_scale.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert model.proj_in.gemm.static_input
     assert rel(model(x, t), reference) < REL_TOL_FP8
+
+    dynamic = make_model()
+    quantize_(dynamic, QuantConfig(format="fp8_e4m3", fp8_static_activations=False, **ALL),
+              calibration=calibration_for(dynamic))
+    assert not dynamic.block.ff1.static_input
+    assert rel(dynamic(x, t), reference) < REL_TOL_FP8
 
 
 @pytest.mark.parametrize("flag, left_alone", [("quantize_conv", {"proj_in", "proj_out"}),
@@ -352,12 +393,17 @@ def test_failures_leave_the_model_untouched(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- cache
-def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt):
+    if fmt == "fp8_e4m3" and not oq.fp8_supported("cpu"):
+        pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
     measured = []
     real_measure = calibrate_mod.measure_layer
     monkeypatch.setattr(calibrate_mod, "measure_layer", lambda *a, **k: measured.append(1) or real_measure(*a, **k))
     runs = []
-    config = QuantConfig(**{**ALL, "linear_mse_threshold": 1e-2, "conv_mse_threshold": 1e-2})
+    threshold = 1e-2 if fmt == "int8" else 1e-1
+    config = QuantConfig(**{**ALL, "linear_mse_threshold": threshold, "conv_mse_threshold": threshold,
+                            "format": fmt})
     x, t = inputs(9)
 
     first = make_model()
@@ -376,6 +422,9 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch):
     assert report2.cache_hit and not report2.calibrated and not measured and not runs
     assert report2.quantized == report.quantized and report2.cache_key == report.cache_key
     torch.testing.assert_close(second(x, t), expected)
+    if fmt == "fp8_e4m3":  # the static activation scales come back from the cache
+        assert second.block.ff1.static_input
+        assert torch.equal(second.block.ff1.input_scale, first.block.ff1.input_scale)
 
     other = make_model(seed=1)                       # other weights: other key, calibrates
     report3 = quantize_(other, config, calibration=calibration_for(other), cache=tmp_path, resolution=(8, 8))

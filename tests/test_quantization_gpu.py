@@ -43,3 +43,30 @@ def test_speed_is_measured_and_steers_the_decision(fmt):
         y = always.modules["2"](model[1](always.modules["0"](x))).float()
     assert ((y - reference).norm() / reference.norm()).item() < 0.1
 
+
+
+def test_static_fp8_scales_under_compile_match_eager_and_are_timed_as_compiled():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    from overdrive.quantization import apply_modules
+    from overdrive.quantization.speed import compiled_cost
+
+    model = mlp()
+    x = torch.randn(2, 4096, 1280, device="cuda", dtype=torch.half)
+    with torch.no_grad():
+        reference = model(x).float()
+    plan = plan_quantization(model, QuantConfig(format="fp8_e4m3", min_speedup=0.0, **ACCEPT_ANY_ERROR),
+                             calibration=calibrate)
+    assert sorted(plan.report.quantized) == ["0", "2"]
+    assert all(module.static_input for module in plan.modules.values())
+    # The speed rule times a static layer's GEMM on an already cast input (the cast fuses into the producer).
+    layer = plan.modules["0"]
+    cost = compiled_cost(layer, x)
+    with torch.no_grad():
+        torch.testing.assert_close(cost().float(), layer(x).reshape(-1, 5120).float(), rtol=0, atol=0)
+    apply_modules(model, plan.modules)
+    with torch.no_grad():
+        eager = model(x).float()
+        compiled = torch.compile(model)(x).float()
+    assert ((eager - reference).norm() / reference.norm()).item() < 0.1
+    assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2

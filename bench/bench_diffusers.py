@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import add_speedups, environment, finish, write_report  # noqa: E402
 
-VARIANTS = ("eager", "peer", "overdrive", "overdrive+quant", "overdrive+quant+deepcache")
+VARIANTS = ("eager", "peer", "overdrive", "overdrive-flat", "overdrive+quant", "overdrive+quant+deepcache")
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
@@ -100,9 +100,16 @@ def generate(pipe, args, embeds, output_type="np"):
     return torch.as_tensor(image), final["latent"].float().cpu(), time.perf_counter() - start
 
 
+def compile_options(variant, args):
+    """Overdrive's CompileOptions for `variant` ("overdrive-flat": one graph, no regions)."""
+    from overdrive.api import CompileOptions
+    return CompileOptions(mode=args.mode, cuda_graphs=args.device == "cuda", backend=args.backend,
+                          regional="overdrive-flat" not in variant.split("+"))
+
+
 def apply_variant(pipe, variant, args, embeds) -> dict:
     """Install `variant` on a pipeline with a fresh UNet; returns what it reported (quantization, DeepCache)."""
-    from overdrive.api import CompileOptions, DeepCacheConfig, QuantConfig, compile_, deepcache_, quantize_
+    from overdrive.api import DeepCacheConfig, QuantConfig, compile_, deepcache_, quantize_
     info = {}
     if variant == "peer":
         pipe.unet.to(memory_format=torch.channels_last)
@@ -122,8 +129,8 @@ def apply_variant(pipe, variant, args, embeds) -> dict:
                                                           guidance_scale=args.guidance))
         info["quantize_s"] = round(time.perf_counter() - start, 2)
         info["quantization"] = report.summary()
-    if "overdrive" in parts:
-        compile_(pipe, CompileOptions(mode=args.mode, cuda_graphs=args.device == "cuda", backend=args.backend))
+    if "overdrive" in parts or "overdrive-flat" in parts:
+        compile_(pipe, compile_options(variant, args))
     if "deepcache" in parts:
         info["runner"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval))
     return info
@@ -142,12 +149,12 @@ def reset_pipeline(pipe, args):
 
 def warm_compile_s(pipe, variant, args, embeds, per_image) -> float:
     """A restart's compile cost: forget every compiled graph in memory, compile again from the disk caches."""
-    from overdrive.api import CompileOptions, compile_
+    from overdrive.api import compile_
     from overdrive.compiler import clear_shared_graphs
     torch._dynamo.reset()
     clear_shared_graphs()
     if variant != "peer":
-        compile_(pipe, CompileOptions(mode=args.mode, cuda_graphs=args.device == "cuda", backend=args.backend))
+        compile_(pipe, compile_options(variant, args))
     _, _, first = generate(pipe, args, embeds)
     return round(first - per_image, 2)
 

@@ -82,17 +82,27 @@ class QuantizedKeys(set):
 
 class QuantizedModules:
     """Rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch
-    names there) so that ModelPatcher.model_patches_to moves the quantized layers with the model."""
+    names there) so that ModelPatcher.model_patches_to moves the quantized layers with the model.
+
+    It also moves the float layers they replace (`originals`, shared with the input MODEL) to the offload device
+    whenever the quantized model is loaded: they are out of the module tree while it runs, so ComfyUI would leave
+    them on the GPU (where calibration put them) beside their 8-bit copies. A later load of the float model moves
+    its whole tree, these layers included, back to its device."""
 
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
-    def __init__(self, modules: dict):
+    def __init__(self, modules: dict, originals: dict | None = None, offload_device=None):
         self.modules = modules
+        self.originals = originals or {}
+        self.offload_device = offload_device
 
     def to(self, device_or_dtype):
         if not isinstance(device_or_dtype, torch.dtype):  # the quantized storage keeps its dtype
             for module in self.modules.values():
                 module.to(device_or_dtype)
+            if self.offload_device is not None and torch.device(device_or_dtype) != torch.device(self.offload_device):
+                for module in self.originals.values():
+                    module.to(self.offload_device)
         return self
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
@@ -101,12 +111,15 @@ class QuantizedModules:
 
 def install(patcher, modules: dict) -> None:
     """Object patches for the quantized layers, the LoRA-after guard and the device follower, on `patcher`."""
+    tree = patcher.model.diffusion_model
+    originals = {name: tree.get_submodule(name) for name in modules}
+    originals = {name: module for name, module in originals.items() if not hasattr(module, "load_float_weight")}
     for name, module in modules.items():
         patcher.add_object_patch(PREFIX + name, module)
     keys = getattr(patcher, "model_keys", None)
     if keys is not None:  # a new set: the input MODEL and its other clones keep theirs
         patcher.model_keys = QuantizedKeys(keys, [key for name in modules for key in patch_keys(name)])
-    patcher.set_model_patch(QuantizedModules(modules), "overdrive_quantized")
+    patcher.set_model_patch(QuantizedModules(modules, originals, patcher.offload_device), "overdrive_quantized")
 
 
 def patches_digest(patches: dict) -> str:

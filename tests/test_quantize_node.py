@@ -202,6 +202,25 @@ def test_quantized_layers_follow_the_model_between_devices(quantized, node, base
     assert {b.device.type for m in layers for b in m.buffers()} == {"meta"}
 
 
+def test_loading_a_quantized_model_sends_the_float_layers_it_replaced_to_the_offload_device(quantized):
+    from overdrive.nodes.quantize_patches import QuantizedModules
+    model = quantized["model"]
+    follower = model.model_options["transformer_options"]["patches"]["overdrive_quantized"][0]
+    assert set(follower.originals) == set(quantized_layers(model))
+    assert all(isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for m in follower.originals.values())
+    assert follower.offload_device == model.offload_device
+    # On a GPU machine: the quantized model loads to the GPU, the float layers go to the CPU (offload device).
+    # Here the CPU stands for the GPU and the meta device for the offload device.
+    float_layer, eight_bit = torch.nn.Linear(32, 32), Int8Linear.from_float(torch.nn.Linear(32, 32))
+    moves = QuantizedModules({"layer": eight_bit}, {"layer": float_layer}, offload_device=torch.device("meta"))
+    moves.to(torch.float16)                       # a dtype: nothing moves
+    assert float_layer.weight.device.type == "cpu"
+    moves.to(torch.device("cpu"))                 # loaded to the device it runs on
+    assert float_layer.weight.device.type == "meta" and eight_bit.weight_q.device.type == "cpu"
+    moves.to(torch.device("meta"))                # offloaded: the float layer is already there
+    assert eight_bit.weight_q.device.type == "meta"
+
+
 # -------------------------------------------------------------------------------------------- LoRA
 def lora_for(base, float_layers, names, seed=5, rank=4):
     """A LoRA file's tensors (kohya naming, as most LoRAs ship) for `names`, changing each weight by ~50%."""

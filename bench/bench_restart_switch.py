@@ -46,7 +46,7 @@ def phase(args):
         return out, time.perf_counter() - start
 
     result = {"phase": args.phase, "build_model_s": round(build_s, 2)}
-    compiled = OverdriveCompileModel().compile(base)[0]
+    compiled = OverdriveCompileModel().compile(base, precompile=args.precompile)[0]
     graphs = dynamo_graph_count()
     _, result["first_image_s"] = sample(compiled)
     _, result["second_image_s"] = sample(compiled)
@@ -86,6 +86,7 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--phase")
     parser.add_argument("--workdir")
+    parser.add_argument("--precompile", action="store_true", help="CompileModel's precompile option (saved frames)")
     args = parser.parse_args()
     if args.phase:
         return phase(args)
@@ -95,7 +96,8 @@ def main():
         env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
                    TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
-               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)]
+               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)] + (
+                  ["--precompile"] if args.precompile else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         if out.returncode or not lines:

@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         restart | gemm | gemm-fp8 | gpu-tests
+#         restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -42,6 +42,14 @@ case "$part" in
   restart)  # issue 4: cold compile, warm restart from Overdrive's disk cache, SwitchWeights (each phase a new process)
     timeout "${RESTART_TIMEOUT:-400}" python3 bench_restart_switch.py --arch sdxl --res 1024 \
       --out "$out/${day}_h100_sdxl_restart_regional.json" > "$out/restart.log" 2>&1; filter 12 < "$out/restart.log" ;;
+  restart-precompile)  # the same with CompileModel's precompile option: the restart loads the saved frame
+    timeout "${RESTART_TIMEOUT:-400}" python3 bench_restart_switch.py --arch sdxl --res 1024 --precompile \
+      --out "$out/${day}_h100_sdxl_restart_precompile.json" > "$out/restart_precompile.log" 2>&1
+    filter 12 < "$out/restart_precompile.log" ;;
+  quant-vram)  # compile + fp8 after the float layers' offload fix: peak VRAM and speed against compile alone
+    timeout "${SDXL_TIMEOUT:-300}" python3 bench_compile.py --arch sdxl --res 1024 --warm-cache \
+      --variants eager,overdrive+fp8 --out "$out/${day}_h100_sdxl_fp8_vram.json" > "$out/sdxl_fp8_vram.log" 2>&1
+    filter 8 < "$out/sdxl_fp8_vram.log" ;;
   diffusers)  # issue 9's one run; the peer as diffusers' torch.compile docs show it; quantization last (new fp8 path)
     timeout 440 python3 bench_diffusers.py --variants eager,overdrive,peer,overdrive+quant+deepcache \
       --peer-mode reduce-overhead --warm-variants overdrive \

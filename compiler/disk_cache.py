@@ -49,6 +49,27 @@ def cache_key(fingerprint: str, options: dict, device: torch.device) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+def read_checked(path: pathlib.Path) -> bytes:
+    """The payload of a file written by `write_atomic`; ValueError if it is truncated or corrupt."""
+    data = path.read_bytes()
+    if data[:8] != MAGIC or hashlib.sha256(data[40:]).digest() != data[8:40]:
+        raise ValueError("bad header or checksum (truncated or corrupt file)")
+    return data[40:]
+
+
+def write_atomic(path: pathlib.Path, payload: bytes) -> None:
+    """MAGIC + sha256 + payload to `path`, through a temp file and a rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class CompileDiskCache:
     """`load(key)` before the first compile of a graph, `save(key)` after it compiled something new."""
 
@@ -63,16 +84,14 @@ class CompileDiskCache:
         if not path.is_file():
             return False
         try:
-            data = path.read_bytes()
-            if data[:8] != MAGIC or hashlib.sha256(data[40:]).digest() != data[8:40]:
-                raise ValueError("bad header or checksum (truncated or corrupt file)")
+            payload = read_checked(path)
             with _lock:
-                torch.compiler.load_cache_artifacts(data[40:])
+                torch.compiler.load_cache_artifacts(payload)
         except Exception as error:  # noqa: BLE001 - a bad cache entry must never stop a generation
             log.warning("Overdrive: discarding the compile cache entry %s (%s); it will be rebuilt.", path, error)
             path.unlink(missing_ok=True)
             return False
-        log.info("Overdrive: loaded compiled artifacts from %s (%.1f MB)", path, len(data) / 1e6)
+        log.info("Overdrive: loaded compiled artifacts from %s (%.1f MB)", path, (len(payload) + 40) / 1e6)
         return True
 
     def save(self, key: str) -> pathlib.Path | None:
@@ -81,25 +100,21 @@ class CompileDiskCache:
         if not artifacts:
             return None
         payload = artifacts[0]
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
-            os.replace(tmp, path)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, payload)
         log.info("Overdrive: saved compiled artifacts to %s (%.1f MB)", path, (len(payload) + 40) / 1e6)
         return path
 
+    def frames_dir(self, key: str) -> pathlib.Path:
+        """Where the precompiled frames of entry `key` live (compiler/precompiled.py)."""
+        return self.directory / f"{key}.frames"
+
     def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.directory.glob("*.bin")) if self.directory.is_dir() else 0
+        return sum(p.stat().st_size for p in self.directory.rglob("*.bin")) if self.directory.is_dir() else 0
 
     def clear(self) -> int:
         removed = 0
-        for p in self.directory.glob("*.bin") if self.directory.is_dir() else []:
+        for p in self.directory.rglob("*.bin") if self.directory.is_dir() else []:
             p.unlink(missing_ok=True)
             removed += 1
         return removed

@@ -24,6 +24,10 @@ class CompileOptions:
              (torch.compiler.nested_compile_region) instead of compiling all of them inline: SDXL's 70 blocks
              become 2 subgraphs, so Inductor's share of a cold compile shrinks several-fold (compiler/regions.py).
              Still one graph, and one CUDA graph per step.
+    precompile: save the first shape's compiled call whole (torch's AOT precompile) so that a restart loads it
+             without tracing the model again (SDXL: the ~20 s of a warm restart that Inductor's caches cannot save).
+             The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values and weight
+             devices instead (compiler/precompiled.py). Opt-in until it has more mileage.
     """
 
     mode: str = "default"
@@ -34,6 +38,7 @@ class CompileOptions:
     max_graphs: int = 8
     attention: str = "default"
     regional: bool = True
+    precompile: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:

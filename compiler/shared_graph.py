@@ -16,6 +16,7 @@ import types
 
 import torch
 
+from . import precompiled
 from .disk_cache import CompileDiskCache, cache_key
 from .options import CompileOptions
 
@@ -63,7 +64,10 @@ class SharedGraph:
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
         if options.backend == "inductor":
             kwargs["mode"] = options.inductor_mode()
-        self.compiled = torch.compile(_fresh_function(f"overdrive_{method}_{fingerprint}"), **kwargs)
+        fn = _fresh_function(f"overdrive_{method}_{fingerprint}")
+        self.compiled = torch.compile(fn, **kwargs)
+        self.frames = precompiled.PrecompiledFrames(fn, options) if (
+            options.precompile and precompiled.supported()) else None
 
     def call(self, module, args, kwargs):
         disk, key = _disk_cache, None
@@ -77,14 +81,17 @@ class SharedGraph:
                 disk.load(key)
         before = dynamo_graph_count()
         start = time.perf_counter()
-        if self.options.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # each call is a new inference step, not a continuation
         with torch._dynamo.config.patch(recompile_limit=self.options.max_graphs), attention_preference(self.options):
-            out = self.compiled(module, self.method, args, kwargs)
+            frame, built = self._precompiled_frame(module, args, kwargs, disk, key)
+            if self.options.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # each call is a new inference step, not a continuation
+            out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
+            if out is _NOT_RUN:
+                out = self.compiled(module, self.method, args, kwargs)
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
-        if new_graphs:
+        if new_graphs or built:
             self.graphs_compiled += new_graphs
             log.info(
                 "Overdrive compiled %s.%s [%s]: %d graph(s) in %.1f s (mode=%s, cuda_graphs=%s, dynamic=%s)",
@@ -97,6 +104,35 @@ class SharedGraph:
                 except OSError as error:
                     log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
         return out
+
+    def _precompiled_frame(self, module, args, kwargs, disk, key):
+        """With `precompile`: (the saved or newly built guard-free frame for this call, whether it was built now),
+        or (None, False) for torch.compile's path (no frame for a later shape, an argument that cannot be keyed,
+        weights not all on the input's device; see compiler/precompiled.py)."""
+        frames = self.frames
+        if frames is None or frames.failure is not None:
+            return None, False
+        signature = precompiled.call_signature(self.method, args, kwargs)
+        if signature is None or not precompiled.weights_on(module, _first_device(args, kwargs)):
+            return None, False
+        directory = disk.frames_dir(key) if disk is not None else None
+        frame = frames.load(signature, directory)
+        if frame is None and not self.shapes_seen:  # the first shape; later ones follow the `dynamic` policy
+            frame = frames.build(signature, directory, module, self.method, args, kwargs)
+            return frame, frame is not None  # built: its kernels go to the disk cache with the frame
+        return frame, False
+
+    def _run_frame(self, frame, module, args, kwargs):
+        try:
+            return frame(module, self.method, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
+            self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",
+                        self.description, self.method, self.frames.failure)
+            return _NOT_RUN
+
+
+_NOT_RUN = object()
 
 
 def _own_copy(out):

@@ -28,6 +28,13 @@ REGIONAL_TOOLTIP = (
     "to whole-graph compiling by itself when regions fail)."
 )
 
+PRECOMPILE_TOOLTIP = (
+    "Save the first resolution's compiled model whole, so that after a restart it loads in seconds instead of "
+    "being traced again (SDXL: ~35 s -> measured in bench/README.md). The saved code skips PyTorch's own checks; "
+    "Overdrive checks shapes, settings and where the weights are instead. Off by default while it is new; leave it "
+    "off if a custom node changes the model's code between restarts."
+)
+
 
 class OverdriveCompileModel:
     DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step. "
@@ -48,10 +55,12 @@ class OverdriveCompileModel:
             "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
         }, "optional": {
             "regional": ("BOOLEAN", {"default": True, "tooltip": REGIONAL_TOOLTIP}),
+            "precompile": ("BOOLEAN", {"default": False, "tooltip": PRECOMPILE_TOOLTIP}),
         }}
 
-    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True):
-        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional)
+    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=False):
+        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
+                                 precompile=precompile)
         patched = model.clone()
         # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.

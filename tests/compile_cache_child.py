@@ -1,21 +1,35 @@
-"""Run in a fresh process by test_compile_cache: compile a small module with Overdrive's disk cache, print counters."""
+"""Run in a fresh process by test_compile_cache: compile a small module with Overdrive's disk cache, print counters.
+
+argv: cache folder (or "none"); env OVERDRIVE_TEST_PRECOMPILE=1 compiles with CompileOptions(precompile=True)."""
 import json
 import logging
+import os
 import sys
 
 import torch
 import torch.nn as nn
 
 logging.basicConfig(level=logging.INFO)  # before the import: overdrive.compiler logs its Redis set-up on import
-from overdrive.compiler import CompileDiskCache, compile_module, set_disk_cache  # noqa: E402
+from overdrive.compiler import CompileDiskCache, CompileOptions, compile_module, set_disk_cache  # noqa: E402
 
 set_disk_cache(None if sys.argv[1] == "none" else CompileDiskCache(sys.argv[1]))
-torch.manual_seed(0)
-module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).eval().requires_grad_(False)
-expected = module(torch.ones(4, 16))
-compiled = compile_module(module)
-out = module(torch.ones(4, 16))
-counters = torch._dynamo.utils.counters["inductor"]
-print(json.dumps({"hits": counters["fxgraph_cache_hit"], "misses": counters["fxgraph_cache_miss"],
+options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") == "1")
+
+
+def checkpoint(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).eval().requires_grad_(False)
+
+
+module, second = checkpoint(0), checkpoint(1)  # two checkpoints of one architecture
+x = torch.ones(4, 16)
+expected, expected_second = module(x), second(x)
+compiled = compile_module(module, options)
+out = module(x)
+compile_module(second, options)
+out_second = second(x)  # the same compiled code, the second checkpoint's weights
+counters = torch._dynamo.utils.counters
+print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
                   "graphs": compiled.graph.graphs_compiled, "failure": compiled.graph.failure,
-                  "max_error": (out - expected).abs().max().item()}))
+                  "traced": counters["stats"]["unique_graphs"],
+                  "max_error": max((out - expected).abs().max().item(), (out_second - expected_second).abs().max().item())}))

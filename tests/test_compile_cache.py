@@ -34,6 +34,23 @@ def test_restart_loads_compiled_artifacts_from_disk(tmp_path):
     assert warm["max_error"] < 1e-5
 
 
+def test_precompiled_restart_traces_nothing(tmp_path):
+    """With precompile, the restarted process runs the saved frame: Dynamo traces nothing, for both checkpoints."""
+    cold, log = run_child(tmp_path / "cache", tmp_path / "inductor1", OVERDRIVE_TEST_PRECOMPILE="1")
+    assert cold["failure"] is None and cold["max_error"] < 1e-5, cold
+    assert "precompiled forward" in log
+    frames = list((tmp_path / "cache").glob("*.frames/*.bin"))
+    assert len(frames) == 1, frames
+    warm, log = run_child(tmp_path / "cache", tmp_path / "inductor2", OVERDRIVE_TEST_PRECOMPILE="1")
+    assert warm["traced"] == 0 and warm["max_error"] < 1e-5, warm
+    assert "loaded the precompiled frame" in log
+    # A corrupt frame is discarded with a warning; the process compiles (and saves a good frame) instead.
+    frames[0].write_bytes(frames[0].read_bytes()[:-10])
+    again, log = run_child(tmp_path / "cache", tmp_path / "inductor3", OVERDRIVE_TEST_PRECOMPILE="1")
+    assert "discarding the precompiled frame" in log and again["max_error"] < 1e-5, again
+    assert list((tmp_path / "cache").glob("*.frames/*.bin"))
+
+
 def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):
     cache = CompileDiskCache(tmp_path)
     key = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))

@@ -1,0 +1,132 @@
+"""Precompiled frames (opt-in): after a restart, run a saved compiled call without tracing the model again.
+
+A restarted process traces the model's Python with Dynamo before Inductor's caches can serve a single kernel: for
+SDXL on the H100 that was 20.8 s of the 34 s a warm restart took (bench/README.md, sixth session). torch's AOT
+precompile (`torch.compile(fn, fullgraph=True).aot_compile(inputs)`, torch >= 2.10) captures one whole-graph call
+(the transformed bytecode and the compiled graph) into bytes that a new process loads and calls directly.
+
+Dynamo's guards cannot be saved with it (they reference ComfyUI's nested op classes, which torch refuses to
+serialise), so a frame is compiled without guards and Overdrive checks each call itself:
+- `call_signature`: every tensor argument's shape, dtype, device and strides, and the value of every plain Python
+  argument (numbers, strings, lists and dicts such as ComfyUI's transformer_options). A call carrying anything else
+  (a function: an attention patch, a ControlNet object) is not precompiled and goes through torch.compile, guards
+  and all;
+- the architecture fingerprint and the options: frames live under the disk-cache entry keyed by them, the GPU and
+  the versions;
+- every parameter and buffer on the input's device: a model that ComfyUI's low-VRAM mode left partly on the CPU
+  goes through torch.compile.
+What no check sees is a change of the model's code or module attributes that keeps the architecture (a custom node
+monkey-patching a forward between restarts): hence opt-in, `CompileOptions(precompile=True)`.
+"""
+import hashlib
+import itertools
+import logging
+import time
+
+import torch
+
+from .disk_cache import read_checked, write_atomic
+
+log = logging.getLogger("overdrive.compiler")
+
+
+def supported() -> bool:
+    return hasattr(torch._dynamo.config, "enable_aot_compile")
+
+
+def _describe(value, parts: list) -> bool:
+    """Append what the compiled code may depend on in `value`; False if `value` holds something unkeyable."""
+    if isinstance(value, torch.Tensor):
+        parts.append(("T", tuple(value.shape), str(value.dtype), str(value.device), tuple(value.stride())))
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        parts.append(("V", type(value).__name__, value))
+    elif isinstance(value, (list, tuple)):
+        parts.append((type(value).__name__, len(value)))
+        return all(_describe(item, parts) for item in value)
+    elif isinstance(value, dict):
+        parts.append(("dict", len(value)))
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                return False
+            parts.append(("K", key))
+            if not _describe(item, parts):
+                return False
+    else:
+        return False
+    return True
+
+
+def call_signature(method: str, args, kwargs) -> str | None:
+    """A digest of everything about a call that a guard-free frame is specialised on; None if not keyable."""
+    parts = [method, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    if not _describe((args, kwargs), parts):
+        return None
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
+    return all(t.device == device for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+class PrecompiledFrames:
+    """The precompiled calls of one shared graph: built with `aot_compile` at its first shape, saved, reloaded."""
+
+    def __init__(self, fn, options):
+        self.options = options
+        kwargs = {"fullgraph": True, "dynamic": False, "backend": options.backend,
+                  "options": {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
+        if options.backend == "inductor":
+            kwargs["options"].update(torch._inductor.list_mode_options(options.inductor_mode()))
+        with self._config():  # torch 2.11 gives the wrapper its `aot_compile` only with this set when wrapping
+            self.compiled = torch.compile(fn, **kwargs)
+        self.f_globals = fn.__globals__
+        self.frames: dict = {}  # signature -> loaded or built frame
+        self.failure: str | None = None
+
+    def _config(self):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+
+    def load(self, signature: str, directory) -> object | None:
+        """The frame for `signature` from memory or `directory`; None if there is none (or it is unreadable)."""
+        frame = self.frames.get(signature)
+        if frame is not None or directory is None:
+            return frame
+        path = directory / f"{signature}.bin"
+        if not path.is_file():
+            return None
+        start = time.perf_counter()
+        try:
+            payload = read_checked(path)
+            from torch._dynamo.aot_compile import AOTCompiledFunction
+            with self._config():
+                frame = AOTCompiledFunction.deserialize(payload, self.f_globals)
+        except Exception as error:  # noqa: BLE001 - a bad frame costs a compile, never a generation
+            log.warning("Overdrive: discarding the precompiled frame %s (%s); compiling instead.", path,
+                        str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
+            path.unlink(missing_ok=True)
+            return None
+        log.info("Overdrive: loaded the precompiled frame %s in %.1f s (no tracing)", path.name,
+                 time.perf_counter() - start)
+        self.frames[signature] = frame
+        return frame
+
+    def build(self, signature: str, directory, module, method, args, kwargs) -> object | None:
+        """Compile this call ahead of time (one whole graph), keep it and save it under `directory`."""
+        start = time.perf_counter()
+        try:
+            with self._config():
+                frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
+        except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
+            self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
+                        "traces the model again).", method, self.failure)
+            return None
+        self.frames[signature] = frame
+        if directory is not None:
+            try:
+                write_atomic(directory / f"{signature}.bin", type(frame).serialize(frame).serialized_data)
+            except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
+                log.warning("Overdrive: could not save the precompiled frame of %s (%s).", method, error)
+        log.info("Overdrive: precompiled %s in %.1f s (saved: a restart loads it without tracing)", method,
+                 time.perf_counter() - start)
+        return frame

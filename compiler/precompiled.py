@@ -73,10 +73,12 @@ class PrecompiledFrames:
 
     def __init__(self, fn, options):
         self.options = options
+        # Inductor's settings of the mode (CUDA graphs...): given at compile, and set again while a saved frame is
+        # loaded and run, since a loaded frame builds its CUDA-graph wrapper from the settings of that moment.
+        self.inductor_settings = (torch._inductor.list_mode_options(options.inductor_mode())
+                                  if options.backend == "inductor" else {})
         kwargs = {"fullgraph": True, "dynamic": False, "backend": options.backend,
-                  "options": {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}}
-        if options.backend == "inductor":
-            kwargs["options"].update(torch._inductor.list_mode_options(options.inductor_mode()))
+                  "options": {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, **self.inductor_settings}}
         with self._config():  # torch 2.11 gives the wrapper its `aot_compile` only with this set when wrapping
             self.compiled = torch.compile(fn, **kwargs)
         self.f_globals = fn.__globals__
@@ -85,6 +87,10 @@ class PrecompiledFrames:
 
     def _config(self):
         return torch._dynamo.config.patch(enable_aot_compile=True)
+
+    def settings(self):
+        """Inductor's settings of this mode, for loading and running a saved frame."""
+        return torch._inductor.config.patch(self.inductor_settings)
 
     def load(self, signature: str, directory) -> object | None:
         """The frame for `signature` from memory or `directory`; None if there is none (or it is unreadable)."""
@@ -98,7 +104,7 @@ class PrecompiledFrames:
         try:
             payload = read_checked(path)
             from torch._dynamo.aot_compile import AOTCompiledFunction
-            with self._config():
+            with self._config(), self.settings():
                 frame = AOTCompiledFunction.deserialize(payload, self.f_globals)
         except Exception as error:  # noqa: BLE001 - a bad frame costs a compile, never a generation
             log.warning("Overdrive: discarding the precompiled frame %s (%s); compiling instead.", path,

@@ -124,7 +124,8 @@ class SharedGraph:
 
     def _run_frame(self, frame, module, args, kwargs):
         try:
-            return frame(module, self.method, args, kwargs)
+            with self.frames.settings():
+                return frame(module, self.method, args, kwargs)
         except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
             self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",

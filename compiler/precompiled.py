@@ -8,9 +8,9 @@ precompile (`torch.compile(fn, fullgraph=True).aot_compile(inputs)`, torch >= 2.
 Dynamo's guards cannot be saved with it (they reference ComfyUI's nested op classes, which torch refuses to
 serialise), so a frame is compiled without guards and Overdrive checks each call itself:
 - `call_signature`: every tensor argument's shape, dtype, device and strides, and the value of every plain Python
-  argument (numbers, strings, lists and dicts such as ComfyUI's transformer_options). A call carrying anything else
-  (a function: an attention patch, a ControlNet object) is not precompiled and goes through torch.compile, guards
-  and all;
+  argument (numbers, strings, lists and dicts such as ComfyUI's transformer_options; ids by type only). A call
+  carrying anything else (a function: an attention patch, a ControlNet object) is not precompiled and goes through
+  torch.compile, guards and all;
 - the architecture fingerprint and the options: frames live under the disk-cache entry keyed by them, the GPU and
   the versions;
 - every parameter and buffer on the input's device: a model that ComfyUI's low-VRAM mode left partly on the CPU
@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import logging
 import time
+import uuid
 
 import torch
 
@@ -40,6 +41,10 @@ def _describe(value, parts: list) -> bool:
         parts.append(("T", tuple(value.shape), str(value.dtype), str(value.device), tuple(value.stride())))
     elif value is None or isinstance(value, (bool, int, float, str)):
         parts.append(("V", type(value).__name__, value))
+    elif isinstance(value, uuid.UUID) or getattr(value, "forward_inert", False) is True:
+        # Ids (ComfyUI's per-cond uuids) and objects that declare the forward never calls them (Overdrive's own
+        # device followers): read by patches only, and a patch is a function, which makes the call unkeyable.
+        parts.append(("O", type(value).__qualname__))
     elif isinstance(value, (list, tuple)):
         parts.append((type(value).__name__, len(value)))
         return all(_describe(item, parts) for item in value)

@@ -106,3 +106,23 @@ def test_a_fleet_compiles_once_through_redis(tmp_path, redis_server):
     second, log = run_child("none", tmp_path / "worker2", OVERDRIVE_REDIS_URL=url)
     assert second["failure"] is None and second["hits"] >= 1 and second["misses"] == 0, second
     assert "sharing compiled artifacts through Redis" in log
+
+
+def test_precompiled_call_signature_keys_what_a_guard_free_frame_is_specialised_on():
+    import uuid
+
+    from overdrive.compiler.precompiled import call_signature
+
+    x = torch.zeros(2, 4, 8, 8)
+    options = {"cond_or_uncond": [1, 0], "sigmas": torch.ones(2), "uuids": [uuid.uuid4()], "patches": {}}
+    base = call_signature("forward", (x,), {"transformer_options": options})
+    assert base is not None
+    # Ids are keyed by type: ComfyUI makes new ones for every prompt.
+    assert call_signature("forward", (x,), {"transformer_options": {**options, "uuids": [uuid.uuid4()]}}) == base
+    for changed in ((torch.zeros(2, 4, 8, 16),), (x.half(),), (x.to(memory_format=torch.channels_last),)):
+        assert call_signature("forward", changed, {"transformer_options": options}) != base
+    assert call_signature("forward", (x,), {"transformer_options": {**options, "cond_or_uncond": [0, 1]}}) != base
+    assert call_signature("shallow_forward", (x,), {"transformer_options": options}) != base
+    # A function (an attention patch) cannot be keyed: that call goes through torch.compile and its guards.
+    patched = {**options, "patches": {"attn1_patch": [lambda q, k, v, extra: (q, k, v)]}}
+    assert call_signature("forward", (x,), {"transformer_options": patched}) is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from overdrive.compiler import CompiledMethod, dynamo_graph_count
+from overdrive.compiler import CompiledMethod, dynamo_graph_count, get_disk_cache
 from overdrive.runner.inprocess import build_model, conditioning
 
 RES = 64  # pixels: an 8x8 latent keeps CPU compiles short
@@ -79,6 +79,38 @@ def test_lora_on_a_compiled_model_applies_without_recompiling(base, compiled, sa
     assert relative_error(out, expected) < TOLERANCE
     assert relative_error(out, sample(compiled)) > 1e-4  # the patch changed the result
     assert dynamo_graph_count() == graphs
+
+
+def test_precompile_runs_a_saved_frame_and_leaves_patched_calls_to_torch_compile(nodes, base, sample, eager_latent,
+                                                                                caplog):
+    """CompileModel(precompile=True) on ComfyUI's real sampler: the first shape's call is precompiled (whole graph,
+    no Dynamo guards) and saved; a LoRA's weights go through it; a call carrying an attention patch (a function,
+    which the frame's own check cannot key) runs through torch.compile with its guards, and stays right."""
+    with caplog.at_level(logging.INFO, logger="overdrive.compiler"):
+        precompiled = nodes["OverdriveCompileModel"]().compile(base, cuda_graphs=False, precompile=True)[0]
+        out = sample(precompiled)
+    assert relative_error(out, eager_latent) < TOLERANCE
+    assert "precompiled forward" in caplog.text
+    graph = precompiled.object_patches["diffusion_model.forward"].graph
+    assert graph.frames is not None and graph.frames.frames and graph.frames.failure is None
+    assert list(get_disk_cache().directory.glob("*.frames/*.bin")), "the frame was not saved"
+
+    key = "diffusion_model.input_blocks.0.0.weight"
+    diff = torch.randn(base.model.diffusion_model.input_blocks[0][0].weight.shape,
+                       generator=torch.Generator().manual_seed(4)) * 0.05
+    with_lora, eager_lora = precompiled.clone(), base.clone()
+    for m in (with_lora, eager_lora):
+        m.add_patches({key: (diff,)}, 1.0)
+    assert relative_error(sample(with_lora), sample(eager_lora)) < TOLERANCE
+
+    def scale_queries(q, k, v, extra_options):
+        return q * 1.5, k, v
+    with_patch, eager_patch = precompiled.clone(), base.clone()
+    for m in (with_patch, eager_patch):
+        m.set_model_attn1_patch(scale_queries)
+    patched, expected = sample(with_patch), sample(eager_patch)
+    assert relative_error(patched, expected) < TOLERANCE
+    assert relative_error(patched, eager_latent) > 1e-3  # the patch mattered, and was not skipped
 
 
 @pytest.fixture(scope="module")

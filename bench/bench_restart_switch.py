@@ -37,10 +37,10 @@ def phase(args):
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
-    def sample(model):
+    def sample(model, steps=None):
         sync()
         start = time.perf_counter()
-        out = comfy.sample.sample(model, noise, args.steps, 7.0, "euler", "normal", positive, negative, latent, seed=42,
+        out = comfy.sample.sample(model, noise, steps or args.steps, 7.0, "euler", "normal", positive, negative, latent, seed=42,
                                   disable_pbar=True)
         sync()
         return out, time.perf_counter() - start
@@ -60,6 +60,9 @@ def phase(args):
         other = build_model(comfy, args.arch, args.size, dtype, seed=1)
         save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in other.model.diffusion_model.state_dict().items()},
                   str(folder / "second.safetensors"))
+        if args.switches:  # the first checkpoint's own weights, to switch back and forth
+            save_file({f"model.diffusion_model.{k}": v.contiguous().cpu()
+                       for k, v in base.model.diffusion_model.state_dict().items()}, str(folder / "first.safetensors"))
         del other
         (folder / "second.safetensors").read_bytes()  # into the page cache, as a recently used checkpoint is
         folder_paths.add_model_folder_path("checkpoints", str(folder))
@@ -74,7 +77,25 @@ def phase(args):
         _, result["first_image_after_switch_s"] = sample(switched)  # includes moving weights to the GPU, re-recording
         _, result["second_image_after_switch_s"] = sample(switched)
         result["graphs_compiled_by_switch"] = dynamo_graph_count() - graphs
+        if args.switches and torch.cuda.is_available():
+            result.update(switch_memory(args, compiled, sample_steps=2, sample=sample, comfy=comfy))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def switch_memory(args, compiled, sample_steps, sample, comfy):
+    """`args.switches` switches back and forth between the two checkpoints, one short image after each: GPU memory
+    allocated after each image (issue 4: no growth over 20 switches)."""
+    from overdrive.nodes.switch_weights_node import OverdriveSwitchWeights
+    allocated = []
+    current = compiled
+    for i in range(args.switches):
+        current = OverdriveSwitchWeights().switch(current, "second.safetensors" if i % 2 == 0 else "first.safetensors")[0]
+        sample(current, steps=sample_steps)
+        torch.cuda.synchronize()
+        allocated.append(round(torch.cuda.memory_allocated() / 2**30, 3))
+    del current
+    return {"switches": args.switches, "allocated_gib_after_each_switch": allocated,
+            "allocated_growth_gib": round(max(allocated) - allocated[0], 3)}
 
 
 def main():
@@ -87,6 +108,8 @@ def main():
     parser.add_argument("--phase")
     parser.add_argument("--workdir")
     parser.add_argument("--precompile", action="store_true", help="CompileModel's precompile option (saved frames)")
+    parser.add_argument("--switches", type=int, default=20, help="switches back and forth after the timed one, for "
+                        "GPU memory growth (0: none)")
     args = parser.parse_args()
     if args.phase:
         return phase(args)
@@ -96,7 +119,8 @@ def main():
         env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
                    TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
-               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps)] + (
+               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps),
+               "--switches", str(args.switches)] + (
                   ["--precompile"] if args.precompile else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]

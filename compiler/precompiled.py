@@ -12,13 +12,15 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
   carrying anything else (a function: an attention patch, a ControlNet object) is not precompiled and goes through
   torch.compile, guards and all;
 - the architecture fingerprint and the options: frames live under the disk-cache entry keyed by them, the GPU and
-  the versions;
+  the versions; and the source files of the model's module classes (a ComfyUI update that changes the UNet's code
+  builds new frames);
 - every parameter and buffer on the input's device: a model that ComfyUI's low-VRAM mode left partly on the CPU
   goes through torch.compile.
-What no check sees is a change of the model's code or module attributes that keeps the architecture (a custom node
-monkey-patching a forward between restarts): hence opt-in, `CompileOptions(precompile=True)`.
+What no check sees is code changed at run time that keeps the architecture and the files (a custom node that
+monkey-patches a forward or ComfyUI's attention function): hence opt-in, `CompileOptions(precompile=True)`.
 """
 import hashlib
+import inspect
 import itertools
 import logging
 import time
@@ -69,6 +71,19 @@ def call_signature(method: str, args, kwargs) -> str | None:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
+def code_digest(module: torch.nn.Module) -> str:
+    """sha256 of the source files that define the classes of `module`'s tree (their contents, not where they are
+    installed): the code a frame has baked in."""
+    files = set()
+    for path in {inspect.getsourcefile(type(m)) or type(m).__module__ for m in module.modules()}:
+        try:
+            with open(path, "rb") as f:
+                files.add(hashlib.sha256(f.read()).hexdigest())
+        except OSError:  # a class without a readable file (built in): its module name stands for it
+            files.add(path)
+    return hashlib.sha256("".join(sorted(files)).encode()).hexdigest()[:16]
+
+
 def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
     return all(t.device == device for t in itertools.chain(module.parameters(), module.buffers()))
 
@@ -89,6 +104,12 @@ class PrecompiledFrames:
         self.f_globals = fn.__globals__
         self.frames: dict = {}  # signature -> loaded or built frame
         self.failure: str | None = None
+        self.code: str | None = None  # code_digest of the model, taken at the first call
+
+    def _path(self, directory, signature: str, module):
+        if self.code is None:
+            self.code = code_digest(module)
+        return directory / f"{self.code}-{signature}.bin"
 
     def _config(self):
         return torch._dynamo.config.patch(enable_aot_compile=True)
@@ -97,12 +118,12 @@ class PrecompiledFrames:
         """Inductor's settings of this mode, for loading and running a saved frame."""
         return torch._inductor.config.patch(self.inductor_settings)
 
-    def load(self, signature: str, directory) -> object | None:
+    def load(self, signature: str, directory, module) -> object | None:
         """The frame for `signature` from memory or `directory`; None if there is none (or it is unreadable)."""
         frame = self.frames.get(signature)
         if frame is not None or directory is None:
             return frame
-        path = directory / f"{signature}.bin"
+        path = self._path(directory, signature, module)
         if not path.is_file():
             return None
         start = time.perf_counter()
@@ -135,7 +156,7 @@ class PrecompiledFrames:
         self.frames[signature] = frame
         if directory is not None:
             try:
-                write_atomic(directory / f"{signature}.bin", type(frame).serialize(frame).serialized_data)
+                write_atomic(self._path(directory, signature, module), type(frame).serialize(frame).serialized_data)
             except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
                 log.warning("Overdrive: could not save the precompiled frame of %s (%s).", method, error)
         log.info("Overdrive: precompiled %s in %.1f s (saved: a restart loads it without tracing)", method,

@@ -126,3 +126,10 @@ def test_precompiled_call_signature_keys_what_a_guard_free_frame_is_specialised_
     # A function (an attention patch) cannot be keyed: that call goes through torch.compile and its guards.
     patched = {**options, "patches": {"attn1_patch": [lambda q, k, v, extra: (q, k, v)]}}
     assert call_signature("forward", (x,), {"transformer_options": patched}) is None
+
+
+def test_precompiled_frames_are_keyed_by_the_model_code():
+    from overdrive.compiler.precompiled import code_digest
+    mlp = code_digest(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
+    assert code_digest(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())) == mlp  # same classes, same code
+    assert code_digest(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.GELU())) != mlp

@@ -92,6 +92,22 @@ def test_compile_matches_eager_and_switching_weights_does_not_recompile(pipe, re
     assert dynamo_graph_count() == graphs
 
 
+def test_precompile_runs_the_unet_through_a_saved_frame(pipe, reference):
+    """CompileOptions(precompile=True) on a pipeline: the UNet's call is precompiled (its arguments are all keyable),
+    matches eager, and switched weights go through the same frame. (The pipeline passes its torch.Generator to
+    vae.decode, an object a frame cannot key: the VAE goes through torch.compile with its guards.)"""
+    clear_shared_graphs()
+    torch._dynamo.reset()
+    compiled = compile_(pipe, CompileOptions(cuda_graphs=False, precompile=True))
+    assert relative_error(generate(pipe, "np", steps=4), reference["np"]) < COMPILE_RTOL
+    frames = compiled["unet.forward"].graph.frames
+    assert frames.failure is None and len(frames.frames) == 1
+    graphs = dynamo_graph_count()
+    switch_weights_(pipe, reference["weights_b"])
+    assert relative_error(generate(pipe, "np", steps=4), reference["np_b"]) < COMPILE_RTOL
+    assert dynamo_graph_count() == graphs
+
+
 def test_deepcache_interval_1_is_exact_and_interval_3_is_bounded(pipe, reference):
     runner = deepcache_(pipe, DeepCacheConfig(cache_interval=1))
     assert pipe.unet.forward is runner

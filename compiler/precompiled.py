@@ -154,11 +154,13 @@ class PrecompiledFrames:
                         "traces the model again).", method, self.failure)
             return None
         self.frames[signature] = frame
+        saved = "not saved: the disk cache is off"
         if directory is not None:
             try:
-                write_atomic(self._path(directory, signature, module), type(frame).serialize(frame).serialized_data)
+                path = self._path(directory, signature, module)
+                write_atomic(path, type(frame).serialize(frame).serialized_data)
+                saved = f"saved to {path}: a restart loads it without tracing"
             except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
-                log.warning("Overdrive: could not save the precompiled frame of %s (%s).", method, error)
-        log.info("Overdrive: precompiled %s in %.1f s (saved: a restart loads it without tracing)", method,
-                 time.perf_counter() - start)
+                saved = f"could not be saved ({error})"
+        log.info("Overdrive: precompiled %s in %.1f s (%s)", method, time.perf_counter() - start, saved)
         return frame

@@ -121,7 +121,8 @@ def main():
     parser.add_argument("--cfg", type=float, default=7.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="eager,peer,overdrive",
-                        help="comma-separated; each '+'-joined from eager, peer, overdrive[-no-cudagraphs|-autotune|-flat], "
+                        help="comma-separated; each '+'-joined from eager, peer, "
+                             "overdrive[-no-cudagraphs|-autotune|-flat|-precompile], "
                              "int8, fp8, deepcache, e.g. overdrive+fp8+deepcache")
     parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval for '+deepcache' variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
@@ -160,11 +161,12 @@ def main():
         return getattr(cls(), cls.FUNCTION)(**values)[0]
 
     compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
-                       "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False}}
+                       "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},
+                       "overdrive-precompile": {"precompile": True}}
 
     def make(variant):
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8), compile (peer |
-        overdrive[-no-cudagraphs|-autotune|-flat]), deepcache. 'eager' alone is the baseline."""
+        overdrive[-no-cudagraphs|-autotune|-flat|-precompile]), deepcache. 'eager' alone is the baseline."""
         parts = variant.split("+")
         unknown = set(parts) - {"eager", "peer", "int8", "fp8", "deepcache"} - set(compile_options)
         if unknown:

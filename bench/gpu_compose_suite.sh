@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
+#         issue5-6b | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -39,6 +39,14 @@ case "$part" in
     variants=eager,overdrive,overdrive+fp8,overdrive+fp8+deepcache,overdrive+deepcache,deepcache,peer
     timeout "${SDXL_TIMEOUT:-420}" python3 bench_compile.py --arch sdxl --res 1024 --warm-cache --variants $variants \
       --out "$out/${day}_h100_sdxl_issue5_6.json" > "$out/sdxl_issue5_6.log" 2>&1; filter 14 < "$out/sdxl_issue5_6.log" ;;
+  issue5-6b)  # the rows the issue5-6 run could not fit, against eager and CompileModel again (another process)
+    timeout "${SDXL_TIMEOUT:-420}" python3 bench_compile.py --arch sdxl --res 1024 --warm-cache \
+      --variants eager,deepcache,overdrive,peer --out "$out/${day}_h100_sdxl_issue5_6b.json" > "$out/sdxl_issue5_6b.log" 2>&1
+    filter 8 < "$out/sdxl_issue5_6b.log" ;;
+  sd15-precompile)  # issue 6 on SD1.5: does the precompiled frame's cheaper call (no guard check) lift compile + DeepCache?
+    timeout "${SD15_TIMEOUT:-300}" python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 \
+      --variants eager,overdrive,overdrive+deepcache,overdrive-precompile,overdrive-precompile+deepcache \
+      --out "$out/${day}_h100_sd15_precompile.json" > "$out/sd15_precompile.log" 2>&1; filter 10 < "$out/sd15_precompile.log" ;;
   restart)  # issue 4: cold compile, warm restart from Overdrive's disk cache, SwitchWeights (each phase a new process)
     timeout "${RESTART_TIMEOUT:-400}" python3 bench_restart_switch.py --arch sdxl --res 1024 \
       --out "$out/${day}_h100_sdxl_restart_regional.json" > "$out/restart.log" 2>&1; filter 12 < "$out/restart.log" ;;

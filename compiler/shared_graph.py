@@ -4,7 +4,9 @@ torch.compile caches compiled code on a function's code object, with guards on t
 architecture fingerprint its own copy of a tiny `call the module's method` function (a distinct code object)
 and compile that: a second checkpoint of the same architecture passes its own module as an argument and
 runs through the graphs already compiled (its parameters are graph inputs), with zero recompiles. If
-anything really differs, Dynamo's guards catch it and recompile rather than run wrong code.
+anything really differs, Dynamo's guards catch it and recompile rather than run wrong code. With the `precompile`
+option, calls that compiler/precompiled.py can key run a saved guard-free frame instead (its own checks replace the
+guards there).
 """
 import contextlib
 import copy

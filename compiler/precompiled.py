@@ -63,12 +63,13 @@ def _describe(value, parts: list) -> bool:
     return True
 
 
-def call_signature(method: str, args, kwargs) -> str | None:
-    """A digest of everything about a call that a guard-free frame is specialised on; None if not keyable."""
+def call_signature(method: str, args, kwargs) -> tuple | None:
+    """Everything about a call that a guard-free frame is specialised on, as a hashable tuple (looked up in memory
+    at every call; hashed into a file name only when a frame is loaded or saved); None if not keyable."""
     parts = [method, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     if not _describe((args, kwargs), parts):
         return None
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+    return tuple(parts)
 
 
 def code_digest(module: torch.nn.Module) -> str:
@@ -103,13 +104,14 @@ class PrecompiledFrames:
             self.compiled = torch.compile(fn, **kwargs)
         self.f_globals = fn.__globals__
         self.frames: dict = {}  # signature -> loaded or built frame
+        self.not_on_disk: set = set()  # signatures already looked for on disk in vain: no file check per call
         self.failure: str | None = None
         self.code: str | None = None  # code_digest of the model, taken at the first call
 
-    def _path(self, directory, signature: str, module):
+    def _path(self, directory, signature: tuple, module):
         if self.code is None:
             self.code = code_digest(module)
-        return directory / f"{self.code}-{signature}.bin"
+        return directory / f"{self.code}-{hashlib.sha256(repr(signature).encode()).hexdigest()[:24]}.bin"
 
     def _config(self):
         return torch._dynamo.config.patch(enable_aot_compile=True)
@@ -118,13 +120,14 @@ class PrecompiledFrames:
         """Inductor's settings of this mode, for loading and running a saved frame."""
         return torch._inductor.config.patch(self.inductor_settings)
 
-    def load(self, signature: str, directory, module) -> object | None:
+    def load(self, signature: tuple, directory, module) -> object | None:
         """The frame for `signature` from memory or `directory`; None if there is none (or it is unreadable)."""
         frame = self.frames.get(signature)
-        if frame is not None or directory is None:
+        if frame is not None or directory is None or signature in self.not_on_disk:
             return frame
         path = self._path(directory, signature, module)
         if not path.is_file():
+            self.not_on_disk.add(signature)
             return None
         start = time.perf_counter()
         try:
@@ -136,13 +139,14 @@ class PrecompiledFrames:
             log.warning("Overdrive: discarding the precompiled frame %s (%s); compiling instead.", path,
                         str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
             path.unlink(missing_ok=True)
+            self.not_on_disk.add(signature)
             return None
         log.info("Overdrive: loaded the precompiled frame %s in %.1f s (no tracing)", path.name,
                  time.perf_counter() - start)
         self.frames[signature] = frame
         return frame
 
-    def build(self, signature: str, directory, module, method, args, kwargs) -> object | None:
+    def build(self, signature: tuple, directory, module, method, args, kwargs) -> object | None:
         """Compile this call ahead of time (one whole graph), keep it and save it under `directory`."""
         start = time.perf_counter()
         try:

@@ -18,7 +18,7 @@ import torch
 
 def phase(args):
     """One fresh process: build the model, compile with Overdrive, time the first image (and optionally a switch)."""
-    from overdrive.runner.inprocess import build_model, conditioning, import_comfy
+    from overdrive.runner.inprocess import build_model, conditioning, import_comfy, save_unet_checkpoint
     comfy = import_comfy(cpu=not torch.cuda.is_available())
     import comfy.sample
     import folder_paths
@@ -54,15 +54,12 @@ def phase(args):
     result["compile_overhead_s"] = round(result["first_image_s"] - result["second_image_s"], 2)
     result["compile_phases_s"] = compile_phases()
     if args.phase == "warm":
-        from safetensors.torch import save_file
         folder = pathlib.Path(args.workdir) / "checkpoints"
         folder.mkdir(exist_ok=True)
         other = build_model(comfy, args.arch, args.size, dtype, seed=1)
-        save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in other.model.diffusion_model.state_dict().items()},
-                  str(folder / "second.safetensors"))
+        save_unet_checkpoint(other, folder / "second.safetensors")
         if args.switches:  # the first checkpoint's own weights, to switch back and forth
-            save_file({f"model.diffusion_model.{k}": v.contiguous().cpu()
-                       for k, v in base.model.diffusion_model.state_dict().items()}, str(folder / "first.safetensors"))
+            save_unet_checkpoint(base, folder / "first.safetensors")
         del other
         (folder / "second.safetensors").read_bytes()  # into the page cache, as a recently used checkpoint is
         folder_paths.add_model_folder_path("checkpoints", str(folder))

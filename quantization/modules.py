@@ -6,10 +6,10 @@
 - `QuantConv2d1x1`: a 1x1 / stride 1 / ungrouped conv as a GEMM over pixels (NCHW -> rows of channels) through
   one of the two linears above.
 
-Every module keeps its quantized weight, its scales (per channel for int8, per tensor for fp8) and the float bias as buffers whose dtypes never
-change (`model.half()` or `.to(dtype)` moves them between devices but does not cast them), and can be re-quantized
-in place from a new float weight (`load_float_weight`) without re-measuring: the buffers are overwritten, so a
-compiled graph that captured them keeps working (weight switching).
+Every module keeps its quantized weight, its scales (per channel for int8, per tensor for fp8) and the float bias
+as buffers whose dtypes never change (`model.half()` or `.to(dtype)` moves them between devices but does not cast
+them), and can be re-quantized in place from a new float weight (`load_float_weight`) without re-measuring: the
+buffers are overwritten, so a compiled graph that captured them keeps working (weight switching).
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ if triton is not None:
 
 def quantize_tensor_fp8(x: torch.Tensor):
     """(M, K) float -> (float8_e4m3fn (M, K), float32 scale (1, 1)), one dynamic scale for the tensor."""
-    from .kernels import EPS, FP8_DTYPE, FP8_MAX
+    from .kernels import EPS, FP8_DTYPE
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((1, 1), dtype=torch.float32, device=x.device)

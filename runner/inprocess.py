@@ -65,6 +65,13 @@ def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
     return patcher
 
 
+def save_unet_checkpoint(patcher, path) -> None:
+    """`patcher`'s diffusion-model weights as a checkpoint file ComfyUI loads (`model.diffusion_model.*` keys)."""
+    from safetensors.torch import save_file
+    state = patcher.model.diffusion_model.state_dict()
+    save_file({f"model.diffusion_model.{k}": v.contiguous().cpu() for k, v in state.items()}, str(path))
+
+
 def conditioning(arch: str, width: int, height: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     dim = CONTEXT_DIM[arch]

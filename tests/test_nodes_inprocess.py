@@ -5,10 +5,9 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from overdrive.compiler import CompiledMethod, dynamo_graph_count, get_disk_cache
-from overdrive.runner.inprocess import build_model, conditioning
+from overdrive.runner.inprocess import build_model, conditioning, save_unet_checkpoint
 
 RES = 64  # pixels: an 8x8 latent keeps CPU compiles short
 TOLERANCE = 1e-3  # relative error of compiled vs eager latents (float32 on CPU; measured ~1e-5)
@@ -122,8 +121,7 @@ def checkpoints(comfy, tmp_path_factory):
     for name, arch, seed in (("sd15-seed1.safetensors", "sd15", 1), ("sd15-seed2.safetensors", "sd15", 2),
                              ("sdxl-seed0.safetensors", "sdxl", 0)):
         model = build_model(comfy, arch, "tiny", torch.float16, seed=seed)
-        save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in model.model.diffusion_model.state_dict().items()},
-                  str(folder / name))
+        save_unet_checkpoint(model, folder / name)
         del model
     folder_paths.add_model_folder_path("checkpoints", str(folder))
     return folder

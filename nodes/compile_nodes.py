@@ -30,9 +30,9 @@ REGIONAL_TOOLTIP = (
 
 PRECOMPILE_TOOLTIP = (
     "Save the first resolution's compiled model whole, so that after a restart it loads in seconds instead of "
-    "being traced again (SDXL: ~35 s -> measured in bench/README.md). The saved code skips PyTorch's own checks; "
-    "Overdrive checks shapes, settings and where the weights are instead. Off by default while it is new; leave it "
-    "off if a custom node changes the model's code between restarts."
+    "being traced again (SDXL's first image after a restart on an H100: 35 s -> 4.9 s). The saved code skips "
+    "PyTorch's own checks; Overdrive checks shapes, settings and where the weights are instead. Off by default "
+    "while it is new; leave it off if a custom node changes the model's code while ComfyUI runs."
 )
 
 

@@ -87,12 +87,19 @@ def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "check
 
 
 @torch.no_grad()
-def copy_weights_(module: torch.nn.Module, state: dict, source: str = "checkpoint") -> None:
-    """Copy `state` into `module`'s own tensors in place (validated first: on a mismatch nothing is written)."""
-    reference = reference_tensors(module)
+def copy_weights_(module: torch.nn.Module, state: dict, source: str = "checkpoint", reference: dict | None = None,
+                  rebuild=None) -> None:
+    """Copy `state` into `module`'s own tensors in place (validated first: on a mismatch nothing is written).
+
+    reference: name -> tensor to validate against and copy into (default: the module's state dict); meta tensors in
+    it stand for layers that `rebuild()` re-creates from `state` under the same lock (quantized layers)."""
+    reference = reference_tensors(module) if reference is None else reference
     check_compatible(reference, state, source)
     with SWITCH_LOCK:
         for name, tensor in reference.items():
-            tensor.copy_(state[name], non_blocking=True)
+            if not tensor.is_meta:
+                tensor.copy_(state[name], non_blocking=True)
+        if rebuild is not None:
+            rebuild()
         if any(t.is_cuda for t in reference.values()):
             torch.cuda.synchronize()

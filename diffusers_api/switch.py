@@ -6,8 +6,7 @@ import pathlib
 import torch
 import torch.nn as nn
 
-from ..compiler.switch_weights import SWITCH_LOCK, WeightMismatchError, check_compatible, read_safetensors_subset
-from ..compiler.switch_weights import reference_tensors
+from ..compiler.switch_weights import WeightMismatchError, copy_weights_, read_safetensors_subset, reference_tensors
 from ..quantization.modules import QuantConv2d1x1, _QuantizedGemm
 from .installed import runner_of
 from .targets import target_module
@@ -30,15 +29,12 @@ def switch_weights_(target, weights) -> None:
     layers = _quantized_layers(module)
     reference = _float_reference(module, layers)
     state, source = _read(weights, module, reference)
-    check_compatible(reference, state, source)
-    with SWITCH_LOCK, torch.no_grad():
-        for name, tensor in reference.items():
-            if not tensor.is_meta:
-                tensor.copy_(state[name], non_blocking=True)
+
+    def requantize():
         for name, layer in layers.items():
             layer.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"))
-        if any(t.is_cuda for t in reference.values()):
-            torch.cuda.synchronize()
+
+    copy_weights_(module, state, source, reference, rebuild=requantize)  # validated first: a mismatch writes nothing
     runner = runner_of(module)
     if runner is not None:
         runner.reset()  # features computed with the old weights are never reused

@@ -87,6 +87,7 @@ def switch_memory(args, compiled, sample_steps, sample, comfy):
     current = compiled
     for i in range(args.switches):
         current = OverdriveSwitchWeights().switch(current, "second.safetensors" if i % 2 == 0 else "first.safetensors")[0]
+        comfy.model_management.cleanup_models()  # what ComfyUI's executor does before each prompt: unreferenced models go
         sample(current, steps=sample_steps)
         torch.cuda.synchronize()
         allocated.append(round(torch.cuda.memory_allocated() / 2**30, 3))

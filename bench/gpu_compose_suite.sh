@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         issue5-6b | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
+#         issue5-6b | issue6-sdxl | issue6-sd15 | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -43,6 +43,11 @@ case "$part" in
     timeout "${SDXL_TIMEOUT:-420}" python3 bench_compile.py --arch sdxl --res 1024 --warm-cache \
       --variants eager,deepcache,overdrive,peer --out "$out/${day}_h100_sdxl_issue5_6b.json" > "$out/sdxl_issue5_6b.log" 2>&1
     filter 8 < "$out/sdxl_issue5_6b.log" ;;
+  issue6-sdxl | issue6-sd15)  # issue 6's one run per architecture, quantization now fp8 (static scales); key rows first
+    arch=${part#issue6-}; res=$([ "$arch" = sdxl ] && echo 1024 || echo 512)
+    timeout "${ISSUE6_TIMEOUT:-540}" python3 bench_compile.py --arch "$arch" --res "$res" --warm-cache --repeats 3 \
+      --variants eager,overdrive,overdrive+deepcache,deepcache,peer,overdrive+fp8+deepcache \
+      --out "$out/${day}_h100_${arch}_issue6.json" > "$out/${arch}_issue6.log" 2>&1; filter 10 < "$out/${arch}_issue6.log" ;;
   sd15-precompile)  # issue 6 on SD1.5: does the precompiled frame's cheaper call (no guard check) lift compile + DeepCache?
     timeout "${SD15_TIMEOUT:-300}" python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 \
       --variants eager,overdrive,overdrive+deepcache,overdrive-precompile,overdrive-precompile+deepcache \

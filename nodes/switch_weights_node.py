@@ -25,7 +25,37 @@ def with_diffusion_model(model, diffusion_model):
     switched = model.clone()
     switched.model = base
     switched.backup, switched.object_patches_backup = {}, {}  # clone() shares these with the original
+    mark_unloaded(switched)
     return switched
+
+
+# What ComfyUI's loader records about a loaded model, as it is before any load. ComfyUI 2024 keeps it on the
+# ModelPatcher (`current_device`), ComfyUI 2025+ on the BaseModel and on each layer.
+_UNLOADED_BASE_MODEL = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,
+                        "current_weight_patches_uuid": None}
+
+
+def mark_unloaded(switched) -> None:
+    """The switched model's weights are fresh tensors on the offload device, with no patch applied, but the copies
+    of a loaded model say "loaded". Left so, ComfyUI counts the switched model as already on the GPU: it neither
+    unloads other models to make room (an SDXL run went out of memory on an 80 GB H100 after six switches) nor, in
+    ComfyUI 2025+, applies LoRA patches to layers marked as patched."""
+    if hasattr(switched, "current_device"):
+        switched.current_device = switched.offload_device
+    base = switched.model
+    if hasattr(base, "model_loaded_weight_memory"):
+        base.device = switched.offload_device
+    for name, value in _UNLOADED_BASE_MODEL.items():
+        if hasattr(base, name):
+            setattr(base, name, value)
+    for layer in base.diffusion_model.modules():
+        state = layer.__dict__
+        state.pop("comfy_patched_weights", None)
+        if "prev_comfy_cast_weights" in state:  # a low-VRAM load switched weight casting on; undo as unloading does
+            layer.comfy_cast_weights = state.pop("prev_comfy_cast_weights")
+        for name in ("weight_function", "bias_function"):
+            if name in state:
+                state[name] = []
 
 
 def load_unet_weights(path, reference):

@@ -162,6 +162,27 @@ def test_switched_model_loads_its_own_weights_and_gives_the_original_back(nodes,
     assert torch.equal(sample(compiled), before)  # back to the original, and its weights are where they were
 
 
+def test_a_switched_model_counts_as_not_loaded_so_comfyui_makes_room_for_it(comfy, nodes, compiled, sample,
+                                                                          checkpoints):
+    """The switched weights are fresh tensors off the GPU: ComfyUI's own memory accounting must see all of them as
+    still to load (else it unloads nothing for them; an SDXL GPU run went out of memory after six switches). On the
+    CPU every device is the CPU, so the source model is marked loaded on a GPU here, as ComfyUI's loader marks it."""
+    import comfy.model_management as mm
+
+    sample(compiled)
+    gpu = torch.device("cuda", 0)
+    holder, attr = (compiled.model, "device") if hasattr(compiled.model, "model_loaded_weight_memory") else (
+        compiled, "current_device")  # ComfyUI 2025+ / 2024
+    before = getattr(holder, attr)
+    setattr(holder, attr, gpu)
+    try:
+        assert mm.LoadedModel(compiled).model_memory_required(gpu) < compiled.model_size()  # the premise: "loaded"
+        switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
+        assert mm.LoadedModel(switched).model_memory_required(gpu) >= switched.model_size()
+    finally:
+        setattr(holder, attr, before)
+
+
 def test_switching_while_another_prompt_samples_never_mixes_weights(nodes, compiled, sample, checkpoints):
     expected = sample(compiled)
     results, errors = [], []

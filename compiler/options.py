@@ -26,8 +26,9 @@ class CompileOptions:
              Still one graph, and one CUDA graph per step.
     precompile: save the first shape's compiled call whole (torch's AOT precompile) so that a restart loads it
              without tracing the model again (SDXL: the ~20 s of a warm restart that Inductor's caches cannot save).
-             The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values and weight
-             devices instead (compiler/precompiled.py). Opt-in until it has more mileage.
+             The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values, weight
+             devices and the functions the model read from modules instead (compiler/precompiled.py). Opt-in until
+             it has more mileage.
     """
 
     mode: str = "default"

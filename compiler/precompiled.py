@@ -16,13 +16,19 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
   builds new frames);
 - every parameter and buffer on the input's device: a model that ComfyUI's low-VRAM mode left partly on the CPU
   goes through torch.compile.
-What no check sees is code changed at run time that keeps the architecture and the files (a custom node that
-monkey-patches a forward or ComfyUI's attention function): hence opt-in, `CompileOptions(precompile=True)`.
+- `GlobalsRead`: the functions and classes the traced code read from module globals (what Dynamo's global guards
+  would have checked, recorded while the frame is built): by identity at every call, by name across restarts, so a
+  node that monkey-patches ComfyUI's attention function or torch's SDPA sends calls back to torch.compile.
+What no check sees is a change to a plain value (a module-level flag) that the traced code read; hence still opt-in,
+`CompileOptions(precompile=True)`.
 """
 import hashlib
 import inspect
 import itertools
+import json
 import logging
+import re
+import sys
 import time
 import uuid
 
@@ -85,6 +91,86 @@ def code_digest(module: torch.nn.Module) -> str:
     return hashlib.sha256("".join(sorted(files)).encode()).hexdigest()[:16]
 
 
+# Dynamo's guards on code and classes read from globals; a saved frame drops them, GlobalsRead checks them instead.
+_CODE_GUARDS = {"CLOSURE_MATCH", "FUNCTION_MATCH", "ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH"}
+
+
+class _ModuleGlobals:
+    """Resolves the `G[...]` of Dynamo's guard sources: `G['__import_a_dot_b']` is module a.b, other keys are globals of
+    the compiled function."""
+
+    def __init__(self, f_globals):
+        self.f_globals = f_globals
+
+    def __getitem__(self, key):
+        if key.startswith("__import_"):
+            return sys.modules[key[len("__import_"):].replace("_dot_", ".")]
+        return self.f_globals[key]
+
+
+def _name_of(value) -> str:
+    """Where a function or class comes from, stable across processes (a patched one has another name or line)."""
+    code = getattr(value, "__code__", None)
+    line = f":{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}{line}"
+
+
+class GlobalsRead:
+    """The functions and classes a frame read from module globals when it was traced, as (Dynamo guard source,
+    name) pairs: `unchanged()` compares their identities at every call (~1 us each), `named_as_saved()` their
+    names in a new process, before a saved frame is trusted."""
+
+    def __init__(self, entries, f_globals):
+        self.entries = [tuple(e) for e in entries]
+        self.f_globals = _ModuleGlobals(f_globals)
+        self.sources = [compile(source, "<dynamo guard source>", "eval") for source, _ in self.entries]
+        self.values = self._current()
+
+    @classmethod
+    def from_guards(cls, guard_entries, f_globals):
+        """Kept: code guards reached from a module (`G['__import_...']`) that resolve to the guarded object; not the
+        builtins, nor globals that Dynamo installed under names of this process."""
+        resolve = _ModuleGlobals(f_globals)
+        entries = set()
+        for e in guard_entries:
+            modules_only = all(k.startswith("__import_") for k in re.findall(r"G\['([^']+)'\]", e.name))
+            if e.is_global and e.has_value and e.guard_type in _CODE_GUARDS and modules_only:
+                try:
+                    found = eval(e.name, {"G": resolve})  # noqa: S307 - Dynamo's own guard expression
+                except Exception:  # noqa: BLE001 - e.g. G['_140392849524512_c0']: cannot be found again
+                    continue
+                if found is e.value:
+                    entries.add((e.name, _name_of(e.value)))
+        return cls(sorted(entries), f_globals)
+
+    def _current(self) -> list:
+        values = []
+        for source in self.sources:
+            try:
+                values.append(eval(source, {"G": self.f_globals}))  # noqa: S307 - Dynamo's own guard expressions
+            except Exception:  # noqa: BLE001 - gone: counts as changed
+                values.append(_GONE)
+        return values
+
+    def changed(self) -> list[str]:
+        """The sources whose object is no longer the one traced (empty: the frame's code is what runs now)."""
+        return [self.entries[i][0] for i, value in enumerate(self._current()) if value is not self.values[i]]
+
+    def unchanged(self) -> bool:
+        return not self.changed()
+
+    def renamed(self) -> list[str]:
+        """In a new process: "source: saved name -> name now" for each object whose name differs from the saved one."""
+        now = ["(gone)" if value is _GONE else _name_of(value) for value in self.values]
+        return [f"{source}: {name} -> {current}" for (source, name), current in zip(self.entries, now) if current != name]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.entries).encode()
+
+
+_GONE = object()
+
+
 def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
     return all(t.device == device for t in itertools.chain(module.parameters(), module.buffers()))
 
@@ -99,11 +185,13 @@ class PrecompiledFrames:
         self.inductor_settings = (torch._inductor.list_mode_options(options.inductor_mode())
                                   if options.backend == "inductor" else {})
         kwargs = {"fullgraph": True, "dynamic": False, "backend": options.backend,
-                  "options": {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, **self.inductor_settings}}
+                  "options": {"guard_filter_fn": self._drop_guards, **self.inductor_settings}}
         with self._config():  # torch 2.11 gives the wrapper its `aot_compile` only with this set when wrapping
             self.compiled = torch.compile(fn, **kwargs)
         self.f_globals = fn.__globals__
-        self.frames: dict = {}  # signature -> loaded or built frame
+        self.frames: dict = {}  # signature -> (loaded or built frame, its GlobalsRead)
+        self.guards_dropped: list = []  # Dynamo's guards of the frame being built
+        self.stale: set = set()  # signatures whose frame's globals changed in this process (logged once)
         self.not_on_disk: set = set()  # signatures already looked for on disk in vain: no file check per call
         self.failure: str | None = None
         self.code: str | None = None  # code_digest of the model, taken at the first call
@@ -112,6 +200,11 @@ class PrecompiledFrames:
         if self.code is None:
             self.code = code_digest(module)
         return directory / f"{self.code}-{hashlib.sha256(repr(signature).encode()).hexdigest()[:24]}.bin"
+
+    def _drop_guards(self, guard_entries):
+        """No Dynamo guard is saved with a frame (torch cannot serialise ComfyUI's); the code ones become GlobalsRead."""
+        self.guards_dropped = list(guard_entries)
+        return [False] * len(guard_entries)
 
     def _config(self):
         return torch._dynamo.config.patch(enable_aot_compile=True)
@@ -122,19 +215,27 @@ class PrecompiledFrames:
 
     def load(self, signature: tuple, directory, module) -> object | None:
         """The frame for `signature` from memory or `directory`; None if there is none (or it is unreadable)."""
-        frame = self.frames.get(signature)
-        if frame is not None or directory is None or signature in self.not_on_disk:
-            return frame
+        if signature in self.frames:
+            frame, read = self.frames[signature]
+            return frame if self._still_current(signature, read) else None
+        if directory is None or signature in self.not_on_disk:
+            return None
         path = self._path(directory, signature, module)
         if not path.is_file():
             self.not_on_disk.add(signature)
             return None
         start = time.perf_counter()
         try:
-            payload = read_checked(path)
+            read, data = _split(read_checked(path), self.f_globals)
+            renamed = read.renamed()
+            if renamed:  # e.g. a node now patches a function the frame had inlined: trace the code that runs now
+                log.info("Overdrive: not using the precompiled frame %s, code it inlined changed since it was saved "
+                         "(%s); compiling a new one.", path.name, renamed[0])
+                self.not_on_disk.add(signature)
+                return None
             from torch._dynamo.aot_compile import AOTCompiledFunction
             with self._config(), self.settings():
-                frame = AOTCompiledFunction.deserialize(payload, self.f_globals)
+                frame = AOTCompiledFunction.deserialize(data, self.f_globals)
         except Exception as error:  # noqa: BLE001 - a bad frame costs a compile, never a generation
             log.warning("Overdrive: discarding the precompiled frame %s (%s); compiling instead.", path,
                         str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
@@ -143,8 +244,18 @@ class PrecompiledFrames:
             return None
         log.info("Overdrive: loaded the precompiled frame %s in %.1f s (no tracing)", path.name,
                  time.perf_counter() - start)
-        self.frames[signature] = frame
+        self.frames[signature] = (frame, read)
         return frame
+
+    def _still_current(self, signature, read) -> bool:
+        """False (once with a warning) if a function or class the frame inlined was replaced since it was traced."""
+        if not read.values or read.unchanged():
+            return True
+        if signature not in self.stale:
+            self.stale.add(signature)
+            log.warning("Overdrive: %s was replaced after this model was precompiled (a node patching it?); its "
+                        "calls go through torch.compile, which traces the new code.", read.changed()[0])
+        return False
 
     def build(self, signature: tuple, directory, module, method, args, kwargs) -> object | None:
         """Compile this call ahead of time (one whole graph), keep it and save it under `directory`."""
@@ -152,19 +263,35 @@ class PrecompiledFrames:
         try:
             with self._config():
                 frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
+            read = GlobalsRead.from_guards(self.guards_dropped, self.f_globals)
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
             self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
                         "traces the model again).", method, self.failure)
             return None
-        self.frames[signature] = frame
+        self.frames[signature] = (frame, read)
         saved = "not saved: the disk cache is off"
         if directory is not None:
             try:
                 path = self._path(directory, signature, module)
-                write_atomic(path, type(frame).serialize(frame).serialized_data)
+                write_atomic(path, _join(read, type(frame).serialize(frame).serialized_data))
                 saved = f"saved to {path}: a restart loads it without tracing"
             except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
                 saved = f"could not be saved ({error})"
         log.info("Overdrive: precompiled %s in %.1f s (%s)", method, time.perf_counter() - start, saved)
         return frame
+
+
+_FORMAT = b"OVFRAME2"  # then the GlobalsRead's length (8 bytes), the GlobalsRead, the frame
+
+
+def _join(read: GlobalsRead, frame: bytes) -> bytes:
+    header = read.to_bytes()
+    return _FORMAT + len(header).to_bytes(8, "little") + header + frame
+
+
+def _split(payload: bytes, f_globals) -> tuple[GlobalsRead, bytes]:
+    if payload[:8] != _FORMAT:
+        raise ValueError("a frame file of an older format")
+    size = int.from_bytes(payload[8:16], "little")
+    return GlobalsRead(json.loads(payload[16:16 + size]), f_globals), payload[16 + size:]

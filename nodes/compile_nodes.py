@@ -31,8 +31,8 @@ REGIONAL_TOOLTIP = (
 PRECOMPILE_TOOLTIP = (
     "Save the first resolution's compiled model whole, so that after a restart it loads in seconds instead of "
     "being traced again (SDXL's first image after a restart on an H100: 35 s -> 4.9 s). The saved code skips "
-    "PyTorch's own checks; Overdrive checks shapes, settings and where the weights are instead. Off by default "
-    "while it is new; leave it off if a custom node changes the model's code while ComfyUI runs."
+    "PyTorch's own checks; Overdrive checks shapes, settings, where the weights are, and that no node has "
+    "replaced a function the model calls. Off by default while it is new."
 )
 
 

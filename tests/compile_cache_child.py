@@ -1,6 +1,7 @@
 """Run in a fresh process by test_compile_cache: compile a small module with Overdrive's disk cache, print counters.
 
-argv: cache folder (or "none"); env OVERDRIVE_TEST_PRECOMPILE=1 compiles with CompileOptions(precompile=True)."""
+argv: cache folder (or "none"); env OVERDRIVE_TEST_PRECOMPILE=1 compiles with CompileOptions(precompile=True),
+OVERDRIVE_TEST_PATCH_GELU=1 replaces torch's gelu first (as a node that patches a function would)."""
 import json
 import logging
 import os
@@ -13,6 +14,8 @@ logging.basicConfig(level=logging.INFO)  # before the import: overdrive.compiler
 from overdrive.compiler import CompileDiskCache, CompileOptions, compile_module, set_disk_cache  # noqa: E402
 
 set_disk_cache(None if sys.argv[1] == "none" else CompileDiskCache(sys.argv[1]))
+if os.environ.get("OVERDRIVE_TEST_PATCH_GELU") == "1":  # what a custom node patching a torch function does at import
+    torch.nn.functional.gelu = lambda x, approximate="none": torch.tanh(x)
 options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") == "1")
 
 

@@ -49,6 +49,35 @@ def test_precompiled_restart_traces_nothing(tmp_path):
     again, log = run_child(tmp_path / "cache", tmp_path / "inductor3", OVERDRIVE_TEST_PRECOMPILE="1")
     assert "discarding the precompiled frame" in log and again["max_error"] < 1e-5, again
     assert list((tmp_path / "cache").glob("*.frames/*.bin"))
+    # A process where a node has patched a function the frame inlined: the saved frame is not used, the new code runs.
+    patched, log = run_child(tmp_path / "cache", tmp_path / "inductor4", OVERDRIVE_TEST_PRECOMPILE="1",
+                             OVERDRIVE_TEST_PATCH_GELU="1")
+    assert "code it inlined changed" in log and "F.gelu" in log, log[-2000:]
+    assert patched["traced"] >= 1 and patched["max_error"] < 1e-5, patched
+
+
+def test_precompiled_frame_steps_aside_when_code_it_inlined_is_patched(tmp_path, caplog):
+    """In one process: a node patching a function after the frame was built sends calls to torch.compile."""
+    from overdrive.compiler import CompileOptions, compile_module, set_disk_cache, get_disk_cache
+
+    saved = get_disk_cache()
+    set_disk_cache(CompileDiskCache(tmp_path))
+    original_gelu = torch.nn.functional.gelu
+    try:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).requires_grad_(False)
+        x = torch.randn(3, 8)
+        compile_module(module, CompileOptions(precompile=True, cuda_graphs=False))
+        assert torch.allclose(module(x), torch.nn.functional.gelu(module[0](x)), atol=1e-5)
+        torch.nn.functional.gelu = lambda t, approximate="none": torch.tanh(t)
+        with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+            out = module(x)
+        assert torch.allclose(out, torch.tanh(module[0](x)), atol=1e-5)
+        assert "was replaced after this model was precompiled" in caplog.text
+    finally:
+        torch.nn.functional.gelu = original_gelu
+        set_disk_cache(saved)
+    assert torch.allclose(module(x), original_gelu(module[0](x)), atol=1e-5)  # the frame again, as traced
 
 
 def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):

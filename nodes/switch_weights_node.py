@@ -3,6 +3,7 @@ import copy
 import logging
 import time
 
+import comfy.model_patcher
 import comfy.utils
 import folder_paths
 
@@ -21,7 +22,13 @@ def with_diffusion_model(model, diffusion_model):
     moving the new ones. A BaseModel of its own makes the switched model a separate model to ComfyUI's memory
     management (loaded, offloaded and accounted for like any checkpoint), and leaves `model` untouched."""
     old = model.model.diffusion_model
-    base = copy.deepcopy(model.model, {id(old): diffusion_model})
+    replace = {id(old): diffusion_model}
+    for value in vars(model.model).values():
+        if isinstance(value, comfy.model_patcher.ModelPatcher):  # ComfyUI 2025+: the patcher of a prompt running now
+            replace[id(value)] = None
+        elif value is getattr(model.model, "model_config", None):  # the architecture's; 2025+'s cannot be deep-copied
+            replace[id(value)] = value
+    base = copy.deepcopy(model.model, replace)
     switched = model.clone()
     switched.model = base
     switched.backup, switched.object_patches_backup = {}, {}  # clone() shares these with the original

@@ -27,7 +27,6 @@ import inspect
 import itertools
 import json
 import logging
-import re
 import sys
 import time
 import uuid
@@ -95,17 +94,26 @@ def code_digest(module: torch.nn.Module) -> str:
 _CODE_GUARDS = {"CLOSURE_MATCH", "FUNCTION_MATCH", "ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH"}
 
 
-class _ModuleGlobals:
-    """Resolves the `G[...]` of Dynamo's guard sources: `G['__import_a_dot_b']` is module a.b, other keys are globals of
-    the compiled function."""
-
-    def __init__(self, f_globals):
-        self.f_globals = f_globals
+class _Modules:
+    """The `G` of Dynamo's guard sources, for the names that mean a module: `G['__import_a_dot_b']` is module a.b.
+    Other names (builtins, globals Dynamo installed under ids of this process) raise KeyError: not watched."""
 
     def __getitem__(self, key):
-        if key.startswith("__import_"):
-            return sys.modules[key[len("__import_"):].replace("_dot_", ".")]
-        return self.f_globals[key]
+        if not key.startswith("__import_"):
+            raise KeyError(key)
+        return sys.modules[key[len("__import_"):].replace("_dot_", ".")]
+
+
+_MODULES = {"G": _Modules()}
+
+
+def _resolve(code):
+    """What a guard source (compiled with `compile(source, ..., "eval")`, or the source itself) names now; _GONE if
+    it cannot be found."""
+    try:
+        return eval(code, _MODULES)  # noqa: S307 - Dynamo's own guard expressions
+    except Exception:  # noqa: BLE001 - a module or attribute that is gone, a name that is not a module's
+        return _GONE
 
 
 def _name_of(value) -> str:
@@ -116,48 +124,29 @@ def _name_of(value) -> str:
 
 
 class GlobalsRead:
-    """The functions and classes a frame read from module globals when it was traced, as (Dynamo guard source,
-    name) pairs: `unchanged()` compares their identities at every call (~1 us each), `named_as_saved()` their
-    names in a new process, before a saved frame is trusted."""
+    """The functions and classes a frame read from modules when it was traced, as (Dynamo guard source, name)
+    pairs: `unchanged()` compares their identities at every call (~1 us each), `renamed()` their names in a new
+    process, before a saved frame is trusted."""
 
-    def __init__(self, entries, f_globals):
+    def __init__(self, entries):
         self.entries = [tuple(e) for e in entries]
-        self.f_globals = _ModuleGlobals(f_globals)
         self.sources = [compile(source, "<dynamo guard source>", "eval") for source, _ in self.entries]
-        self.values = self._current()
+        self.values = [_resolve(source) for source in self.sources]
 
     @classmethod
-    def from_guards(cls, guard_entries, f_globals):
-        """Kept: code guards reached from a module (`G['__import_...']`) that resolve to the guarded object; not the
-        builtins, nor globals that Dynamo installed under names of this process."""
-        resolve = _ModuleGlobals(f_globals)
-        entries = set()
-        for e in guard_entries:
-            modules_only = all(k.startswith("__import_") for k in re.findall(r"G\['([^']+)'\]", e.name))
-            if e.is_global and e.has_value and e.guard_type in _CODE_GUARDS and modules_only:
-                try:
-                    found = eval(e.name, {"G": resolve})  # noqa: S307 - Dynamo's own guard expression
-                except Exception:  # noqa: BLE001 - e.g. G['_140392849524512_c0']: cannot be found again
-                    continue
-                if found is e.value:
-                    entries.add((e.name, _name_of(e.value)))
-        return cls(sorted(entries), f_globals)
-
-    def _current(self) -> list:
-        values = []
-        for source in self.sources:
-            try:
-                values.append(eval(source, {"G": self.f_globals}))  # noqa: S307 - Dynamo's own guard expressions
-            except Exception:  # noqa: BLE001 - gone: counts as changed
-                values.append(_GONE)
-        return values
+    def from_guards(cls, guard_entries):
+        """Kept: code guards on something reached from modules that resolves to the guarded object."""
+        entries = {(e.name, _name_of(e.value)) for e in guard_entries
+                   if e.is_global and e.has_value and e.guard_type in _CODE_GUARDS and _resolve(e.name) is e.value}
+        return cls(sorted(entries))
 
     def changed(self) -> list[str]:
         """The sources whose object is no longer the one traced (empty: the frame's code is what runs now)."""
-        return [self.entries[i][0] for i, value in enumerate(self._current()) if value is not self.values[i]]
+        return [entry[0] for entry, source, value in zip(self.entries, self.sources, self.values)
+                if _resolve(source) is not value]
 
-    def unchanged(self) -> bool:
-        return not self.changed()
+    def unchanged(self) -> bool:  # at every call: stops at the first difference
+        return all(_resolve(source) is value for source, value in zip(self.sources, self.values))
 
     def renamed(self) -> list[str]:
         """In a new process: "source: saved name -> name now" for each object whose name differs from the saved one."""
@@ -226,7 +215,7 @@ class PrecompiledFrames:
             return None
         start = time.perf_counter()
         try:
-            read, data = _split(read_checked(path), self.f_globals)
+            read, data = _split(read_checked(path))
             renamed = read.renamed()
             if renamed:  # e.g. a node now patches a function the frame had inlined: trace the code that runs now
                 log.info("Overdrive: not using the precompiled frame %s, code it inlined changed since it was saved "
@@ -249,7 +238,7 @@ class PrecompiledFrames:
 
     def _still_current(self, signature, read) -> bool:
         """False (once with a warning) if a function or class the frame inlined was replaced since it was traced."""
-        if not read.values or read.unchanged():
+        if read.unchanged():
             return True
         if signature not in self.stale:
             self.stale.add(signature)
@@ -263,7 +252,7 @@ class PrecompiledFrames:
         try:
             with self._config():
                 frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
-            read = GlobalsRead.from_guards(self.guards_dropped, self.f_globals)
+            read = GlobalsRead.from_guards(self.guards_dropped)
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
             self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
@@ -290,8 +279,8 @@ def _join(read: GlobalsRead, frame: bytes) -> bytes:
     return _FORMAT + len(header).to_bytes(8, "little") + header + frame
 
 
-def _split(payload: bytes, f_globals) -> tuple[GlobalsRead, bytes]:
+def _split(payload: bytes) -> tuple[GlobalsRead, bytes]:
     if payload[:8] != _FORMAT:
         raise ValueError("a frame file of an older format")
     size = int.from_bytes(payload[8:16], "little")
-    return GlobalsRead(json.loads(payload[16:16 + size]), f_globals), payload[16 + size:]
+    return GlobalsRead(json.loads(payload[16:16 + size])), payload[16 + size:]

@@ -23,11 +23,12 @@ def with_diffusion_model(model, diffusion_model):
     management (loaded, offloaded and accounted for like any checkpoint), and leaves `model` untouched."""
     old = model.model.diffusion_model
     replace = {id(old): diffusion_model}
+    config = getattr(model.model, "model_config", None)
+    if config is not None:  # the architecture's, the same for both; ComfyUI 2025+'s cannot be deep-copied
+        replace[id(config)] = config
     for value in vars(model.model).values():
         if isinstance(value, comfy.model_patcher.ModelPatcher):  # ComfyUI 2025+: the patcher of a prompt running now
             replace[id(value)] = None
-        elif value is getattr(model.model, "model_config", None):  # the architecture's; 2025+'s cannot be deep-copied
-            replace[id(value)] = value
     base = copy.deepcopy(model.model, replace)
     switched = model.clone()
     switched.model = base

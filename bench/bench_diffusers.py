@@ -9,7 +9,9 @@ The UNet and VAE are diffusers' SDXL classes at SDXL base 1.0's config values wi
 variant builds the UNet again from the seed: identical weights, nothing left over from the previous variant). The
 text encoders are not called: random prompt_embeds / pooled_prompt_embeds of SDXL's shapes (77x2048, 1280) stand in
 for them. Reported per variant: s/image (median of --repeats, whole pipeline call incl. VAE decode), first run
-(cold: includes compiling; Inductor's caches start empty in a temp folder), warm compile (after
+(includes compiling; Inductor's caches start empty in a temp folder at the start of the process, so only the first
+compiled variant's figure is truly cold: later ones reuse the kernels and graphs it compiled; compare cold compile
+times only between variants run first, in separate processes), warm compile (after
 torch._dynamo.reset(), with Inductor's and Overdrive's disk caches filled: what a restarted process pays), peak VRAM,
 relative error of the final latent (and image) vs eager, Dynamo graphs; plus GPU and torch/triton versions.
 """

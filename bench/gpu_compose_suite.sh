@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         issue5-6b | issue6-sdxl | issue6-sd15 | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
+#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -46,7 +46,7 @@ case "$part" in
   issue6-sdxl | issue6-sd15)  # issue 6's one run per architecture, quantization now fp8 (static scales); key rows first
     arch=${part#issue6-}; res=$([ "$arch" = sdxl ] && echo 1024 || echo 512)
     timeout "${ISSUE6_TIMEOUT:-540}" python3 bench_compile.py --arch "$arch" --res "$res" --warm-cache --repeats 3 \
-      --variants eager,overdrive,overdrive+deepcache,deepcache,peer,overdrive+fp8+deepcache \
+      --variants eager,overdrive,overdrive+deepcache,deepcache,peer,overdrive+fp8+deepcache${ISSUE6_EXTRA:+,$ISSUE6_EXTRA} \
       --out "$out/${day}_h100_${arch}_issue6.json" > "$out/${arch}_issue6.log" 2>&1; filter 10 < "$out/${arch}_issue6.log" ;;
   sd15-precompile)  # issue 6 on SD1.5: does the precompiled frame's cheaper call (no guard check) lift compile + DeepCache?
     timeout "${SD15_TIMEOUT:-300}" python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 \
@@ -67,6 +67,11 @@ case "$part" in
     timeout 440 python3 bench_diffusers.py --variants eager,overdrive,peer,overdrive+quant+deepcache \
       --peer-mode reduce-overhead --warm-variants overdrive \
       --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 12 < "$out/diffusers.log" ;;
+  diffusers-flat)  # issue 9: is Overdrive's per-image gap to the peer the regions? One flat graph beside them, warm
+    # compiles skipped (measured in session 5) so that the five rows fit one call
+    timeout "${DIFFUSERS_TIMEOUT:-580}" python3 bench_diffusers.py \
+      --variants eager,peer,overdrive-flat,overdrive,overdrive+quant+deepcache --peer-mode reduce-overhead --no-warm \
+      --out "$out/${day}_h100_diffusers_sdxl_flat.json" > "$out/diffusers_flat.log" 2>&1; filter 12 < "$out/diffusers_flat.log" ;;
   diffusers-restart)  # the diffusers API against eager and the peer; then a restart and a switch with the disk cache warm
     timeout 340 python3 bench_diffusers.py --variants eager,peer,overdrive,overdrive+quant+deepcache --peer-mode default \
       --no-warm --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 10 < "$out/diffusers.log"

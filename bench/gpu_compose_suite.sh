@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
+#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | fp8-deepcache-profile | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -48,6 +48,12 @@ case "$part" in
     timeout "${ISSUE6_TIMEOUT:-540}" python3 bench_compile.py --arch "$arch" --res "$res" --warm-cache --repeats 3 \
       --variants eager,overdrive,overdrive+deepcache,deepcache,peer,overdrive+fp8+deepcache${ISSUE6_EXTRA:+,$ISSUE6_EXTRA} \
       --out "$out/${day}_h100_${arch}_issue6.json" > "$out/${arch}_issue6.log" 2>&1; filter 10 < "$out/${arch}_issue6.log" ;;
+  fp8-deepcache-profile)  # why fp8 made compile + DeepCache slower (eighth session): host (cProfile) and GPU time of both
+    timeout 130 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 3 --profile --profile-all --cprofile \
+      --variants eager,overdrive+deepcache --out "$out/${day}_h100_sd15_dc_profile.json" > "$out/sd15_dc_profile.log" 2>&1
+    timeout 240 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 3 --profile --profile-all --cprofile \
+      --variants overdrive,overdrive+fp8,overdrive+fp8+deepcache --out "$out/${day}_h100_sd15_fp8_dc_profile.json" \
+      > "$out/sd15_fp8_dc_profile.log" 2>&1; grep '"variant"' "$out"/sd15_*profile.log | cut -c1-200 ;;
   sd15-precompile)  # issue 6 on SD1.5: does the precompiled frame's cheaper call (no guard check) lift compile + DeepCache?
     timeout "${SD15_TIMEOUT:-300}" python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 5 \
       --variants eager,overdrive,overdrive+deepcache,overdrive-precompile,overdrive-precompile+deepcache \

@@ -20,7 +20,7 @@ import torch.nn as nn
 from .config import DeepCacheConfigError
 from .paths import CallInfo
 from .unet_openai import UnsupportedUNetError
-from .weights import WeightsWatch
+from ..weights_watch import WeightsWatch
 
 DOWN_BLOCKS = frozenset(("CrossAttnDownBlock2D", "DownBlock2D"))
 UP_BLOCKS = frozenset(("CrossAttnUpBlock2D", "UpBlock2D"))

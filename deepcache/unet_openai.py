@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .config import DeepCacheConfigError
 from .paths import CallInfo
-from .weights import WeightsWatch
+from ..weights_watch import WeightsWatch
 
 # transformer_options["patches"] keys implemented by the mirrored forward itself.
 FORWARD_PATCHES = ("input_block_patch", "input_block_patch_after_skip", "output_block_patch")

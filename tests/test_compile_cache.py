@@ -162,3 +162,27 @@ def test_precompiled_frames_are_keyed_by_the_model_code():
     mlp = code_digest(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
     assert code_digest(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())) == mlp  # same classes, same code
     assert code_digest(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.GELU())) != mlp
+
+
+def test_precompiled_frames_run_only_with_every_weight_on_the_input_device():
+    """A guard-free frame must not run with weights elsewhere (ComfyUI's low-VRAM mode leaves some on the CPU). The
+    check keeps its list of modules between calls: it must still see a moved parameter, a moved buffer, a replaced
+    Parameter and a swapped-in submodule."""
+    from overdrive.compiler.precompiled import weights_on
+
+    cpu = torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    assert weights_on(model, cpu)
+    model[2].to("meta")  # a device move swaps tensors in place: no registration hook fires
+    assert not weights_on(model, cpu)
+    model[2].to_empty(device=cpu)
+    assert weights_on(model, cpu)
+    model[1].running_mean = torch.zeros(4, device="meta")  # a buffer
+    assert not weights_on(model, cpu)
+    model[1].running_mean = torch.zeros(4)
+    model[0].weight = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))  # a Parameter replaced (a LoRA patch)
+    assert not weights_on(model, cpu)
+    model[0].weight = torch.nn.Parameter(torch.zeros(4, 4))
+    assert weights_on(model, cpu)
+    model[2] = torch.nn.Linear(4, 4, device="meta")  # a submodule swapped (QuantizeModel, SwitchWeights)
+    assert not weights_on(model, cpu)

@@ -250,7 +250,7 @@ def test_cache_resets_when_the_weights_are_replaced(tiny):
 def test_weights_are_walked_only_after_something_was_registered(tiny, monkeypatch):
     """The per-step weights check is one integer comparison; the module walk runs again only after a Parameter or
     submodule was registered somewhere (here: a module swapped in, as QuantizeModel does), and then sees it."""
-    from overdrive.deepcache import weights
+    from overdrive import weights_watch as weights
     unet = copy.deepcopy(tiny.unet)
     runner = tiny.runner(unet=unet, cache_interval=3)
     walks = []
@@ -282,7 +282,7 @@ def test_temporary_containers_in_a_forward_are_not_weight_changes_and_do_not_rec
     """Regression (H100, torch 2.11): the registration hook ran inside the compiled diffusers UNet, Dynamo guarded on
     the counter and recompiled every call until its limit, and SDXL ran eager (3.2 s/image instead of ~0.8 s)."""
     from overdrive.compiler import CompileOptions, compile_module, dynamo_graph_count
-    from overdrive.deepcache.weights import weights_generation
+    from overdrive.weights_watch import weights_generation
     model, x = _SlicesItsLayers(), torch.randn(2, 4)
     generation = weights_generation()
     with torch.no_grad():

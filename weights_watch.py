@@ -1,4 +1,5 @@
-"""Which weights a UNet runs with, as a cheap token: cached features are never reused across weight changes.
+"""Which weights a module runs with, as a cheap token (DeepCache never reuses features across weight changes; a
+precompiled frame re-checks where the weights live only when the module tree changed).
 
 ComfyUI applies LoRA and other weight patches by installing new Parameters, QuantizeModel and SwitchWeights swap
 modules; all of these go through `nn.Module.__setattr__`, which calls torch's global parameter/module registration

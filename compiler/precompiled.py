@@ -24,7 +24,6 @@ What no check sees is a change to a plain value (a module-level flag) that the t
 """
 import hashlib
 import inspect
-import itertools
 import json
 import logging
 import sys
@@ -162,19 +161,21 @@ class GlobalsRead:
 _GONE = object()
 
 
-_module_lists = weakref.WeakKeyDictionary()  # module -> (weights generation, its modules)
+# module -> (weights generation, its submodules). Not the module itself: a value holding its key would keep every model
+# ever checked (each UNet a SwitchWeights replaced) alive.
+_submodules = weakref.WeakKeyDictionary()
 
 
 def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
     """Every parameter and buffer of `module` on `device`: checked at every call, so kept cheap. The list of its
-    modules is walked again only after a submodule or Parameter was replaced somewhere (weights_watch); the tensors are
-    read from each module's dicts every time, since a device move swaps data and buffers without any hook. (The
-    recursive `module.parameters()` took ~3.9 ms for SD1.5 on the 2-core CPU, ~1 ms per call on the H100's host.)"""
+    submodules is walked again only after a submodule or Parameter was replaced somewhere (weights_watch); the tensors
+    are read from each module's dicts every time, since a device move swaps data and buffers without any hook. (The
+    recursive `module.parameters()` took ~3.9 ms for SD1.5 on the 2-core CPU; not timed on the GPU's host.)"""
     generation = weights_generation()
-    cached = _module_lists.get(module)
+    cached = _submodules.get(module)
     if cached is None or cached[0] != generation:
-        cached = _module_lists[module] = (generation, tuple(module.modules()))
-    for owner in cached[1]:
+        cached = _submodules[module] = (generation, tuple(module.modules())[1:])
+    for owner in (module, *cached[1]):
         for tensors in (owner._parameters, owner._buffers):
             for tensor in tensors.values():
                 if tensor is not None and tensor.device != device:

@@ -186,3 +186,19 @@ def test_precompiled_frames_run_only_with_every_weight_on_the_input_device():
     assert weights_on(model, cpu)
     model[2] = torch.nn.Linear(4, 4, device="meta")  # a submodule swapped (QuantizeModel, SwitchWeights)
     assert not weights_on(model, cpu)
+
+
+def test_the_weight_device_check_keeps_no_model_alive():
+    """Its list of modules is kept per model between calls; a model nobody else holds (the UNet a SwitchWeights
+    replaced) must still be freed."""
+    import gc
+    import weakref
+
+    from overdrive.compiler.precompiled import weights_on
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert weights_on(model, torch.device("cpu"))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

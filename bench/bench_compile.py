@@ -15,56 +15,12 @@ import time
 import torch
 
 from overdrive.runner.inprocess import build_model, conditioning, import_comfy
-from report import add_speedups, compile_phases, environment, finish, write_report
+from report import add_speedups, compile_phases, environment, finish, profile_run, write_report
 
 
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def profile_run(run, steps):
-    """Where the time goes: CUDA kernel time of one sampling run, grouped by kernel family, and the top kernels."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        wall = time.perf_counter() - start
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events) or 1
-    busy = gpu_busy_seconds(prof)
-    print(f"\nOne run under the profiler: wall {wall:.3f} s, GPU busy {busy:.3f} s, GPU idle {wall - busy:.3f} s "
-          f"({100 * (wall - busy) / wall:.0f} %: the host's share, not hidden behind GPU work)")
-    families = {}
-    for e in events:
-        name = e.key.lower()
-        family = next((f for f, keys in (("attention", ("flash", "fmha", "attention", "sdpa")),
-                                         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "mm_")),
-                                         ("conv", ("conv", "implicit", "cudnn", "xmma_fprop", "sm90_xmma_fprop")),
-                                         ("triton fused", ("triton",))) if any(k in name for k in keys)), "other")
-        families[family] = families.get(family, 0) + e.self_device_time_total
-    print(f"\nCUDA time of one run ({steps} steps): {total / 1e6:.3f} s")
-    for family, t in sorted(families.items(), key=lambda kv: -kv[1]):
-        print(f"  {family:14s} {t / 1e6:7.3f} s  {100 * t / total:5.1f} %")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
-
-
-def gpu_busy_seconds(prof) -> float:
-    """Length of the union of all GPU activity intervals (kernels, copies) in a profile."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, None
-    for lo, hi in intervals:
-        if end is None or lo > end:
-            busy += hi - lo
-            end = hi
-        elif hi > end:
-            busy += hi - end
-            end = hi
-    return busy / 1e6
 
 
 def cprofile_run(run):

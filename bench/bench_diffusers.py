@@ -28,9 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from report import add_speedups, environment, finish, write_report  # noqa: E402
+from report import add_speedups, environment, finish, profile_run, write_report  # noqa: E402
 
-VARIANTS = ("eager", "peer", "overdrive", "overdrive-flat", "overdrive+quant", "overdrive+quant+deepcache")
+COMPILES = ("overdrive", "overdrive-flat", "overdrive-autotune")  # regions (default), one flat graph, max-autotune
+VARIANTS = ("eager", "peer", *COMPILES, "overdrive+quant", "overdrive-autotune+quant", "overdrive+quant+deepcache")
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
@@ -103,10 +104,12 @@ def generate(pipe, args, embeds, output_type="np"):
 
 
 def compile_options(variant, args):
-    """Overdrive's CompileOptions for `variant` ("overdrive-flat": one graph, no regions)."""
+    """Overdrive's CompileOptions for `variant` ("overdrive-flat": one graph, no regions; "overdrive-autotune":
+    Inductor's max-autotune, which benchmarks Triton GEMM/conv templates against cuBLAS/cuDNN on this GPU)."""
     from overdrive.api import CompileOptions
-    return CompileOptions(mode=args.mode, cuda_graphs=args.device == "cuda", backend=args.backend,
-                          regional="overdrive-flat" not in variant.split("+"))
+    parts = variant.split("+")
+    return CompileOptions(mode="max-autotune" if "overdrive-autotune" in parts else args.mode,
+                          cuda_graphs=args.device == "cuda", backend=args.backend, regional="overdrive-flat" not in parts)
 
 
 def apply_variant(pipe, variant, args, embeds) -> dict:
@@ -131,7 +134,7 @@ def apply_variant(pipe, variant, args, embeds) -> dict:
                                                           guidance_scale=args.guidance))
         info["quantize_s"] = round(time.perf_counter() - start, 2)
         info["quantization"] = report.summary()
-    if "overdrive" in parts or "overdrive-flat" in parts:
+    if set(parts) & set(COMPILES):
         compile_(pipe, compile_options(variant, args))
     if "deepcache" in parts:
         info["runner"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval))
@@ -173,6 +176,9 @@ def run_variant(pipe, variant, args, embeds, reference) -> dict:
         image, latent, seconds = generate(pipe, args, embeds)
         times.append(seconds)
     per_image = statistics.median(times)
+    if args.profile and torch.cuda.is_available():
+        print(f"[{variant}]")
+        profile_run(lambda: generate(pipe, args, embeds), args.steps)
     reference = reference or {"image": image, "latent": latent}
     error = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
     row = {"variant": variant, "s_per_image": round(per_image, 4), "first_run_s": round(first, 2),
@@ -213,6 +219,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-warm", action="store_true", help="skip the warm (restart) compile measurement")
     parser.add_argument("--warm-variants", default=None, help="comma-separated variants whose warm (restart) compile is "
                         "measured (default: every compiled variant)")
+    parser.add_argument("--profile", action="store_true", help="per variant, GPU kernel time by family and the GPU's "
+                        "idle share of one image (torch.profiler)")
     parser.add_argument("--out", default=None, help="JSON report path, e.g. bench/results/DATE_h100_diffusers.json")
     args = parser.parse_args(argv)
     tiny = {"res": 64, "steps": 4, "repeats": 1} if args.tiny else {"res": 1024, "steps": 20, "repeats": 3}

@@ -86,6 +86,8 @@ def main():
     parser.add_argument("--mode", default="default", help="torch.compile mode (default: 'default')")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop compiling new variants after this")
     parser.add_argument("--formats", default="int8,fp8_e4m3")
+    parser.add_argument("--static-only", action="store_true", help="fp16 and fp8 with static scales only (QuantizeModel's "
+                        "fp8 layers): fewer compiles, e.g. under --mode max-autotune")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check with tiny shapes (no timings to keep)")
     args = parser.parse_args()
 
@@ -122,12 +124,12 @@ def main():
         row = {"shape": name, "M": m, "K": k, "N": n, "density": round(linear_density(m, k, n), 1),
                "flop": 2 * m * n * k, "variants": {}}
         variants = {"fp16": linear}
-        for fmt in formats:
+        for fmt in formats if not args.static_only else ():
             variants[fmt] = classes[fmt].from_float(linear)
         if "fp8_e4m3" in formats:
             variants["fp8_e4m3 static"] = Fp8Linear.from_float(linear).set_input_amax(F.gelu(x).abs().amax())
         raw = {}
-        if not args.smoke and m >= INT_MM_MIN_ROWS:  # the bare _int_mm needs M > 16
+        if not args.smoke and not args.static_only and m >= INT_MM_MIN_ROWS:  # the bare _int_mm needs M > 16
             for fmt in formats:
                 raw[f"{fmt} raw"] = raw_gemm(fmt, x, variants[fmt])
         for variant, fn in raw.items():

@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | fp8-deepcache-profile | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gpu-tests
+#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | fp8-deepcache-profile | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gemm-autotune | diffusers-autotune | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -89,6 +89,18 @@ case "$part" in
     timeout 150 python3 bench_quantize.py --quick --formats fp8_e4m3 --budget-s 90 \
       --out "$out/${day}_h100_quantize_gemm_fp8_static.json" > "$out/quantize_gemm_fp8_static.log" 2>&1
     filter 16 < "$out/quantize_gemm_fp8_static.log" ;;
+  gemm-autotune)  # ninth session: do Inductor's autotuned Triton GEMM templates beat cuBLAS for fp16 / static fp8 at
+    # SDXL's shapes? The same 7 shapes under the default mode and under max-autotune, one process each
+    for mode in default max-autotune; do
+      timeout "${GEMM_TIMEOUT:-200}" python3 bench_quantize.py --formats fp8_e4m3 --static-only --mode $mode --budget-s 160 \
+        --out "$out/${day}_h100_quantize_gemm_fp8_$mode.json" > "$out/quantize_gemm_fp8_$mode.log" 2>&1
+      filter 12 < "$out/quantize_gemm_fp8_$mode.log"
+    done ;;
+  diffusers-autotune)  # issues 5 and 9: SDXL end to end with max-autotune, fp16 and fp8, GPU time by kernel family
+    timeout "${DIFFUSERS_TIMEOUT:-580}" python3 bench_diffusers.py --profile --no-warm --peer-mode reduce-overhead \
+      --variants ${DIFFUSERS_VARIANTS:-eager,overdrive,overdrive-autotune,overdrive+quant,overdrive-autotune+quant,peer} \
+      --out "$out/${day}_h100_diffusers_sdxl_autotune.json" > "$out/diffusers_autotune.log" 2>&1
+    filter 12 < "$out/diffusers_autotune.log" ;;
   gpu-tests)
     cd .. && python3 -m pytest tests/test_quantization_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 esac

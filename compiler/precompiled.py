@@ -277,6 +277,8 @@ class PrecompiledFrames:
             log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
                         "traces the model again).", method, self.failure)
             return None
+        finally:  # the guard entries hold the traced values, the model among them: kept, they kept its weights alive
+            self.guards_dropped = []
         self.frames[signature] = (frame, read)
         saved = "not saved: the disk cache is off"
         if directory is not None:

@@ -65,11 +65,7 @@ def profile_run(run, steps):
           f"({100 * (wall - busy) / wall:.0f} %: the host's share, not hidden behind GPU work)")
     families = {}
     for e in events:
-        name = e.key.lower()
-        family = next((f for f, keys in (("attention", ("flash", "fmha", "attention", "sdpa")),
-                                         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "mm_")),
-                                         ("conv", ("conv", "implicit", "cudnn", "xmma_fprop", "sm90_xmma_fprop")),
-                                         ("triton fused", ("triton",))) if any(k in name for k in keys)), "other")
+        family = kernel_family(e.key)
         families[family] = families.get(family, 0) + e.self_device_time_total
     print(f"\nCUDA time of one run ({steps} steps): {total / 1e6:.3f} s")
     for family, t in sorted(families.items(), key=lambda kv: -kv[1]):
@@ -91,3 +87,19 @@ def gpu_busy_seconds(prof) -> float:
             busy += hi - end
             end = hi
     return busy / 1e6
+
+
+# Checked in this order. Inductor names a fused kernel after the ops it holds, so a cast fused for an fp8 GEMM is
+# "triton_poi_fused__scaled_mm_..."; its templates (max-autotune) are "triton_tem_*" / "triton_mm_*". cuDNN's
+# convolutions are "sm90_xmma_fprop_implicit_gemm_*", GEMMs by name too.
+_FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")),
+             ("gemm", ("triton_tem_", "triton_mm_", "triton_bmm_")),
+             ("triton fused", ("triton_",)),
+             ("conv", ("conv", "fprop", "implicit", "cudnn")),
+             ("gemm", ("gemm", "cutlass", "nvjet", "mm_")))
+
+
+def kernel_family(kernel_name: str) -> str:
+    """The family a CUDA kernel's time is reported under: attention, gemm, conv, triton fused or other."""
+    name = kernel_name.lower()
+    return next((family for family, keys in _FAMILIES if any(k in name for k in keys)), "other")

@@ -80,6 +80,31 @@ class QuantizedKeys(set):
         return type(self), (set(self), self.quantized)
 
 
+class RefuseQuantizedPatches:
+    """The same guard for ComfyUI 2025+, whose ModelPatcher has no `model_keys` (add_patches checks the model's
+    state_dict, where a quantized layer still has its float keys: the LoRA would be dropped at load without a word).
+    An ON_CLONE callback, copied to every clone, gives each clone an add_patches that checks every key first and
+    raises before anything is added."""
+
+    def __init__(self, keys):
+        self.keys = frozenset(keys)
+
+    def guard(self, patcher) -> None:
+        add_patches, refused = type(patcher).add_patches, self.keys
+
+        def checked_add_patches(patches, *args, **kwargs):
+            for k in patches:
+                key = k if isinstance(k, str) else k[0]
+                if key in refused:
+                    raise ValueError(LORA_AFTER_QUANTIZE.format(key=key))
+            return add_patches(patcher, patches, *args, **kwargs)
+
+        patcher.add_patches = checked_add_patches
+
+    def on_clone(self, source, clone) -> None:
+        self.guard(clone)
+
+
 class QuantizedModules:
     """Rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch
     names there) so that ModelPatcher.model_patches_to moves the quantized layers with the model.
@@ -116,9 +141,15 @@ def install(patcher, modules: dict) -> None:
     originals = {name: module for name, module in originals.items() if not hasattr(module, "load_float_weight")}
     for name, module in modules.items():
         patcher.add_object_patch(PREFIX + name, module)
+    refused = [key for name in modules for key in patch_keys(name)]
     keys = getattr(patcher, "model_keys", None)
-    if keys is not None:  # a new set: the input MODEL and its other clones keep theirs
-        patcher.model_keys = QuantizedKeys(keys, [key for name in modules for key in patch_keys(name)])
+    if keys is not None:  # ComfyUI 2024; a new set: the input MODEL and its other clones keep theirs
+        patcher.model_keys = QuantizedKeys(keys, refused)
+    elif hasattr(patcher, "add_callback"):  # ComfyUI 2025+
+        from comfy.patcher_extension import CallbacksMP
+        guard = RefuseQuantizedPatches(refused)
+        guard.guard(patcher)
+        patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
     patcher.set_model_patch(QuantizedModules(modules, originals, patcher.offload_device), "overdrive_quantized")
 
 

@@ -37,6 +37,13 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=generator) * (1.0 / max(p[0].numel(), 1)) ** 0.5)
 
 
+# The SD1.x/SDXL autoencoder. Given as an explicit config: ComfyUI 2024 built it for an empty state dict, 2025+
+# builds nothing without weights to detect the architecture from.
+SD_VAE_CONFIG = {"params": {"embed_dim": 4, "ddconfig": {
+    "double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+    "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}}}
+
+
 def build_vae(comfy, seed: int = 0):
     """ComfyUI's own VAE class (the SD/SDXL autoencoder config) with seeded weights."""
     import contextlib
@@ -44,7 +51,7 @@ def build_vae(comfy, seed: int = 0):
 
     import comfy.sd
     with contextlib.redirect_stdout(io.StringIO()):  # it prints every key it did not get; we fill them just below
-        vae = comfy.sd.VAE(sd={})
+        vae = comfy.sd.VAE(sd={}, config=SD_VAE_CONFIG)
     seeded_init_(vae.first_stage_model, seed)
     return vae
 

@@ -104,7 +104,8 @@ def progress_updates(comfy):
     import comfy.utils
     updates = []
     previous = comfy.utils.PROGRESS_BAR_HOOK
-    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview=None: updates.append((value, total)))
+    # ComfyUI 2025+ also passes node_id=
+    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview=None, **_: updates.append((value, total)))
     yield updates
     comfy.utils.set_progress_bar_global_hook(previous)
 
@@ -128,7 +129,8 @@ def snapshot(model):
     from overdrive.quantization import weights_digest
     tree = model.model.diffusion_model
     return dict(ids={name: id(m) for name, m in tree.named_modules()}, object_patches=dict(model.object_patches),
-                patches={k: list(v) for k, v in model.patches.items()}, model_keys=model.model_keys,
+                patches={k: list(v) for k, v in model.patches.items()},
+                model_keys=getattr(model, "model_keys", None),  # ComfyUI 2024; gone from ModelPatcher since
                 options=repr(model.model_options), weights=weights_digest(tree))
 
 
@@ -254,11 +256,13 @@ def test_a_lora_before_quantize_is_baked_into_the_quantized_weights(quantized_la
     assert set(LORA_LAYERS) <= set(report.quantized)
     # Baked in and dropped from the clone's weight patches; the 3x3 conv stays float and keeps its patch.
     assert set(quantized_lora.patches) == {f"diffusion_model.{CONV3X3}.weight"}
+    # The LoRA moves the latent well beyond the quantization tolerance (measured 0.16 with ComfyUI 0.7's sampling,
+    # more with 2024's), so a quantized model that dropped it could not pass the middle check.
     expected = sample(float_lora)
-    assert relative_error(expected, float_latent) > 0.2  # the LoRA matters ...
+    assert relative_error(expected, float_latent) > 2 * TOLERANCE  # the LoRA matters ...
     out = sample(quantized_lora)
     assert relative_error(out, expected) < TOLERANCE  # ... and the quantized model honours it
-    assert relative_error(out, quantized_latent) > 0.2
+    assert relative_error(out, quantized_latent) > 2 * TOLERANCE
 
 
 def test_a_lora_after_quantize_is_refused_on_quantized_layers_and_applies_elsewhere(quantized, quantized_latent, base,
@@ -273,6 +277,20 @@ def test_a_lora_after_quantize_is_refused_on_quantized_layers_and_applies_elsewh
     assert set(on_float_layer.patches) == {f"diffusion_model.{CONV3X3}.weight"}
     assert relative_error(sample(on_float_layer), quantized_latent) > 0.05
 
+
+
+def test_the_lora_guard_for_comfyui_2025_checks_every_key_before_adding_any(base):
+    """ComfyUI 2025+ has no ModelPatcher.model_keys: each clone of a quantized model gets this guarded add_patches
+    (through an ON_CLONE callback, which ComfyUI 2024 lacks; the test above covers that wiring on a current ComfyUI)."""
+    from overdrive.nodes.quantize_patches import RefuseQuantizedPatches, patch_keys
+    clone = base.clone()
+    RefuseQuantizedPatches(patch_keys(LORA_LAYERS[0])).guard(clone)
+    float_key, quantized_key = f"diffusion_model.{CONV3X3}.weight", patch_keys(LORA_LAYERS[0])[0]
+    before = {k: list(v) for k, v in clone.patches.items()}
+    with pytest.raises(ValueError, match="Put LoraLoader before QuantizeModel"):
+        clone.add_patches({float_key: ("diff", (torch.zeros(1),)), quantized_key: ("diff", (torch.zeros(1),))})
+    assert {k: list(v) for k, v in clone.patches.items()} == before  # nothing half-applied
+    assert clone.add_patches({float_key: ("diff", (torch.zeros(1),))}) == [float_key]
 
 # -------------------------------------------------------------------------------------------- with Compile Model
 def test_quantize_then_compile_runs_the_int8_layers_through_torch_compile(quantized, quantized_latent, base,

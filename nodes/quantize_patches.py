@@ -39,6 +39,7 @@ def patched_tensor(patcher, key: str, device):
     """The tensor at `key` with `patcher`'s weight patches applied, as ModelPatcher.patch_weight_to_device
     computes it (in float32 from the unpatched original, then cast to the original's dtype)."""
     original = patcher.backup[key] if key in patcher.backup else comfy.utils.get_attr(patcher.model, key)
+    original = getattr(original, "weight", original)  # ComfyUI 2025+ backs up (weight, inplace_update) tuples
     if original is None or key not in patcher.patches:
         return original
     weight = original.to(device=device, dtype=torch.float32, copy=True)

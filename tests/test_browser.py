@@ -2,6 +2,7 @@
 check every node loads, queue it with the "Queue Prompt" button and wait for its images on the canvas."""
 import copy
 import json
+import re
 import os
 import shutil
 
@@ -34,6 +35,7 @@ SET_WIDGETS = """(changes) => {
     app.graph.setDirtyCanvas(true, true);
 }"""
 QUEUED = "async () => (await app.graphToPrompt()).output"  # what "Queue Prompt" sends
+QUEUE_BUTTON = re.compile(r"^\s*(Queue Prompt|Run)\s*$")  # the 2024 frontend's label; newer frontends say "Run"
 # An error dialog, or every Save Image node showing its loaded images on the canvas.
 OUTCOME = """() => {
     const dialog = app.ui.dialog.element;
@@ -94,7 +96,7 @@ def test_dropped_workflow_loads_and_queues_to_an_image(path, page, server, tmp_p
     runnable = prefix_images(cpu_sized(copy.deepcopy(api)), prefix)
     page.evaluate(SET_WIDGETS, edits(api, runnable))
     assert without_meta(page.evaluate(QUEUED)) == without_meta(runnable)
-    page.get_by_role("button", name="Queue Prompt", exact=True).click()
+    page.get_by_role("button", name=QUEUE_BUTTON).first.click()
     outcome = page.wait_for_function(OUTCOME, timeout=900_000, polling=500).json_value()
     page.screenshot(path=str(tmp_path / f"{path.stem}.png"))
     assert "dialog" not in outcome, outcome.get("dialog")

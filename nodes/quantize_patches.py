@@ -83,7 +83,8 @@ class QuantizedKeys(set):
 
 class RefuseQuantizedPatches:
     """The same guard for ComfyUI 2025+, whose ModelPatcher has no `model_keys` (add_patches checks the model's
-    state_dict, where a quantized layer still has its float keys: the LoRA would be dropped at load without a word).
+    state_dict, where a quantized layer still has its float keys: the patch was accepted, then could not apply to the
+    8-bit layer at load).
     An ON_CLONE callback, copied to every clone, gives each clone an add_patches that checks every key first and
     raises before anything is added."""
 

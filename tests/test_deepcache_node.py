@@ -40,6 +40,11 @@ def plans_up_front() -> bool:
 F, S = True, False  # a full and a shallow step in RunStats.decisions
 
 
+def deepcache_lines(caplog) -> list:
+    """DeepCache's plan and run summaries among the captured log records, in order."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("DeepCache: ")]
+
+
 def relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -107,8 +112,7 @@ def test_interval_3_follows_the_schedule_within_the_stated_error_and_logs_each_r
         with caplog.at_level(logging.INFO, logger="overdrive"):
             out = sample(model)
             stats = runner.stats
-            assert [r.getMessage() for r in caplog.records
-                    if r.getMessage().startswith("DeepCache: ")] == ([PLANNED_10] if up_front else [])
+            assert deepcache_lines(caplog) == ([PLANNED_10] if up_front else [])
             again = sample(model)  # the next prompt on this model: a new run, which logs the schedule of the first
     finally:
         for hook in hooks:
@@ -121,12 +125,10 @@ def test_interval_3_follows_the_schedule_within_the_stated_error_and_logs_each_r
     assert ran == Counter(stem=2 * STEPS + 1, deep=2 * 4 + 1)
     assert 0.0 < relative_error(out, eager_latent) <= SAMPLING_RTOL
     assert torch.equal(again, out)  # nothing of the first prompt's cache reached the second
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DeepCache: ")]
-    assert lines == ([PLANNED_10] * 2 if up_front else [SCHEDULE_10])
+    assert deepcache_lines(caplog) == ([PLANNED_10] * 2 if up_front else [SCHEDULE_10])
     with caplog.at_level(logging.INFO, logger="overdrive"):
         runner.reset()  # ends the second run (ComfyUI does not tell a model when sampling ends)
-    assert [r.getMessage() for r in caplog.records
-            if r.getMessage().startswith("DeepCache: ")] == ([PLANNED_10] if up_front else [SCHEDULE_10]) * 2
+    assert deepcache_lines(caplog) == ([PLANNED_10] if up_front else [SCHEDULE_10]) * 2
 
 
 def test_two_prompts_of_different_sizes_each_get_a_fresh_cache(base, sample):

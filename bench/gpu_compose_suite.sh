@@ -2,7 +2,7 @@
 # GPU calls for QuantizeModel and DeepCache, composed with CompileModel, against eager (same process, same seed).
 # Usage on the GPU machine, from the repository root: bash bench/gpu_compose_suite.sh PART "$OUT"
 #   PART: quant-sdxl | deepcache-sdxl | sdxl-all | sd15 | regional | issue6 | issue5-6 | diffusers | diffusers-restart |
-#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | fp8-deepcache-profile | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gemm-autotune | diffusers-autotune | gpu-tests
+#         issue5-6b | issue6-sdxl | issue6-sd15 | diffusers-flat | fp8-deepcache-profile | sd15-precompile | restart | restart-precompile | quant-vram | gemm | gemm-fp8 | gemm-autotune | diffusers-autotune | levers | memory | gpu-tests
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 cd bench
@@ -103,6 +103,16 @@ case "$part" in
       --variants ${DIFFUSERS_VARIANTS:-eager,overdrive,overdrive-autotune,overdrive+quant,overdrive-autotune+quant,peer} \
       --out "$out/${day}_h100_diffusers_sdxl_autotune.json" > "$out/diffusers_autotune.log" 2>&1
     filter 12 < "$out/diffusers_autotune.log" ;;
+  levers)  # tenth session, issue 9: per UNet call / VAE decode, do fused q/k/v, coordinate-descent tuning or cuDNN's
+    # conv benchmarking put Overdrive's graph ahead of the peer's? (bench_unet_levers.py)
+    timeout "${LEVERS_TIMEOUT:-570}" python3 bench_unet_levers.py \
+      --variants ${LEVERS_VARIANTS:-eager,od,od+cudnn,od+fuse,od+fuse+cudnn,vae-eager,vae-od,vae-od+cudnn,vae-peer,od+cdt,peer} \
+      --out "$out/${day}_h100_unet_levers.json" > "$out/unet_levers.log" 2>&1
+    filter 16 < "$out/unet_levers.log" ;;
+  memory)  # tenth/eleventh session: GPU memory a dropped compiled UNet leaves behind (memory_after_release.py)
+    timeout "${MEMORY_TIMEOUT:-300}" python3 memory_after_release.py --out "$out/${day}_h100_memory_after_release.json" \
+      > "$out/memory_after_release.log" 2>&1
+    filter 8 < "$out/memory_after_release.log" ;;
   gpu-tests)
     cd .. && python3 -m pytest tests/test_quantization_gpu.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
 esac

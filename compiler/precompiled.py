@@ -22,10 +22,12 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
 What no check sees is a change to a plain value (a module-level flag) that the traced code read; hence still opt-in,
 `CompileOptions(precompile=True)`.
 """
+import contextlib
 import hashlib
 import inspect
 import json
 import logging
+import re
 import sys
 import time
 import uuid
@@ -183,6 +185,32 @@ def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def forgetting_guard_temporaries():
+    """Remove the `tmp` names torch leaves in Dynamo's process-wide guard closure variables while building a frame.
+
+    With a guard_filter_fn, Dynamo reads the value of every guard (`make_guard_filter_entry`); a chained source binds
+    its base object to a `tmp<N>` name in that shared dict and skips deleting it when the read raises (seen in torch
+    2.11 to 2.14, `ChainedSource.get_value`). On the H100 a leaked name held an SDXL up block: 248 MiB of a dropped
+    UNet's weights stayed in VRAM for good (bench/README.md, tenth session). Only names added during the build go."""
+    before = set(_guard_closure_vars())
+    try:
+        yield
+    finally:
+        closure_vars = _guard_closure_vars()
+        for name in [n for n in closure_vars if n not in before and _TEMPORARY.fullmatch(n)]:
+            del closure_vars[name]
+
+
+_TEMPORARY = re.compile(r"tmp\d*")
+
+
+def _guard_closure_vars() -> dict:
+    """Dynamo's shared guard closure variables ({} where this torch has none, or has not built them yet)."""
+    closure_vars = getattr(torch._dynamo.guards, "_CLOSURE_VARS", None)
+    return closure_vars if isinstance(closure_vars, dict) else {}
+
+
 class PrecompiledFrames:
     """The precompiled calls of one shared graph: built with `aot_compile` at its first shape, saved, reloaded."""
 
@@ -269,7 +297,7 @@ class PrecompiledFrames:
         """Compile this call ahead of time (one whole graph), keep it and save it under `directory`."""
         start = time.perf_counter()
         try:
-            with self._config():
+            with self._config(), forgetting_guard_temporaries():
                 frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
             read = GlobalsRead.from_guards(self.guards_dropped)
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over

@@ -46,33 +46,60 @@ def _describe(obj) -> str:
     return name
 
 
-def holders(tensor, ignore: set, depth=14) -> list:
-    """The shortest referrer path from `tensor` up to a module's globals, a class or a root object (breadth first;
-    frames and this script's own containers skipped)."""
+def _key_of(holder: dict, value) -> str:  # no generator: one would close over `value` and refer to it too
+    for key, item in holder.items():
+        if item is value:
+            return f"[{str(key)[:50]}]"
+    return "[key]"
+
+
+def holders(tensor, ignore: set, depth=16) -> list:
+    """Who holds `tensor`: at each level every referrer's type (frames and this search's own lists skipped), then up
+    through the first one not seen before. One gc.get_referrers per level: a breadth-first search over a heap full of
+    compiled graphs took more than 4 minutes on the GPU machine."""
     import types
     module_dicts = {id(vars(m)): name for name, m in list(sys.modules.items()) if m is not None}
-    queue, parents = [tensor], {id(tensor): None}
+    seen, levels, obj = {id(tensor)}, [], tensor
     for _ in range(depth):
-        nxt = []
-        for obj in queue:
-            for ref in gc.get_referrers(obj):
-                if id(ref) in parents or id(ref) in ignore or isinstance(ref, types.FrameType) or ref is queue:
-                    continue
-                parents[id(ref)] = (obj, ref)
-                if id(ref) in module_dicts or isinstance(ref, type) or not gc.get_referrers(ref):
-                    path, item = [], ref
-                    while parents.get(id(item)) is not None:
-                        child, holder = parents[id(item)]
-                        key = ""
-                        if isinstance(holder, dict):
-                            key = next((f"[{str(k)[:50]}]" for k, v in holder.items() if v is child), "[key]")
-                        path.append(_describe(holder) + key + (f" = module {module_dicts[id(holder)]}"
-                                                                if id(holder) in module_dicts else ""))
-                        item = child
-                    return path[::-1]
-                nxt.append(ref)
-        queue = nxt
-    return ["(no root found within depth)"]
+        refs = [r for r in gc.get_referrers(obj) if id(r) not in ignore and not isinstance(r, types.FrameType)]
+        if not refs:
+            levels.append("(no tracked referrer: held from C/C++ or a cycle's end)")
+            break
+        level = []
+        for ref in refs[:6]:
+            key = ""
+            if isinstance(ref, dict):
+                key = _key_of(ref, obj)
+            level.append(_describe(ref) + key + (f" = module {module_dicts[id(ref)]}" if id(ref) in module_dicts else ""))
+        levels.append(" | ".join(level) + (f" (+{len(refs) - 6})" if len(refs) > 6 else ""))
+        nxt = next((r for r in refs if id(r) not in seen), None)
+        if nxt is None or id(nxt) in module_dicts or isinstance(nxt, type):
+            break
+        seen.add(id(nxt))
+        ignore.add(id(refs))
+        obj = nxt
+    return levels
+
+
+def suspects() -> dict:
+    """Caches in torch that outlive torch._dynamo.reset() and could hold a model's CUDA tensors."""
+    found = {}
+    try:
+        from torch._inductor.codecache import PyCodeCache
+        modules = list(getattr(PyCodeCache, "modules", [])) + list(getattr(PyCodeCache, "modules_no_attr", {}).values())
+        found["pycodecache_modules"] = len(modules)
+        found["pycodecache_cuda_tensor_mib"] = round(sum(
+            v.untyped_storage().nbytes() for m in modules for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and v.is_cuda) / 2**20, 1)
+    except Exception as error:  # noqa: BLE001 - a diagnostic
+        found["pycodecache"] = repr(error)[:200]
+    try:
+        from torch._dynamo.precompile_context import PrecompileContext
+        found["precompile_context"] = [len(PrecompileContext._backend_artifacts_by_key),
+                                       len(PrecompileContext._dynamo_cache_entries)]
+    except Exception as error:  # noqa: BLE001
+        found["precompile_context"] = repr(error)[:200]
+    return found
 
 
 def live_cuda_tensors(limit=3) -> list:
@@ -88,16 +115,15 @@ def live_cuda_tensors(limit=3) -> list:
              "mib": round(t.untyped_storage().nbytes() / 2**20, 1), "held_by": holders(t, ignore)} for t in top]
 
 
-def run(precompile: bool, side: int) -> dict:
+def load_compile_and_run(seed: int, precompile: bool, side: int, before: float) -> dict:
+    """One checkpoint (this seed's weights): built on the GPU, compiled, called 3 times, dropped."""
     from diffusers import UNet2DConditionModel
     from overdrive.api import CompileOptions, compile_
-    from overdrive.compiler import clear_shared_graphs
-    before = allocated_mib()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device("cuda"):
         unet = UNet2DConditionModel(sample_size=side, **{k: v for k, v in UNET.items() if k != "sample_size"})
     unet = unet.half().eval().requires_grad_(False)
-    weights = allocated_mib() - before
+    step = {"seed": seed, "allocated_with_weights_mib": allocated_mib() - before}
     compile_(unet, CompileOptions(precompile=precompile))
     x = torch.randn(2, 4, side, side, device="cuda", dtype=torch.half)
     cond = {"encoder_hidden_states": torch.randn(2, 77, 2048, device="cuda", dtype=torch.half),
@@ -106,16 +132,29 @@ def run(precompile: bool, side: int) -> dict:
     with torch.inference_mode():
         for _ in range(3):
             unet(x, torch.tensor([500.0, 500.0], device="cuda"), **cond, return_dict=False)
-    running = allocated_mib() - before
+    step["after_3_calls_mib"] = allocated_mib() - before
     del unet, x, cond
-    row = {"precompile": precompile, "weights_mib": weights, "after_3_calls_mib": running,
-           "held_after_drop_mib": allocated_mib() - before, "guard_temporaries_left": guard_temporaries()}
+    step["held_after_drop_mib"] = allocated_mib() - before
+    return step
+
+
+def run(precompile: bool, side: int, checkpoints: int) -> dict:
+    from overdrive.compiler import clear_shared_graphs
+    before = allocated_mib()
+    # One checkpoint after another, as a checkpoint change in ComfyUI does: same architecture (the in-memory graph is
+    # reused), new weights at new addresses.
+    steps = [load_compile_and_run(seed, precompile, side, before) for seed in range(checkpoints)]
+    row = {"precompile": precompile, "checkpoints": steps, "held_after_drop_mib": steps[-1]["held_after_drop_mib"],
+           "guard_temporaries_left": guard_temporaries()}
+    if row["held_after_drop_mib"] > 1:  # what the in-memory graphs keep of a model they no longer serve
+        row["largest_live_after_drop"] = live_cuda_tensors()
     clear_shared_graphs()
     row["held_after_clear_shared_graphs_mib"] = allocated_mib() - before
     torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     row["held_after_reset_cudagraph_trees_mib"] = allocated_mib() - before
     torch._dynamo.reset()
     row["held_after_dynamo_reset_mib"] = allocated_mib() - before
+    row["suspects"] = suspects()
     row["largest_live_after_reset"] = live_cuda_tensors()
     return row
 
@@ -123,12 +162,14 @@ def run(precompile: bool, side: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", type=int, default=128, help="latent side (128: 1024² images)")
+    parser.add_argument("--variants", default="precompile,plain", help="precompile and/or plain, in that order")
+    parser.add_argument("--checkpoints", type=int, default=1, help="models of the same architecture, one after another")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     report = {"benchmark": "memory_after_release", "environment": environment(), "unet": UNET, "side": args.side,
               "results": []}
-    for precompile in (True, False):
-        row = run(precompile, args.side)
+    for precompile in [kind == "precompile" for kind in args.variants.split(",")]:
+        row = run(precompile, args.side, args.checkpoints)
         report["results"].append(row)
         print(json.dumps(row), flush=True)
         write_report(report, args.out)

@@ -22,7 +22,6 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
 What no check sees is a change to a plain value (a module-level flag) that the traced code read; hence still opt-in,
 `CompileOptions(precompile=True)`.
 """
-import contextlib
 import hashlib
 import inspect
 import json
@@ -185,20 +184,22 @@ def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def forgetting_guard_temporaries():
-    """Remove the `tmp` names torch leaves in Dynamo's process-wide guard closure variables while building a frame.
+class GuardTemporaries:
+    """The `tmp` names torch leaves in Dynamo's process-wide guard closure variables while a frame is built: `forget()`
+    removes those added since this was made.
 
     With a guard_filter_fn, Dynamo reads the value of every guard (`make_guard_filter_entry`); a chained source binds
     its base object to a `tmp<N>` name in that shared dict and skips deleting it when the read raises (seen in torch
-    2.11 to 2.14, `ChainedSource.get_value`). On the H100 a leaked name held an SDXL up block: 248 MiB of a dropped
-    UNet's weights stayed in VRAM for good (bench/README.md, tenth session). Only names added during the build go."""
-    before = set(_guard_closure_vars())
-    try:
-        yield
-    finally:
+    2.11 to 2.14, `ChainedSource.get_value`). The guards are then built again with a copy of that dict, which their
+    CheckFunctionManager keeps: on the H100 a leaked name held an SDXL up block, and 248 MiB of a dropped UNet stayed in
+    VRAM for good (bench/README.md, eleventh session). So the names go in the filter itself, before that copy."""
+
+    def __init__(self):
+        self.before = set(_guard_closure_vars())
+
+    def forget(self):
         closure_vars = _guard_closure_vars()
-        for name in [n for n in closure_vars if n not in before and _TEMPORARY.fullmatch(n)]:
+        for name in [n for n in closure_vars if n not in self.before and _TEMPORARY.fullmatch(n)]:
             del closure_vars[name]
 
 
@@ -227,6 +228,7 @@ class PrecompiledFrames:
         self.f_globals = fn.__globals__
         self.frames: dict = {}  # signature -> (loaded or built frame, its GlobalsRead)
         self.guards_dropped: list = []  # Dynamo's guards of the frame being built
+        self.temporaries: GuardTemporaries | None = None  # while a frame is being built
         self.stale: set = set()  # signatures whose frame's globals changed in this process (logged once)
         self.not_on_disk: set = set()  # signatures already looked for on disk in vain: no file check per call
         self.failure: str | None = None
@@ -240,6 +242,8 @@ class PrecompiledFrames:
     def _drop_guards(self, guard_entries):
         """No Dynamo guard is saved with a frame (torch cannot serialise ComfyUI's); the code ones become GlobalsRead."""
         self.guards_dropped = list(guard_entries)
+        if self.temporaries is not None:
+            self.temporaries.forget()
         return [False] * len(guard_entries)
 
     def _config(self):
@@ -296,8 +300,9 @@ class PrecompiledFrames:
     def build(self, signature: tuple, directory, module, method, args, kwargs) -> object | None:
         """Compile this call ahead of time (one whole graph), keep it and save it under `directory`."""
         start = time.perf_counter()
+        self.temporaries = GuardTemporaries()
         try:
-            with self._config(), forgetting_guard_temporaries():
+            with self._config():
                 frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
             read = GlobalsRead.from_guards(self.guards_dropped)
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
@@ -307,6 +312,8 @@ class PrecompiledFrames:
             return None
         finally:  # the guard entries hold the traced values, the model among them: kept, they kept its weights alive
             self.guards_dropped = []
+            self.temporaries.forget()
+            self.temporaries = None
         self.frames[signature] = (frame, read)
         saved = "not saved: the disk cache is off"
         if directory is not None:

@@ -90,23 +90,24 @@ def test_precompiled_frame_steps_aside_when_code_it_inlined_is_patched(tmp_path,
 
 def test_building_a_frame_forgets_the_guard_temporaries_torch_leaks():
     """torch's own ChainedSource.get_value, on a read that raises, leaves its `tmp` name (and the object) in Dynamo's
-    process-wide guard closure variables; a frame build removes the names it added (on the H100 one held 248 MiB of a
-    dropped SDXL UNet's weights)."""
+    process-wide guard closure variables; a frame build removes the names added since it began (on the H100 one held
+    248 MiB of a dropped SDXL UNet's weights)."""
     import gc
     import weakref
 
     from torch._dynamo.guards import _get_closure_vars
     from torch._dynamo.source import AttrSource, LocalSource
 
-    from overdrive.compiler.precompiled import forgetting_guard_temporaries
+    from overdrive.compiler.precompiled import GuardTemporaries
 
     block = torch.nn.Linear(2, 2)
     gone = weakref.ref(block)
-    with forgetting_guard_temporaries():
-        closure_vars = _get_closure_vars()
-        with pytest.raises(AttributeError):
-            AttrSource(LocalSource("block"), "missing").get_value({"L": {"block": block}}, closure_vars, {})
-        assert any(value is block for value in closure_vars.values())  # torch leaked it
+    temporaries = GuardTemporaries()
+    closure_vars = _get_closure_vars()
+    with pytest.raises(AttributeError):
+        AttrSource(LocalSource("block"), "missing").get_value({"L": {"block": block}}, closure_vars, {})
+    assert any(value is block for value in closure_vars.values())  # torch leaked it
+    temporaries.forget()
     assert not any(value is block for value in _get_closure_vars().values())
     assert "torch" in _get_closure_vars()  # torch's own names stay
     del block

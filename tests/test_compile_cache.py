@@ -115,6 +115,46 @@ def test_building_a_frame_forgets_the_guard_temporaries_torch_leaks():
     assert gone() is None
 
 
+def test_a_frame_build_leaves_nothing_torch_leaked_while_filtering_guards(tmp_path, monkeypatch):
+    """The same leak inside a real build. On the H100 a guard read raised by itself while torch made the guard filter's
+    entries; no guard read fails on the CPU, so here each entry also makes one through torch's own get_value. After
+    the build, nothing (the shared dict, the guards built from its copy) keeps the leaked object."""
+    import gc
+    import weakref
+
+    import torch._dynamo.guards as guards
+    from torch._dynamo.source import AttrSource, LocalSource
+
+    from overdrive.compiler import CompileOptions, compile_module, get_disk_cache, set_disk_cache
+
+    block = torch.nn.Linear(2, 2)
+    gone = weakref.ref(block)
+    leaked = []
+    make_entry = guards.make_guard_filter_entry
+
+    def make_entry_after_a_failed_read(guard, builder):
+        closure_vars = guards._get_closure_vars()
+        with pytest.raises(AttributeError):
+            AttrSource(LocalSource("block"), "missing").get_value({"L": {"block": gone()}}, closure_vars, {})
+        leaked.append(any(value is gone() for value in closure_vars.values()))
+        return make_entry(guard, builder)
+
+    monkeypatch.setattr(guards, "make_guard_filter_entry", make_entry_after_a_failed_read)
+    saved = get_disk_cache()
+    set_disk_cache(CompileDiskCache(tmp_path))  # empty: the frame is built, not loaded
+    try:
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
+        compile_module(module, CompileOptions(precompile=True, cuda_graphs=False))
+        x = torch.randn(3, 4)
+        assert torch.allclose(module(x), torch.relu(module[0](x)), atol=1e-5)
+    finally:
+        set_disk_cache(saved)
+    assert leaked and all(leaked)  # torch leaked the block while the frame was built
+    del block
+    gc.collect()
+    assert gone() is None
+
+
 def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):
     cache = CompileDiskCache(tmp_path)
     key = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))

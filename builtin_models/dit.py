@@ -34,7 +34,7 @@ class Family(NamedTuple):
     tiny: dict           # what "tiny" overrides
     vae: str             # key of VAES
     cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance
-    latent: dict         # latent channels and the VAE's spatial/temporal compression
+    latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis
 
 
 FAMILIES: Dict[str, Family] = {
@@ -48,7 +48,7 @@ FAMILIES: Dict[str, Family] = {
         "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False)),
     "qwen_image": Family(
         "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=1),
-        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=False)),
+        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True)),  # Wan 2.1 VAE latents
     "wan22": Family(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
         "WAN22_T2V",
         dict(image_model="wan2.1", model_type="t2v", dim=3072, out_dim=48, in_dim=48, num_heads=24, ffn_dim=14336,
@@ -199,3 +199,26 @@ def ensure_vae(family: str, size: str, seed: int, directory: pathlib.Path,
     name = FAMILIES[family].vae
     specs = vae_layout(name, size)
     return _write(directory / _name("vae", name, size, seed, dtype, specs), specs, seed, dtype, f"vae/{name}/{size}")
+
+
+def conditioning(family: str, seed: int, tokens: int = 0) -> list:
+    """ComfyUI CONDITIONING ([[cross_attn, extras]]) of the shapes the family's text encoders give, fixed-seed
+    random: what CLIP Text Encode would hand a built-in model whose text encoders were random too."""
+    cond = FAMILIES[family].cond
+    generator = torch.Generator().manual_seed(seed)
+    extras = {}
+    if "pooled" in cond:
+        extras["pooled_output"] = torch.randn(1, cond["pooled"], generator=generator)
+    if "guidance" in cond:
+        extras["guidance"] = cond["guidance"]
+    return [[torch.randn(1, tokens or cond["tokens"], cond["width"], generator=generator), extras]]
+
+
+def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: int = 1) -> torch.Tensor:
+    """Zeros of the family's latent shape: (batch, channels, height/s, width/s), with a time axis for the video
+    and Wan-VAE families ((frames - 1) / 4 + 1 latent frames, as ComfyUI's Wan latent nodes make)."""
+    latent = FAMILIES[family].latent
+    s = latent["spatial"]
+    if latent["frames"]:
+        return torch.zeros(batch, latent["channels"], (frames - 1) // 4 + 1, height // s, width // s)
+    return torch.zeros(batch, latent["channels"], height // s, width // s)

@@ -52,7 +52,11 @@ class CompiledMethod:
         # Inference only. Weight patches (LoRA) and switched weights arrive as requires_grad=False parameters; the
         # same flag on the originals keeps Dynamo's guards equal, so they never cause a recompile.
         module.requires_grad_(False)
-        self._use_options(options or CompileOptions())
+        options = options or CompileOptions()
+        self._use_options(options.for_module(module))
+        if self.options != options:
+            log.info("Overdrive: %s compiles one graph per resolution (dynamic=auto; its code is not shape-generic), "
+                     "up to %d", describe(module), options.max_graphs)
 
     def _use_options(self, options: CompileOptions):
         """Pick the shared graph for these options. Regions are installed on the module in place: outside

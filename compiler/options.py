@@ -1,9 +1,16 @@
 """What the user can choose about compilation, validated once, in one place."""
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, replace
 
 MODES = ("default", "max-autotune")
 DYNAMIC = ("auto", "static", "dynamic")
 ATTENTION = ("default", "cudnn")
+
+# Model classes that dynamic="auto" compiles one static graph per shape for, instead of a shape-generic one (measured
+# on ComfyUI 0.7.0, tests/test_dit_families.py): ComfyUI's Flux, Qwen-Image and Wan build their position ids with
+# torch.linspace(steps=<latent size>), which Dynamo specialises anyway (a generic graph only adds a compile), and in
+# Z-Image's (NextDiT) shape-generic graph the token padding `(-n) % 32` came out wrong on the CPU (relative error 0.69
+# at a third resolution, then a segfault). SD3's MMDiT and the UNets stay shape-generic.
+STATIC_UNDER_AUTO = frozenset({"Flux", "QwenImageTransformer2DModel", "WanModel", "NextDiT"})
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,12 @@ class CompileOptions:
     def torch_dynamic(self):
         """The value for torch.compile's `dynamic` argument."""
         return {"auto": None, "static": False, "dynamic": True}[self.dynamic]
+
+    def for_module(self, module) -> "CompileOptions":
+        """The options `module` compiles with: "auto" means one graph per shape for the classes above."""
+        if self.dynamic == "auto" and type(module).__name__ in STATIC_UNDER_AUTO:
+            return replace(self, dynamic="static")
+        return self
 
     def as_key(self) -> dict:
         return asdict(self)

@@ -18,7 +18,8 @@ CUDA_GRAPHS_TOOLTIP = (
 DYNAMIC_TOOLTIP = (
     "How new resolutions and batch sizes are handled. auto: the first shape gets a specialised graph, a second shape "
     "compiles one shape-generic graph that serves all later ones (batch 1 gets one of its own: at most 3 graphs). static: one specialised graph per shape "
-    "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start."
+    "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start. Flux, Qwen-Image, "
+    "Wan and Z-Image compile one graph per resolution under auto: their code is not shape-generic."
 )
 
 REGIONAL_TOOLTIP = (

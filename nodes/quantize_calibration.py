@@ -84,9 +84,10 @@ class CalibrationRun:
         _check_conditioning("positive", positive)
         _check_conditioning("negative", negative)
         if latent is not None and not (isinstance(latent, dict) and isinstance(latent.get("samples"), torch.Tensor)
-                                       and latent["samples"].dim() == 4):
-            raise ValueError("Quantize Model: latent is not a LATENT of images (batch, channels, height, width); "
-                             "connect an Empty Latent Image or VAE Encode output.")
+                                       and latent["samples"].dim() in (4, 5)):
+            raise ValueError("Quantize Model: latent is not a LATENT of images (batch, channels, height, width) or "
+                             "videos (batch, channels, frames, height, width); connect an Empty Latent Image, an empty "
+                             "video latent or a VAE Encode output.")
         samples = natural_latent(model) if latent is None else latent["samples"]
         empty = positive is None and negative is None
         if empty:
@@ -96,13 +97,16 @@ class CalibrationRun:
         return cls(positive, negative, samples, steps, empty, latent is None)
 
     def cache_context(self) -> str:
-        """Part of the decision cache key: resolution bucket, steps and whether a prompt was used."""
-        b, _, h, w = self.latent.shape
-        return f"{resolution_bucket((b, h, w))}-{self.steps}steps-{'empty' if self.empty_conditioning else 'prompt'}"
+        """Part of the decision cache key: resolution bucket, (video) frames, steps and whether a prompt was used."""
+        shape = self.latent.shape
+        frames = f"-{shape[2]}f" if self.latent.dim() == 5 else ""
+        return (f"{resolution_bucket((shape[0], shape[-2], shape[-1]))}{frames}-{self.steps}steps-"
+                f"{'empty' if self.empty_conditioning else 'prompt'}")
 
     def describe(self) -> str:
-        b, _, h, w = self.latent.shape
-        size = f"{w * 8}x{h * 8} px" + (" (the model's natural size)" if self.natural_size else "")
+        b, h, w = self.latent.shape[0], self.latent.shape[-2], self.latent.shape[-1]
+        frames = f"{self.latent.shape[2]} latent frames, " if self.latent.dim() == 5 else ""
+        size = f"{frames}{w}x{h} latent" + (" (the model's natural size)" if self.natural_size else "")
         prompt = "empty (zero) conditioning" if self.empty_conditioning else "your conditioning"
         return f"{self.steps} {SAMPLER} step(s), batch {b} at {size}, on {prompt}"
 

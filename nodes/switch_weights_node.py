@@ -85,26 +85,28 @@ class OverdriveSwitchWeights:
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The model with the new checkpoint's weights, on the same compiled graph.",)
     FUNCTION = "switch"
+    FOLDER, INPUT = "checkpoints", "ckpt_name"  # where the files come from, as ComfyUI's loader of that kind
+    FILE_TOOLTIP = ("Checkpoint whose diffusion-model weights to run. Its CLIP and VAE are not used: load them "
+                    "separately if they differ.")
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": "A model (ideally from Compile Model) whose architecture the checkpoint shares. "
+            "model": ("MODEL", {"tooltip": "A model (ideally from Compile Model) whose architecture the file shares. "
                                            "It is not modified."}),
-            "ckpt_name": (folder_paths.get_filename_list("checkpoints"),
-                          {"tooltip": "Checkpoint whose diffusion-model weights to run. Its CLIP and VAE are not used: "
-                                      "load them separately if they differ."}),
+            cls.INPUT: (folder_paths.get_filename_list(cls.FOLDER), {"tooltip": cls.FILE_TOOLTIP}),
         }}
 
-    def switch(self, model, ckpt_name):
+    def switch(self, model, name=None, **inputs):
+        name = inputs.get(self.INPUT, name)  # ComfyUI passes the file by its input's name
         start = time.perf_counter()
-        path = folder_paths.get_full_path("checkpoints", ckpt_name)
+        path = folder_paths.get_full_path(self.FOLDER, name)
         if path is None:
-            raise FileNotFoundError(f"Checkpoint {ckpt_name!r} is not in ComfyUI's checkpoints folder.")
+            raise FileNotFoundError(f"{name!r} is not in ComfyUI's {self.FOLDER} folder.")
         current = float_view(model)  # a loaded quantized model has 8-bit layers in the shared tree
         with SWITCH_LOCK:  # one switch at a time; the running model is never written to
             state = load_unet_weights(path, reference_tensors(current))
-            twin = twin_with_weights(current, state, source=ckpt_name)
+            twin = twin_with_weights(current, state, source=name)
             switched = with_diffusion_model(model, twin)
             forward = model.object_patches.get(FORWARD)
             if forward is not None:
@@ -112,7 +114,17 @@ class OverdriveSwitchWeights:
                 switched.add_object_patch(FORWARD, forward_for(switched, forward))
             compiled = compile_options(forward) is not None
             requantized = requantize_onto(switched, twin)
-        log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s%s)", ckpt_name,
+        log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s%s)", name,
                  time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled",
                  f"; {len(requantized)} quantized layers re-quantized from the new weights" if requantized else "")
         return (switched,)
+
+
+class OverdriveSwitchDiffusionModel(OverdriveSwitchWeights):
+    DESCRIPTION = ("Runs another diffusion-model file (the diffusion_models folder, as Load Diffusion Model reads: "
+                   "Flux, Qwen-Image, Wan, Z-Image, SD3.5 and other models shipped without their text encoders) "
+                   "through a model compiled by Compile Model, without compiling again. The file must be of the same "
+                   "architecture; otherwise you get an error naming the mismatch and nothing changes.")
+    OUTPUT_TOOLTIPS = ("The model with the new file's weights, on the same compiled graph.",)
+    FOLDER, INPUT = "diffusion_models", "unet_name"
+    FILE_TOOLTIP = "Diffusion-model file whose weights to run (same architecture as the model)."

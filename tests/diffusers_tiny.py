@@ -26,13 +26,20 @@ def tiny_unet(seed: int = 0, **overrides):
     return seeded(UNet2DConditionModel, seed, **{**TINY_UNET, **overrides})
 
 
+def byte_characters() -> list:
+    """The 256 characters a byte-level BPE (GPT-2's, CLIP's) spells bytes with: printable Latin-1 bytes stand for
+    themselves, the others for code points from 256 up (transformers 5 no longer exports its copy)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
+
+
 def tiny_tokenizer(folder):
     """A byte-level CLIP tokenizer with no merges (every character is a token), written to `folder`."""
     from transformers import CLIPTokenizer
-    from transformers.models.clip.tokenization_clip import bytes_to_unicode
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    chars = list(bytes_to_unicode().values())
+    chars = byte_characters()
     vocab = {token: i for i, token in enumerate(chars + [c + "</w>" for c in chars]
                                                   + ["<|startoftext|>", "<|endoftext|>"])}
     (folder / "vocab.json").write_text(json.dumps(vocab))

@@ -1,0 +1,198 @@
+"""Every Overdrive node on every DiT family (Flux.1, Qwen-Image, Wan 2.2, Z-Image, SD3.5), on the built-in tiny
+diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
+sampler, on the CPU. Fidelity is checked per model call: every call's output against eager's for the same input."""
+import logging
+
+import pytest
+import torch
+
+from overdrive.builtin_models.dit import FAMILIES, conditioning, empty_latent, ensure_diffusion_model
+from overdrive.compiler import WeightMismatchError, dynamo_graph_count
+
+RES = 64  # pixels: 8x8 latents (4x4 for Wan 2.2's 16x VAE) keep CPU compiles short
+FRAMES = 5  # Wan: 2 latent frames
+PER_CALL_TOLERANCE = 1e-4  # compiled vs eager, float32 on the CPU (measured 1e-6 to 5e-6)
+QUANTIZED_TOLERANCE = 0.1  # int8 vs float per model call (tiny random models; measured in the test's log)
+STEPS, CFG = 2, 3.0
+# Under dynamic=auto these compile one static graph per resolution (compiler/options.py STATIC_UNDER_AUTO says why),
+# up to CompileModel's max_graphs, then eager with a warning. SD3.5's cropped position table stays shape-generic.
+SIZE_SPECIALISED = {"flux", "qwen_image", "wan22", "zimage"}
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def nodes(comfy):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    return NODE_CLASS_MAPPINGS
+
+
+@pytest.fixture(scope="module")
+def models_folder(comfy, tmp_path_factory):
+    """A diffusion_models folder ComfyUI searches (as Load Diffusion Model and Switch Diffusion Model list it)."""
+    import folder_paths
+
+    folder = tmp_path_factory.mktemp("diffusion_models")
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def files(family, models_folder):
+    """Seeds 0 and 1 of the family: one architecture, two sets of weights."""
+    return [ensure_diffusion_model(family, "tiny", seed, models_folder) for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def base(comfy, files):
+    import comfy.sd
+    return comfy.sd.load_diffusion_model(str(files[0]))
+
+
+def record_calls(model):
+    """A clone whose model calls are recorded: [(input, timestep, output)] per call, in order."""
+    calls = []
+
+    def wrapper(apply_model, args):
+        out = apply_model(args["input"], args["timestep"], **args["c"])
+        calls.append((args["input"].clone(), args["timestep"].clone(), out.detach().clone()))
+        return out
+    recorded = model.clone()
+    recorded.set_model_unet_function_wrapper(wrapper)
+    return recorded, calls
+
+
+@pytest.fixture(scope="module")
+def sample(comfy, family):
+    import comfy.sample
+
+    positive, negative = conditioning(family, 1), conditioning(family, 2)
+
+    def run(model, res=RES):
+        latent = empty_latent(family, res, res, FRAMES)
+        noise = comfy.sample.prepare_noise(latent, 7)
+        recorded, calls = record_calls(model)
+        out = comfy.sample.sample(recorded, noise, STEPS, CFG, "euler", "simple", positive, negative, latent, seed=7,
+                                  disable_pbar=True)
+        return out, calls
+    return run
+
+
+def assert_calls_match(calls, reference_calls, tolerance):
+    assert len(calls) == len(reference_calls) > 0
+    errors = [relative_error(out, ref) for (_, _, out), (_, _, ref) in zip(calls, reference_calls)]
+    assert max(errors) < tolerance, errors
+    return max(errors)
+
+
+@pytest.fixture(scope="module")
+def eager(base, sample):
+    return sample(base.clone())
+
+
+@pytest.fixture(scope="module")
+def compiled(nodes, base):
+    return nodes["OverdriveCompileModel"]().compile(base)[0]
+
+
+def test_the_builtin_file_loads_as_its_family(base, family):
+    assert type(base.model.model_config).__name__ == FAMILIES[family].model_class
+
+
+def test_compile_model_matches_eager_per_call_with_one_graph(compiled, sample, eager, family):
+    graphs = dynamo_graph_count()
+    out, calls = sample(compiled)
+    assert dynamo_graph_count() - graphs <= 1  # one graph for the model (none if another test compiled it already)
+    assert_calls_match(calls, eager[1], PER_CALL_TOLERANCE)
+    assert torch.isfinite(out).all()
+    graphs = dynamo_graph_count()
+    sample(compiled)
+    assert dynamo_graph_count() == graphs  # warm: no recompile for the same shape
+
+
+def test_lora_on_the_compiled_model_applies_without_recompiling(base, compiled, sample):
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    # A weight patch as LoRA loaders add it ("diff"), on the model's first linear layer.
+    key, weight = next((f"diffusion_model.{k}", v) for k, v in base.model.diffusion_model.named_parameters()
+                       if k.endswith(".weight") and v.ndim == 2)
+    diff = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.05 * weight.std()
+    with_lora, eager_lora = compiled.clone(), base.clone()
+    for m in (with_lora, eager_lora):
+        m.add_patches({key: (diff,)}, 1.0)
+    (out, calls), (expected, expected_calls) = sample(with_lora), sample(eager_lora)
+    assert_calls_match(calls, expected_calls, PER_CALL_TOLERANCE)
+    assert relative_error(out, sample(compiled)[0]) > 1e-5  # the patch changed the result
+    assert dynamo_graph_count() == graphs
+
+
+def test_a_second_and_third_resolution_compile_one_shape_generic_graph(compiled, base, sample, family):
+    """dynamic=auto (documented): the first shape is specialised, a second compiles one shape-generic graph that
+    serves every later size (one graph per size for the families whose code is not shape-generic), each right."""
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    out, calls = sample(compiled, res=2 * RES)
+    assert dynamo_graph_count() - graphs <= 1
+    assert_calls_match(calls, sample(base.clone(), res=2 * RES)[1], PER_CALL_TOLERANCE)
+    graphs = dynamo_graph_count()
+    out, calls = sample(compiled, res=3 * RES // 2)
+    assert dynamo_graph_count() - graphs == (1 if family in SIZE_SPECIALISED else 0)
+    assert_calls_match(calls, sample(base.clone(), res=3 * RES // 2)[1], PER_CALL_TOLERANCE)
+
+
+def test_switch_diffusion_model_swaps_in_another_file_of_the_family_without_recompiling(comfy, nodes, compiled, files,
+                                                                                      sample):
+    import comfy.sd
+
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=files[1].name)[0]
+    out, calls = sample(switched)
+    assert dynamo_graph_count() == graphs
+    _, expected = sample(comfy.sd.load_diffusion_model(str(files[1])))
+    assert_calls_match(calls, expected, PER_CALL_TOLERANCE)
+    assert relative_error(out, sample(compiled)[0]) > 1e-3  # other weights, another result
+
+
+def test_switching_to_another_familys_file_is_refused_and_the_model_is_untouched(nodes, compiled, family,
+                                                                                models_folder, sample, eager):
+    other = "wan22" if family != "wan22" else "sd35"  # both tiny, quick to write
+    path = ensure_diffusion_model(other, "tiny", 0, models_folder)
+    with pytest.raises(WeightMismatchError, match="left unchanged"):
+        nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=path.name)
+    assert_calls_match(sample(compiled)[1], eager[1], PER_CALL_TOLERANCE)
+
+
+def test_deepcache_says_once_that_it_does_not_apply_and_passes_the_model_through(nodes, base, sample, eager, caplog):
+    with caplog.at_level(logging.WARNING, logger="overdrive"):
+        cached = nodes["OverdriveDeepCache"]().patch(base)[0]
+        out, calls = sample(cached)
+    notes = [r for r in caplog.records if "DeepCache" in r.getMessage()]
+    assert len(notes) == 1 and "returned unchanged" in notes[0].getMessage()
+    assert_calls_match(calls, eager[1], 1e-6)
+
+
+def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, family, sample, eager, caplog):
+    positive, negative = conditioning(family, 1), conditioning(family, 2)
+    latent = {"samples": empty_latent(family, RES, RES, FRAMES)}
+    quantize = nodes["OverdriveQuantizeModel"]()
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        quantized = quantize.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
+                                      calibration_steps=1, positive=positive, negative=negative, latent=latent)[0]
+    report = quantize.last_report
+    assert report is not None, caplog.text  # None: quantizing failed and fell back
+    assert not report.cache_hit and report.quantized, report.summary()
+    error = assert_calls_match(sample(quantized)[1], eager[1], QUANTIZED_TOLERANCE)
+    logging.getLogger("overdrive").info("%s: %d layers int8, per-call error %.4f", family, len(report.quantized), error)
+
+    again = nodes["OverdriveQuantizeModel"]()
+    again.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0, calibration_steps=1,
+                   positive=positive, negative=negative, latent=latent)
+    assert again.last_report.cache_hit and again.last_report.quantized == report.quantized

@@ -1,10 +1,13 @@
-"""GPU benchmark: ComfyUI sampling with eager, the peer (torch.compile of the diffusion model, as ComfyUI's built-in
-TorchCompileModel does) and Overdrive's CompileModel, side by side in one process, same seed.
+"""GPU benchmark: ComfyUI sampling with eager, the peers (ComfyUI's built-in TorchCompileModel, `builtin`; a plain
+torch.compile of the diffusion model, `peer`) and Overdrive's nodes, side by side in one process, same seed.
 
   python bench/bench_compile.py --arch sdxl --res 1024 --variants eager,peer,overdrive --out bench/results/x.json
+  python bench/bench_compile.py --arch flux --res 1024 --variants eager,builtin,overdrive,overdrive+fp8
 
 Reports per variant: first run (includes compiling), s/image (median of --repeats, sampling only), s/step, peak VRAM,
-relative error of the final latent vs eager, Dynamo graph count. Cold compile times are honest: Inductor's caches
+relative error of the final latent vs the first variant and of the first model call (the same input in every
+variant: the per-call error), Dynamo graph count. DiT families (--arch flux|qwen_image|wan22|zimage|sd35) are built
+from ComfyUI's own classes at their full configuration with random weights and family-shaped random conditioning. Cold compile times are honest: Inductor's caches
 are off for the side-by-side variants (`--warm-cache` keeps them on, for the restart measurement).
 """
 import argparse
@@ -14,7 +17,8 @@ import time
 
 import torch
 
-from overdrive.runner.inprocess import build_model, conditioning, import_comfy
+from overdrive.builtin_models import dit
+from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
 from report import add_speedups, compile_phases, environment, finish, profile_run, write_report
 
 
@@ -68,13 +72,19 @@ def bench_vae(comfy, run_node, latent, repeats):
     return rows
 
 
+# CFG as each family is usually sampled: Flux.1-dev and Z-Image (Turbo) are guidance-distilled (one call a step).
+DIT_CFG = {"flux": 1.0, "qwen_image": 2.5, "wan22": 5.0, "zimage": 1.0, "sd35": 4.5}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl"])
+    parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
     parser.add_argument("--size", default="full", choices=["full", "tiny"])
     parser.add_argument("--res", type=int, default=1024)
+    parser.add_argument("--width", type=int, help="default: --res")
+    parser.add_argument("--frames", type=int, default=33, help="video families: frames of the video")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--cfg", type=float, default=7.0)
+    parser.add_argument("--cfg", type=float, help="default: 7 for SD, the family's usual value for DiTs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="eager,peer,overdrive",
                         help="comma-separated; each '+'-joined from eager, peer, "
@@ -100,10 +110,19 @@ def main():
         torch._inductor.config.autotune_local_cache = False
         set_disk_cache(None)
 
-    dtype = torch.float16 if cuda else torch.float32
-    base = build_model(comfy, args.arch, args.size, dtype)
-    positive, negative = conditioning(args.arch, args.res, args.res, seed=1)
-    latent = torch.zeros(1, 4, args.res // 8, args.res // 8)
+    width, height = args.width or args.res, args.res
+    if args.arch in dit.FAMILIES:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        base = build_dit_model(comfy, args.arch, args.size, dtype)
+        positive, negative = dit.conditioning(args.arch, 1), dit.conditioning(args.arch, 2)
+        latent = dit.empty_latent(args.arch, width, height, args.frames)
+        scheduler, cfg = "simple", args.cfg if args.cfg is not None else DIT_CFG[args.arch]
+    else:
+        dtype = torch.float16 if cuda else torch.float32
+        base = build_model(comfy, args.arch, args.size, dtype)
+        positive, negative = conditioning(args.arch, width, height, seed=1)
+        latent = torch.zeros(1, 4, height // 8, width // 8)
+        scheduler, cfg = "normal", args.cfg if args.cfg is not None else 7.0
     noise = comfy.sample.prepare_noise(latent, 42)
 
     def run_node(name, **inputs):
@@ -124,7 +143,7 @@ def main():
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8), compile (peer |
         overdrive[-no-cudagraphs|-autotune|-flat|-precompile]), deepcache. 'eager' alone is the baseline."""
         parts = variant.split("+")
-        unknown = set(parts) - {"eager", "peer", "int8", "fp8", "deepcache"} - set(compile_options)
+        unknown = set(parts) - {"eager", "peer", "builtin", "int8", "fp8", "deepcache"} - set(compile_options)
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
         patcher = base.clone()
@@ -139,6 +158,10 @@ def main():
         if "peer" in parts:
             uninstall_regions(base.model.diffusion_model)  # an earlier Overdrive variant's regions: not the peer's
             patcher.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
+        if "builtin" in parts:  # ComfyUI's TorchCompileModel node, backend inductor: its own code path
+            from comfy_api.torch_helpers import set_torch_compile_wrapper
+            uninstall_regions(base.model.diffusion_model)
+            set_torch_compile_wrapper(patcher, backend="inductor")
         for name, overrides in compile_options.items():
             if name in parts:
                 patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)
@@ -146,21 +169,33 @@ def main():
             patcher = run_node("OverdriveDeepCache", model=patcher, cache_interval=args.cache_interval)
         return patcher
 
-    def sample(patcher):
+    def sample(patcher, first_call=None):
+        """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
+        (the same input in every variant: noise at the first sigma)."""
+        if first_call is not None:
+            patcher = patcher.clone()
+            def record(apply_model, call):
+                out = apply_model(call["input"], call["timestep"], **call["c"])
+                if not first_call:
+                    first_call.append(out.float().clone())
+                return out
+            patcher.set_model_unet_function_wrapper(record)
         sync()
         start = time.perf_counter()
-        out = comfy.sample.sample(patcher, noise, args.steps, args.cfg, "euler", "normal", positive, negative, latent,
+        out = comfy.sample.sample(patcher, noise, args.steps, cfg, "euler", scheduler, positive, negative, latent,
                                   seed=42, disable_pbar=True)
         sync()
         return out, time.perf_counter() - start
 
-    results, reference, calibration = [], None, {}
+    results, reference, reference_call, calibration = [], None, None, {}
     report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
-              "sampler": "euler/normal", "batch": 1, "dtype": str(dtype), "results": results, "vae_decode": []}
+              "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": list(latent.shape), "batch": 1,
+              "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
         patcher = make(variant)
         graphs_before = dynamo_graph_count()
-        first_out, first = sample(patcher)
+        first_call = []
+        first_out, first = sample(patcher, first_call)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
@@ -176,8 +211,9 @@ def main():
                "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None,
                "compile_phases_s": compile_phases()}
         if reference is None:
-            reference = out
+            reference, reference_call = out, first_call[0]
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
+        row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
         results.append(row)
         print(json.dumps(row), flush=True)
         write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured
@@ -197,6 +233,7 @@ def main():
                              ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),
                              ("first run (s)", lambda r: r["first_run_s"]), ("peak VRAM GiB", lambda r: r["peak_vram_gib"]),
                              ("rel err", lambda r: f"{r['rel_err_vs_first_variant']:.2e}"),
+                             ("call err", lambda r: f"{r['first_call_rel_err']:.2e}"),
                              ("graphs", lambda r: r["dynamo_graphs"])], args.out)
 
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU runs for the DiT families on ComfyUI 0.7.0: eager, ComfyUI's built-in TorchCompileModel, Overdrive CompileModel,
+# + QuantizeModel fp8, side by side in one process per family (full-size configurations, random weights, bf16, caches
+# off so first runs include the whole compile).
+# Usage on the GPU machine, from the repository root, with ComfyUI 0.7.0 unpacked in .devcarry/ComfyUI and the wheels
+# it needs beyond the machine's image (torchsde, trampoline) in .devcarry/whl:
+#   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | wan22 | qwen_image | zimage | sd35
+set -uo pipefail
+part="$1"; out="${2:-bench/results}"; day=$(date +%F)
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl/*.whl || exit 1
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
+export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH="$PWD/.devcarry/ComfyUI" PYTHONUNBUFFERED=1
+variants=eager,builtin,overdrive,overdrive+fp8
+run() {  # name, then bench_compile.py arguments
+  local name="$1"; shift
+  python3 bench/bench_compile.py "$@" --variants "$variants" --out "$out/${day}_${gpu}_${name}.json" \
+    > "$out/${name}.log" 2>&1
+  grep -v "^W1\|Warning\|warn(\|it/s\]" "$out/${name}.log" | tail -14
+}
+case "$part" in
+  flux) run flux_1024 --arch flux --res 1024 --steps 20 --repeats 2 ;;
+  wan22) run wan22_480p --arch wan22 --res 480 --width 832 --frames 33 --steps 20 --repeats 2 ;;
+  qwen_image) run qwen_image_1328 --arch qwen_image --res 1328 --steps 20 --repeats 1 ;;
+  zimage) run zimage_1024 --arch zimage --res 1024 --steps 8 --repeats 2 ;;
+  sd35) run sd35_1024 --arch sd35 --res 1024 --steps 20 --repeats 2 ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac

@@ -12,6 +12,7 @@ are off for the side-by-side variants (`--warm-cache` keeps them on, for the res
 """
 import argparse
 import json
+import logging
 import statistics
 import time
 
@@ -94,11 +95,14 @@ def main():
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
     parser.add_argument("--vae", action="store_true", help="also time VAE decode: eager vs CompileVAE")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--verbose", action="store_true", help="ComfyUI's own log too (model loads and unloads)")
     parser.add_argument("--cprofile", action="store_true", help="print where host (Python) time goes in one run of the last variant")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     parser.add_argument("--profile-all", action="store_true", help="with --profile: profile every variant")
     args = parser.parse_args()
 
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, quantized and why, beside the figures
     cuda = torch.cuda.is_available()
     comfy = import_comfy(cpu=not cuda)
     import comfy.sample

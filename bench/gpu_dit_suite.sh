@@ -11,12 +11,13 @@ gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].l
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
 export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH="$PWD/.devcarry/ComfyUI" PYTHONUNBUFFERED=1
-variants=eager,builtin,overdrive,overdrive+fp8
+#   VARIANTS=... overrides the variants; BENCH_ARGS=... adds bench_compile.py arguments (e.g. --profile)
+variants="${VARIANTS:-eager,builtin,overdrive,overdrive+fp8}"
 run() {  # name, then bench_compile.py arguments
   local name="$1"; shift
-  python3 bench/bench_compile.py "$@" --variants "$variants" --out "$out/${day}_${gpu}_${name}.json" \
+  python3 bench/bench_compile.py "$@" ${BENCH_ARGS:-} --variants "$variants" --out "$out/${day}_${gpu}_${name}.json" \
     > "$out/${name}.log" 2>&1
-  grep -v "^W1\|Warning\|warn(\|it/s\]" "$out/${name}.log" | tail -14
+  grep -v "^W1\|Warning\|warn(\|it/s\]\|^{" "$out/${name}.log" | cut -c1-400 | tail -${TAIL:-40}
 }
 case "$part" in
   flux) run flux_1024 --arch flux --res 1024 --steps 20 --repeats 2 ;;

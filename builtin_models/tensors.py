@@ -2,8 +2,8 @@
 below spell the LDM parameter names once, so unet.py, clip.py and vae.py only say how layers nest."""
 from typing import List, NamedTuple, Tuple, Union
 
-# How an entry is filled (see weights.py): "normal" N(0, 1/fan_in), "bias" small noise around 0, "ones"
-# small noise around 1 (norm scales), a float a constant.
+# How an entry is filled (see weights.py): "normal" N(0, 1/fan_in), "small" that times SMALL_GAIN (DiT modulation
+# layers), "bias" small noise around 0, "ones" small noise around 1 (norm scales), a float a constant.
 Init = Union[str, float]
 
 

@@ -10,6 +10,7 @@ from .tensors import TensorSpec
 # Every tensor depends on the seed (norm scales and biases too): switching between two seeds' checkpoints
 # then changes every weight, so a weight that failed to switch shows up.
 NOISE_STD = 0.02
+SMALL_GAIN = 0.1
 
 
 def tensor_seed(seed: int, key: str) -> int:
@@ -23,9 +24,9 @@ def make_tensor(spec: TensorSpec, seed: int, dtype: torch.dtype) -> torch.Tensor
         return torch.full(spec.shape, spec.init, dtype=dtype)
     generator = torch.Generator().manual_seed(tensor_seed(seed, spec.key))
     x = torch.randn(spec.shape, generator=generator)
-    if spec.init == "normal":  # fan-in scaling keeps activations near unit variance at any width and depth
+    if spec.init in ("normal", "small"):  # fan-in scaling keeps activations near unit variance at any width and depth
         fan_in = x[0].numel() if x.ndim > 1 else 1
-        x.mul_(fan_in ** -0.5)
+        x.mul_(fan_in ** -0.5 * (SMALL_GAIN if spec.init == "small" else 1.0))
     elif spec.init in ("bias", "ones"):
         x.mul_(NOISE_STD).add_(1.0 if spec.init == "ones" else 0.0)
     else:

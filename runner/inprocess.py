@@ -4,6 +4,7 @@ import sys
 
 import torch
 
+from ..builtin_models.dit import MODULATION, MODULATION_GAIN
 from ..builtin_models.unet import FULL, unet_config
 
 # What ComfyUI's detection adds beside the shapes in builtin_models.unet (SDXL's label embedding and head size).
@@ -24,9 +25,10 @@ def import_comfy(cpu: bool):
 
 
 @torch.no_grad()
-def seeded_init_(module: torch.nn.Module, seed: int) -> None:
+def seeded_init_(module: torch.nn.Module, seed: int, modulation_gain: float = 1.0) -> None:
     """Fan-in scaled normal weights, small biases, norms at 1: finite, non-degenerate outputs at any depth.
-    (ComfyUI's layers skip initialisation, so a model built without a checkpoint holds uninitialised memory.)"""
+    (ComfyUI's layers skip initialisation, so a model built without a checkpoint holds uninitialised memory.)
+    Weights of DiT modulation layers (MODULATION) are scaled by `modulation_gain`."""
     generators = {}  # one per device: a model built on the GPU is initialised there (12 B weights in seconds)
     for name, p in module.named_parameters():
         generator = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
@@ -35,7 +37,8 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> None:
         elif p.ndim <= 1:  # norm weights, CLIP's logit scale
             p.fill_(1.0)
         else:
-            p.copy_(torch.randn(p.shape, generator=generator, device=p.device) * (1.0 / max(p[0].numel(), 1)) ** 0.5)
+            gain = modulation_gain if MODULATION.search(name) else 1.0
+            p.copy_(torch.randn(p.shape, generator=generator, device=p.device) * gain / max(p[0].numel(), 1) ** 0.5)
 
 
 # The SD1.x/SDXL autoencoder. Given as an explicit config: ComfyUI 2024 built it for an empty state dict, 2025+
@@ -84,7 +87,7 @@ def build_dit_model(comfy, family: str, size: str, dtype: torch.dtype, seed: int
     load_device = comfy.model_management.get_torch_device()
     model = model_config.get_model({}, "", device=load_device)
     model.diffusion_model.to(device=load_device, dtype=dtype)
-    seeded_init_(model.diffusion_model, seed)
+    seeded_init_(model.diffusion_model, seed, MODULATION_GAIN)
     return comfy.model_patcher.ModelPatcher(model, load_device=load_device,
                                             offload_device=comfy.model_management.unet_offload_device())
 

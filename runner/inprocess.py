@@ -85,8 +85,9 @@ def build_dit_model(comfy, family: str, size: str, dtype: torch.dtype, seed: int
     model_config = comfy.model_detection.model_config_from_unet_config(dict(unet_config(family, size)))
     model_config.set_inference_dtype(dtype, None)
     load_device = comfy.model_management.get_torch_device()
+    # Built in `dtype` where the family's code asks for it (set_inference_dtype), not cast whole: some layers are
+    # float32 by design (Wan's patch embedding).
     model = model_config.get_model({}, "", device=load_device)
-    model.diffusion_model.to(device=load_device, dtype=dtype)
     seeded_init_(model.diffusion_model, seed, MODULATION_GAIN)
     return comfy.model_patcher.ModelPatcher(model, load_device=load_device,
                                             offload_device=comfy.model_management.unet_offload_device())

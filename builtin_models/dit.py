@@ -22,6 +22,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
+from ..cache_dirs import cache_dir
 from .tensors import Specs, TensorSpec
 from .weights import SMALL_GAIN, make_tensor
 from .writer import DTYPE_NAMES, write_safetensors
@@ -176,6 +177,10 @@ def vae_layout(name: str, size: str) -> Specs:
             import comfy.ldm.wan.vae2_2
             module = comfy.ldm.wan.vae2_2.WanVAE(**cfg)
     return _specs(module)
+
+
+def default_directory() -> pathlib.Path:
+    return cache_dir("dit")
 
 
 def _write(path: pathlib.Path, specs: Specs, seed: int, dtype: torch.dtype, tag: str) -> pathlib.Path:

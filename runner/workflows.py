@@ -6,6 +6,23 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO / "workflows"
 BUILTIN_NAMES = {"sd15": "overdrive-builtin-sd15.safetensors", "sdxl": "overdrive-builtin-sdxl.safetensors"}
+# The DiT families' built-in files, as the workflows name them: (diffusion_models file, vae file).
+DIT_FAMILIES = ("flux", "qwen_image", "wan22", "zimage", "sd35")
+BUILTIN_DIT_NAMES = {family: (f"overdrive-builtin-{family}.safetensors", f"overdrive-builtin-{family}-vae.safetensors")
+                     for family in DIT_FAMILIES}
+MODEL_FOLDERS = ("checkpoints", "diffusion_models", "vae")
+
+
+def builtin_dit_files(families=DIT_FAMILIES, size: str = "tiny") -> dict:
+    """{folder: {workflow file name: path}} for the families' built-in diffusion models and VAEs (generated once, in
+    Overdrive's cache folder; needs ComfyUI importable, see builtin_models.dit)."""
+    from ..builtin_models.dit import default_directory, ensure_diffusion_model, ensure_vae
+    files = {"diffusion_models": {}, "vae": {}}
+    for family in families:
+        model_name, vae_name = BUILTIN_DIT_NAMES[family]
+        files["diffusion_models"][model_name] = ensure_diffusion_model(family, size, 0, default_directory())
+        files["vae"][vae_name] = ensure_vae(family, size, 0, default_directory())
+    return files
 
 
 def load_workflow(name_or_path) -> dict:
@@ -54,9 +71,9 @@ def without_overdrive(workflow: dict) -> dict:
     return workflow
 
 
-def link_checkpoints(workdir, checkpoints: dict) -> None:
-    """Links `checkpoints` ({file name: path}) into workdir/models/checkpoints (a running ComfyUI sees new ones)."""
-    folder = pathlib.Path(workdir) / "models" / "checkpoints"
+def link_checkpoints(workdir, checkpoints: dict, kind: str = "checkpoints") -> None:
+    """Links `checkpoints` ({file name: path}) into workdir/models/<kind> (a running ComfyUI sees new ones)."""
+    folder = pathlib.Path(workdir) / "models" / kind
     folder.mkdir(parents=True, exist_ok=True)
     for name, path in checkpoints.items():
         link = folder / name
@@ -65,9 +82,13 @@ def link_checkpoints(workdir, checkpoints: dict) -> None:
         link.symlink_to(pathlib.Path(path).resolve())
 
 
-def model_paths_config(workdir, checkpoints: dict) -> pathlib.Path:
-    """An extra_model_paths.yaml that shows ComfyUI `checkpoints` ({file name: path}) without touching its folders."""
+def model_paths_config(workdir, checkpoints: dict, other_files: dict | None = None) -> pathlib.Path:
+    """An extra_model_paths.yaml that shows ComfyUI `checkpoints` ({file name: path}) and `other_files` ({folder:
+    {file name: path}}, e.g. builtin_dit_files()) without touching its folders."""
     link_checkpoints(workdir, checkpoints)
+    for kind, files in (other_files or {}).items():
+        link_checkpoints(workdir, files, kind)
     config = pathlib.Path(workdir) / "extra_model_paths.yaml"
-    config.write_text(f"overdrive:\n  base_path: {pathlib.Path(workdir).resolve() / 'models'}\n  checkpoints: checkpoints\n")
+    folders = "".join(f"  {kind}: {kind}\n" for kind in MODEL_FOLDERS)
+    config.write_text(f"overdrive:\n  base_path: {pathlib.Path(workdir).resolve() / 'models'}\n{folders}")
     return config

@@ -36,18 +36,25 @@ def builtin_checkpoints():
             "overdrive-builtin-sd15-seed1.safetensors": ensure_checkpoint("sd15", "tiny", seed=1)}
 
 
-def start_server(workdir, checkpoints, env=None):
+def start_server(workdir, checkpoints, env=None, other_files=None):
     from overdrive.runner import ComfyServer
     from overdrive.runner.workflows import model_paths_config
 
-    config = model_paths_config(workdir, checkpoints)
+    config = model_paths_config(workdir, checkpoints, other_files)
     return ComfyServer(workdir, extra_args=["--extra-model-paths-config", str(config)], env=env).start()
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, builtin_checkpoints):
-    """A real ComfyUI server on loopback with Overdrive in custom_nodes and the built-in checkpoints."""
-    srv = start_server(tmp_path_factory.mktemp("comfyui"), builtin_checkpoints)
+def builtin_dit_files(comfy):
+    """The DiT families' built-in tiny diffusion models and VAEs ({folder: {name: path}}), laid out by ComfyUI."""
+    from overdrive.runner.workflows import builtin_dit_files
+    return builtin_dit_files()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, builtin_checkpoints, builtin_dit_files):
+    """A real ComfyUI server on loopback with Overdrive in custom_nodes, the built-in checkpoints and DiT files."""
+    srv = start_server(tmp_path_factory.mktemp("comfyui"), builtin_checkpoints, other_files=builtin_dit_files)
     yield srv
     srv.stop()
 

@@ -11,8 +11,14 @@ RES, STEPS = 64, 3  # CPU-sized; the same workflow file runs at 512² / 20 steps
 TOLERANCE = 1e-3  # relative error of compiled vs eager final latents (float32 CPU; measured ~1e-5)
 
 
+LATENT_NODES = {"EmptyLatentImage": {}, "EmptySD3LatentImage": {}, "Wan22ImageToVideoLatent": {"length": 5}}
+
+
 def small(workflow):
-    set_inputs(workflow, "EmptyLatentImage", width=RES, height=RES)
+    """RES² (and 5 frames for video), STEPS steps, whichever latent node the workflow uses."""
+    for node in workflow.values():
+        if node["class_type"] in LATENT_NODES:
+            node["inputs"].update(width=RES, height=RES, **LATENT_NODES[node["class_type"]])
     return set_inputs(workflow, "KSampler", steps=STEPS)
 
 

@@ -16,7 +16,11 @@ MODEL_FOLDERS = ("checkpoints", "diffusion_models", "vae")
 def builtin_dit_files(families=DIT_FAMILIES, size: str = "tiny") -> dict:
     """{folder: {workflow file name: path}} for the families' built-in diffusion models and VAEs (generated once, in
     Overdrive's cache folder; needs ComfyUI importable, see builtin_models.dit)."""
+    import torch
+
     from ..builtin_models.dit import default_directory, ensure_diffusion_model, ensure_vae
+    from .inprocess import import_comfy
+    import_comfy(cpu=not torch.cuda.is_available())  # their layout is read off ComfyUI's classes
     files = {"diffusion_models": {}, "vae": {}}
     for family in families:
         model_name, vae_name = BUILTIN_DIT_NAMES[family]
@@ -53,10 +57,12 @@ def prefix_images(workflow: dict, prefix: str) -> dict:
 
 
 def without_overdrive(workflow: dict) -> dict:
-    """The same workflow with every Overdrive node taken out and its consumers wired to what it consumed: the eager
-    baseline. (Only for nodes that pass their first linked input through, such as the compile nodes.)"""
+    """The same workflow with every Overdrive node that passes its first linked input through (the compile,
+    quantize, cache and switch nodes) taken out and its consumers wired to what it consumed: the eager baseline.
+    Nodes that make something of their own (Built-in Conditioning) stay."""
     workflow = copy.deepcopy(workflow)
-    removed = {nid: node for nid, node in workflow.items() if node["class_type"].startswith("Overdrive")}
+    removed = {nid: node for nid, node in workflow.items() if node["class_type"].startswith("Overdrive")
+               and any(isinstance(value, list) for value in node["inputs"].values())}
     def source_of(node_id):
         for value in removed[node_id]["inputs"].values():
             if isinstance(value, list):

@@ -1,10 +1,13 @@
 """The main job: a real headless ComfyUI with Overdrive on loopback, the example workflow queued over the HTTP API,
-eager vs Overdrive timings printed and the image saved.
+eager vs Overdrive timings printed and Overdrive's image saved.
 
-  python scripts/run_main.py                        # built-in SD1.5 checkpoint (generated, fixed seed)
-  python scripts/run_main.py --checkpoint my.safetensors --workflow compile_sdxl_api.json
+  python scripts/run_main.py                           # built-in SD1.5 checkpoint (generated, fixed seed)
+  python scripts/run_main.py --arch flux               # flux | qwen_image | wan22 | zimage | sd35 | sd15 | sdxl
+  python scripts/run_main.py --checkpoint my.safetensors --arch sdxl
 
-Without a GPU it runs small (256², 8 steps) so it finishes in minutes; --size/--steps override.
+Without a GPU it runs small (256², 8 steps; 5 frames for video) so it finishes in minutes; --size/--steps override.
+The DiT families run on their built-in diffusion model and VAE with Built-in Conditioning (random text-encoder
+output): with --checkpoint, your diffusion-model file replaces the built-in one.
 """
 import argparse
 import pathlib
@@ -14,42 +17,68 @@ import time
 
 import torch
 
-from overdrive.runner import ComfyClient, ComfyServer
 from overdrive.builtin_models import ensure_checkpoint
-from overdrive.runner.workflows import load_workflow, model_paths_config, set_inputs, without_overdrive
+from overdrive.runner import ComfyClient, ComfyServer
+from overdrive.runner.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin_dit_files, load_workflow,
+                                        model_paths_config, set_inputs, without_overdrive)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "flux": "compile_flux_api.json",
+            "qwen_image": "compile_qwen_image_api.json", "wan22": "compile_wan22_api.json"}
+LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent")
+
+
+def dit_workflow(family: str) -> dict:
+    """Z-Image and SD3.5 share Flux's graph: their own diffusion model, VAE and conditioning, cfg as they are used."""
+    workflow = load_workflow("compile_flux_api.json")
+    model, vae = BUILTIN_DIT_NAMES[family]
+    set_inputs(workflow, "UNETLoader", unet_name=model)
+    set_inputs(workflow, "VAELoader", vae_name=vae)
+    set_inputs(workflow, "OverdriveBuiltinConditioning", family=family)
+    return set_inputs(workflow, "KSampler", cfg={"zimage": 1.0, "sd35": 4.5}[family], steps=8 if family == "zimage" else 20)
 
 
 def main():
     parser = argparse.ArgumentParser(description="Run the example Overdrive workflow headless and time it against eager.")
-    parser.add_argument("--checkpoint", help="your own checkpoint file (default: the built-in fixed-seed one)")
-    parser.add_argument("--workflow", default="compile_sd15_api.json", help="API-format workflow (file or name in workflows/)")
-    parser.add_argument("--size", type=int, help="image width and height (default 512 on GPU, 256 on CPU)")
-    parser.add_argument("--steps", type=int, help="sampling steps (default 20 on GPU, 8 on CPU)")
+    parser.add_argument("--arch", default="sd15", choices=["sd15", "sdxl", *DIT_FAMILIES])
+    parser.add_argument("--checkpoint", help="your own checkpoint (SD) or diffusion-model file (DiT families)")
+    parser.add_argument("--workflow", help="API-format workflow (file or name in workflows/); default: the arch's")
+    parser.add_argument("--size", type=int, help="image width and height (default: the workflow's on GPU, 256 on CPU)")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: the workflow's on GPU, 8 on CPU)")
     parser.add_argument("--out", default=str(REPO / "out"), help="where the server's folders and the images go")
     args = parser.parse_args()
 
     gpu = torch.cuda.is_available()
-    workflow = load_workflow(args.workflow)
-    loader = next(n for n in workflow.values() if n["class_type"] == "CheckpointLoaderSimple")
-    name = loader["inputs"]["ckpt_name"]
-    if args.checkpoint:
-        path = pathlib.Path(args.checkpoint)
-        if not path.is_file():
-            sys.exit(f"--checkpoint {path}: no such file")
+    dit = args.arch in DIT_FAMILIES
+    workflow = load_workflow(args.workflow) if args.workflow else (
+        load_workflow(WORKFLOW[args.arch]) if args.arch in WORKFLOW else dit_workflow(args.arch))
+    if args.checkpoint and not pathlib.Path(args.checkpoint).is_file():
+        sys.exit(f"--checkpoint {args.checkpoint}: no such file")
+    size = "full" if gpu else "tiny"
+    print(f"Using the built-in {args.arch} model{' (your file for the diffusion model)' if args.checkpoint else ''}: "
+          "fixed-seed random weights, so images look like noise; timings are real.")
+    if dit:
+        files = builtin_dit_files([args.arch], size)
+        if args.checkpoint:
+            files["diffusion_models"] = {BUILTIN_DIT_NAMES[args.arch][0]: pathlib.Path(args.checkpoint)}
+        checkpoints = {}
     else:
-        arch = "sdxl" if "sdxl" in name else "sd15"
-        print(f"Using the built-in {arch} checkpoint (fixed-seed random weights; images look like noise, timings are real).")
-        path = ensure_checkpoint(arch, "full" if gpu else "tiny", seed=0)
-    set_inputs(workflow, "EmptyLatentImage", width=args.size or (512 if gpu else 256), height=args.size or (512 if gpu else 256))
-    set_inputs(workflow, "KSampler", steps=args.steps or (20 if gpu else 8))
+        name = next(n for n in workflow.values() if n["class_type"] == "CheckpointLoaderSimple")["inputs"]["ckpt_name"]
+        checkpoints = {name: pathlib.Path(args.checkpoint) if args.checkpoint else ensure_checkpoint(args.arch, size)}
+        files = {}
+    for node in workflow.values():
+        if node["class_type"] in LATENT_NODES and (args.size or not gpu):
+            node["inputs"].update(width=args.size or 256, height=args.size or 256)
+            if not gpu and "length" in node["inputs"]:
+                node["inputs"]["length"] = 5
+    if args.steps or not gpu:
+        set_inputs(workflow, "KSampler", steps=args.steps or 8)
 
     workdir = pathlib.Path(args.out)
-    config = model_paths_config(workdir, {name: path})
+    config = model_paths_config(workdir, checkpoints, files)
     with ComfyServer(workdir, extra_args=["--extra-model-paths-config", str(config)]) as server:
         client = ComfyClient(server.url)
-        timings = {}
+        timings, images = {}, {}
         for label, prompt in (("eager", without_overdrive(workflow)), ("overdrive, first run (compiles)", workflow),
                               ("overdrive", workflow), ("eager again", without_overdrive(workflow))):
             set_inputs(prompt, "SaveImage", filename_prefix=f"overdrive-main-{label.split(',')[0].replace(' ', '-')}")
@@ -57,13 +86,13 @@ def main():
             start = time.perf_counter()
             entry = client.run(prompt, timeout=3600)
             timings[label] = time.perf_counter() - start
-            image = client.output_files(entry, server.output_dir)[0]
-            print(f"{label:34s} {timings[label]:8.2f} s   {image}")
+            images[label] = client.output_files(entry, server.output_dir)[0]
+            print(f"{label:34s} {timings[label]:8.2f} s   {images[label]}")
         saved = workdir / "overdrive-main.png"
-        shutil.copy(image, saved)
+        shutil.copy(images["overdrive"], saved)
     eager = min(timings["eager"], timings["eager again"])
     print(f"\nOverdrive {eager / timings['overdrive']:.2f}x eager per prompt (whole prompt: sampling + VAE decode + save); "
-          f"image: {saved}\nComfyUI log: {server.log_path}")
+          f"Overdrive's image: {saved}\nComfyUI log: {server.log_path}")
 
 
 if __name__ == "__main__":

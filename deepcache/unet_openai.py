@@ -1,6 +1,7 @@
 """Full and shallow forwards of an openaimodel-style UNet (ComfyUI's UNetModel), duck-typed: no ComfyUI import.
 
-Design: this module *mirrors* UNetModel.forward (March 2024 ComfyUI) instead of mutating the model. Every block is
+Design: this module *mirrors* UNetModel.forward (ComfyUI 0.7.0's; tests/test_deepcache.py checks full steps against
+the model's own forward) instead of mutating the model. Every block is
 still called through ComfyUI's own `forward_timestep_embed` and `timestep_embedding`, injected by the adapter, so
 what happens inside blocks (attention patches and replacements, quantized or otherwise swapped layers, weight
 casting) is ComfyUI's code. The two paths are methods of a small nn.Module that holds the UNet, so each can be

@@ -14,7 +14,9 @@ import uuid
 
 import torch
 
+import comfy.lora
 import comfy.utils
+from comfy.patcher_extension import CallbacksMP
 
 PREFIX = "diffusion_model."
 LORA_AFTER_QUANTIZE = (
@@ -28,22 +30,15 @@ def patch_keys(name: str) -> tuple:
     return f"{PREFIX}{name}.weight", f"{PREFIX}{name}.bias"
 
 
-def _calculate_weight(patcher, patches, weight, key):
-    if hasattr(patcher, "calculate_weight"):  # ComfyUI up to mid 2024
-        return patcher.calculate_weight(patches, weight, key)
-    import comfy.lora
-    return comfy.lora.calculate_weight(patches, weight, key)
-
-
 def patched_tensor(patcher, key: str, device):
     """The tensor at `key` with `patcher`'s weight patches applied, as ModelPatcher.patch_weight_to_device
     computes it (in float32 from the unpatched original, then cast to the original's dtype)."""
     original = patcher.backup[key] if key in patcher.backup else comfy.utils.get_attr(patcher.model, key)
-    original = getattr(original, "weight", original)  # ComfyUI 2025+ backs up (weight, inplace_update) tuples
+    original = getattr(original, "weight", original)  # the backup holds (weight, inplace_update) tuples
     if original is None or key not in patcher.patches:
         return original
     weight = original.to(device=device, dtype=torch.float32, copy=True)
-    return _calculate_weight(patcher, patcher.patches[key], weight, key).to(original.dtype)
+    return comfy.lora.calculate_weight(patcher.patches[key], weight, key).to(original.dtype)
 
 
 def bake_weight_patches(patcher, modules: dict, device) -> list:
@@ -64,27 +59,10 @@ def bake_weight_patches(patcher, modules: dict, device) -> list:
     return baked
 
 
-class QuantizedKeys(set):
-    """`model_keys` of a quantized clone (ModelPatcher.add_patches asks `key in model_keys` for every patch key):
-    asking about a quantized layer's weight or bias raises the error that says what to do."""
-
-    def __init__(self, keys=(), quantized=()):
-        super().__init__(keys)
-        self.quantized = frozenset(quantized)
-
-    def __contains__(self, key):
-        if key in self.quantized:
-            raise ValueError(LORA_AFTER_QUANTIZE.format(key=key))
-        return super().__contains__(key)
-
-    def __reduce__(self):
-        return type(self), (set(self), self.quantized)
-
-
 class RefuseQuantizedPatches:
-    """The same guard for ComfyUI 2025+, whose ModelPatcher has no `model_keys` (add_patches checks the model's
-    state_dict, where a quantized layer still has its float keys: the patch was accepted, then could not apply to the
-    8-bit layer at load).
+    """Refuses LoRA (weight patches) on quantized layers: ModelPatcher.add_patches checks the model's state_dict, where
+    a quantized layer still has its float keys, so the patch would be accepted, then could not apply to the 8-bit
+    layer at load.
     An ON_CLONE callback, copied to every clone, gives each clone an add_patches that checks every key first and
     raises before anything is added."""
 
@@ -143,15 +121,9 @@ def install(patcher, modules: dict) -> None:
     originals = {name: module for name, module in originals.items() if not hasattr(module, "load_float_weight")}
     for name, module in modules.items():
         patcher.add_object_patch(PREFIX + name, module)
-    refused = [key for name in modules for key in patch_keys(name)]
-    keys = getattr(patcher, "model_keys", None)
-    if keys is not None:  # ComfyUI 2024; a new set: the input MODEL and its other clones keep theirs
-        patcher.model_keys = QuantizedKeys(keys, refused)
-    elif hasattr(patcher, "add_callback"):  # ComfyUI 2025+
-        from comfy.patcher_extension import CallbacksMP
-        guard = RefuseQuantizedPatches(refused)
-        guard.guard(patcher)
-        patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
+    guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
+    guard.guard(patcher)
+    patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
     patcher.set_model_patch(QuantizedModules(modules, originals, patcher.offload_device), "overdrive_quantized")
 
 

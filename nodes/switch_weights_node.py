@@ -24,10 +24,10 @@ def with_diffusion_model(model, diffusion_model):
     old = model.model.diffusion_model
     replace = {id(old): diffusion_model}
     config = getattr(model.model, "model_config", None)
-    if config is not None:  # the architecture's, the same for both; ComfyUI 2025+'s cannot be deep-copied
+    if config is not None:  # the architecture's, the same for both; it cannot be deep-copied
         replace[id(config)] = config
     for value in vars(model.model).values():
-        if isinstance(value, comfy.model_patcher.ModelPatcher):  # ComfyUI 2025+: the patcher of a prompt running now
+        if isinstance(value, comfy.model_patcher.ModelPatcher):  # the patcher of a prompt running now
             replace[id(value)] = None
     base = copy.deepcopy(model.model, replace)
     switched = model.clone()
@@ -37,8 +37,7 @@ def with_diffusion_model(model, diffusion_model):
     return switched
 
 
-# What ComfyUI's loader records about a loaded model, as it is before any load. ComfyUI 2024 keeps it on the
-# ModelPatcher (`current_device`), ComfyUI 2025+ on the BaseModel and on each layer.
+# What ComfyUI's loader records about a loaded model (on the BaseModel and on each layer), as it is before any load.
 _UNLOADED_BASE_MODEL = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,
                         "current_weight_patches_uuid": None}
 
@@ -46,10 +45,8 @@ _UNLOADED_BASE_MODEL = {"model_loaded_weight_memory": 0, "lowvram_patch_counter"
 def mark_unloaded(switched) -> None:
     """The switched model's weights are fresh tensors on the offload device, with no patch applied, but the copies
     of a loaded model say "loaded". Left so, ComfyUI counts the switched model as already on the GPU: it neither
-    unloads other models to make room (an SDXL run went out of memory on an 80 GB H100 after six switches) nor, in
-    ComfyUI 2025+, applies LoRA patches to layers marked as patched."""
-    if hasattr(switched, "current_device"):
-        switched.current_device = switched.offload_device
+    unloads other models to make room (an SDXL run went out of memory on an 80 GB H100 after six switches) nor
+    applies LoRA patches to layers marked as patched."""
     base = switched.model
     if hasattr(base, "model_loaded_weight_memory"):
         base.device = switched.offload_device

@@ -41,7 +41,7 @@ def seeded_init_(module: torch.nn.Module, seed: int, modulation_gain: float = 1.
             p.copy_(torch.randn(p.shape, generator=generator, device=p.device) * gain / max(p[0].numel(), 1) ** 0.5)
 
 
-# The SD1.x/SDXL autoencoder. Given as an explicit config: ComfyUI 2024 built it for an empty state dict, 2025+
+# The SD1.x/SDXL autoencoder. Given as an explicit config: ComfyUI
 # builds nothing without weights to detect the architecture from.
 SD_VAE_CONFIG = {"params": {"embed_dim": 4, "ddconfig": {
     "double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,

@@ -36,7 +36,7 @@ SET_WIDGETS = """(changes) => {
     app.graph.setDirtyCanvas(true, true);
 }"""
 QUEUED = "async () => (await app.graphToPrompt()).output"  # what "Queue Prompt" sends
-QUEUE_BUTTON = re.compile(r"^\s*(Queue Prompt|Run)\s*$")  # the 2024 frontend's label; newer frontends say "Run"
+QUEUE_BUTTON = re.compile(r"^\s*(Queue Prompt|Run)\s*$")  # older frontends' label; ComfyUI 0.7's says "Run"
 # An error dialog, or every Save Image node showing its loaded images on the canvas.
 OUTCOME = """() => {
     const dialog = app.ui.dialog.element;

@@ -352,7 +352,7 @@ def test_unknown_patches_and_a_drifted_forward_are_loud_not_silent(tiny, caplog)
     with caplog.at_level(logging.WARNING, logger="overdrive.deepcache"):
         with torch.no_grad():
             out = runner(*args, **kwargs)
-    with torch.no_grad():  # the model's own forward with the same patches (ComfyUI 2025+ applies emb_patch there)
+    with torch.no_grad():  # the model's own forward with the same patches (ComfyUI's UNet applies emb_patch there)
         own = tiny.unet(*args, **kwargs)
     assert "emb_patch" in caplog.text and torch.equal(out, own)
 
@@ -450,10 +450,7 @@ def _sample_with_runners(tiny, comfy, sample, with_runner):
     cached = tiny.runner(**window)
     out = sample(with_runner(cached))
     stats = cached.stats
-    if hasattr(comfy.samplers, "calculate_sigmas_scheduler"):  # ComfyUI 2024
-        sigmas = comfy.samplers.calculate_sigmas_scheduler(tiny.model, "normal", STEPS)[:-1].tolist()
-    else:
-        sigmas = comfy.samplers.calculate_sigmas(tiny.ms, "normal", STEPS)[:-1].tolist()
+    sigmas = comfy.samplers.calculate_sigmas(tiny.ms, "normal", STEPS)[:-1].tolist()
     assert stats.steps == STEPS and stats.decisions == cached.schedule.plan(sigmas)
     # Outside 20%..80% (ComfyUI's percent_to_sigma) every step is full; inside, every third.
     inside = [cached.schedule.in_window(s) for s in sigmas]

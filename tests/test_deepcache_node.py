@@ -25,18 +25,9 @@ RES, STEPS = 64, 10
 SAMPLING_RTOL = 0.6
 COMPILE_RTOL = 1e-3  # compiled (Inductor, float32 CPU) vs eager DeepCache latents
 FORWARD = "diffusion_model.forward"
-SCHEDULE_10 = "DeepCache: 10 steps, 4 full / 6 shallow, interval 3, depth 1; 10 UNet calls: 4 full, 6 shallow"
 PLANNED_10 = "DeepCache: 10 steps, 4 full / 6 shallow, interval 3, depth 1 (planned)"
 
 
-def plans_up_front() -> bool:
-    """ComfyUI 2025+ hands the UNet the run's whole sigma schedule (transformer_options["sample_sigmas"]): DeepCache
-    then logs each run's plan as it starts (and its end-of-run summary only where the run differed from it). 2024's
-    gives no schedule: each run's summary is logged when the next run starts, or at reset()."""
-    import inspect
-
-    import comfy.samplers
-    return "sample_sigmas" in inspect.getsource(comfy.samplers)
 F, S = True, False  # a full and a shallow step in RunStats.decisions
 
 
@@ -107,12 +98,12 @@ def test_interval_3_follows_the_schedule_within_the_stated_error_and_logs_each_r
     ran = Counter()  # what really ran: the stem conv at every UNet call, the middle block only on full ones
     hooks = [unet.input_blocks[0][0].register_forward_hook(lambda *_: ran.update(["stem"])),
              unet.middle_block[0].register_forward_hook(lambda *_: ran.update(["deep"]))]
-    up_front = plans_up_front()
     try:
         with caplog.at_level(logging.INFO, logger="overdrive"):
             out = sample(model)
             stats = runner.stats
-            assert deepcache_lines(caplog) == ([PLANNED_10] if up_front else [])
+            # ComfyUI hands the UNet the run's whole sigma schedule: each run's plan is logged as it starts.
+            assert deepcache_lines(caplog) == [PLANNED_10]
             again = sample(model)  # the next prompt on this model: a new run, which logs the schedule of the first
     finally:
         for hook in hooks:
@@ -125,10 +116,10 @@ def test_interval_3_follows_the_schedule_within_the_stated_error_and_logs_each_r
     assert ran == Counter(stem=2 * STEPS + 1, deep=2 * 4 + 1)
     assert 0.0 < relative_error(out, eager_latent) <= SAMPLING_RTOL
     assert torch.equal(again, out)  # nothing of the first prompt's cache reached the second
-    assert deepcache_lines(caplog) == ([PLANNED_10] * 2 if up_front else [SCHEDULE_10])
+    assert deepcache_lines(caplog) == [PLANNED_10] * 2
     with caplog.at_level(logging.INFO, logger="overdrive"):
         runner.reset()  # ends the second run (ComfyUI does not tell a model when sampling ends)
-    assert deepcache_lines(caplog) == ([PLANNED_10] if up_front else [SCHEDULE_10]) * 2
+    assert deepcache_lines(caplog) == [PLANNED_10] * 2  # the runs went as planned: no end-of-run summary
 
 
 def test_two_prompts_of_different_sizes_each_get_a_fresh_cache(base, sample):
@@ -285,12 +276,9 @@ def test_compile_deepcache_workflow_over_http(client, server):
     # the schedule of the previous one.
     schedule = "DeepCache: 3 steps, 1 full / 2 shallow, interval 3, depth 1; 3 UNet calls: 1 full, 2 shallow"
     planned = "DeepCache: 3 steps, 1 full / 2 shallow, interval 3, depth 1 (planned)"
-    runs = server.log_text().count(planned)  # ComfyUI 2025+: each run's plan as it starts
+    runs = server.log_text().count(planned)  # each run's plan as it starts
     client.run(set_inputs(eager, "EmptyLatentImage", width=RES + 32, height=RES + 32))
-    if plans_up_front():
-        assert server.log_text().count(planned) == runs + 1 and schedule not in server.log_text()
-    else:
-        assert server.log_text().count(schedule) == 1
+    assert server.log_text().count(planned) == runs + 1 and schedule not in server.log_text()
     assert "ran full in shallow steps" not in server.log_text()
 
     from overdrive.runner.client import PromptFailed

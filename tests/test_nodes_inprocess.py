@@ -171,8 +171,7 @@ def test_a_switched_model_counts_as_not_loaded_so_comfyui_makes_room_for_it(comf
 
     sample(compiled)
     gpu = torch.device("cuda", 0)
-    holder, attr = (compiled.model, "device") if hasattr(compiled.model, "model_loaded_weight_memory") else (
-        compiled, "current_device")  # ComfyUI 2025+ / 2024
+    holder, attr = compiled.model, "device"
     before = getattr(holder, attr)
     setattr(holder, attr, gpu)
     try:

@@ -104,7 +104,7 @@ def progress_updates(comfy):
     import comfy.utils
     updates = []
     previous = comfy.utils.PROGRESS_BAR_HOOK
-    # ComfyUI 2025+ also passes node_id=
+    # ComfyUI also passes node_id=
     comfy.utils.set_progress_bar_global_hook(lambda value, total, preview=None, **_: updates.append((value, total)))
     yield updates
     comfy.utils.set_progress_bar_global_hook(previous)
@@ -130,7 +130,6 @@ def snapshot(model):
     tree = model.model.diffusion_model
     return dict(ids={name: id(m) for name, m in tree.named_modules()}, object_patches=dict(model.object_patches),
                 patches={k: list(v) for k, v in model.patches.items()},
-                model_keys=getattr(model, "model_keys", None),  # ComfyUI 2024; gone from ModelPatcher since
                 options=repr(model.model_options), weights=weights_digest(tree))
 
 
@@ -256,8 +255,8 @@ def test_a_lora_before_quantize_is_baked_into_the_quantized_weights(quantized_la
     assert set(LORA_LAYERS) <= set(report.quantized)
     # Baked in and dropped from the clone's weight patches; the 3x3 conv stays float and keeps its patch.
     assert set(quantized_lora.patches) == {f"diffusion_model.{CONV3X3}.weight"}
-    # The LoRA moves the latent well beyond the quantization tolerance (measured 0.16 with ComfyUI 0.7's sampling,
-    # more with 2024's), so a quantized model that dropped it could not pass the middle check.
+    # The LoRA moves the latent well beyond the quantization tolerance (measured 0.16 with ComfyUI 0.7's sampling),
+    # so a quantized model that dropped it could not pass the middle check.
     expected = sample(float_lora)
     assert relative_error(expected, float_latent) > 2 * TOLERANCE  # the LoRA matters ...
     out = sample(quantized_lora)
@@ -279,9 +278,9 @@ def test_a_lora_after_quantize_is_refused_on_quantized_layers_and_applies_elsewh
 
 
 
-def test_the_lora_guard_for_comfyui_2025_checks_every_key_before_adding_any(base):
-    """ComfyUI 2025+ has no ModelPatcher.model_keys: each clone of a quantized model gets this guarded add_patches
-    (through an ON_CLONE callback, which ComfyUI 2024 lacks; the test above covers that wiring on a current ComfyUI)."""
+def test_the_lora_guard_checks_every_key_before_adding_any(base):
+    """Each clone of a quantized model gets this guarded add_patches (through an ON_CLONE callback; the test above
+    covers that wiring)."""
     from overdrive.nodes.quantize_patches import RefuseQuantizedPatches, patch_keys
     clone = base.clone()
     RefuseQuantizedPatches(patch_keys(LORA_LAYERS[0])).guard(clone)

@@ -1,0 +1,41 @@
+"""The built-in DiT files' layouts: read off ComfyUI's own classes and detected back as the same model (model_layout
+checks that round trip itself and raises otherwise), at the real sizes for "full"; the conditioning node's shapes."""
+import math
+
+import pytest
+
+from overdrive.builtin_models.dit import FAMILIES, conditioning, model_layout, vae_layout
+
+# Parameters of the real models (ComfyUI's classes at the configs its detection reads from the released files).
+FULL_BILLIONS = {"flux": 11.9, "qwen_image": 20.4, "wan22": 5.0, "zimage": 6.2, "sd35": 8.1}
+
+
+def billions(specs) -> float:
+    return sum(math.prod(s.shape) for s in specs) / 1e9
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_and_tiny_layouts_round_trip_through_comfyui_detection(comfy, family):
+    full, tiny = model_layout(family, "full"), model_layout(family, "tiny")
+    assert billions(full) == pytest.approx(FULL_BILLIONS[family], abs=0.05)
+    assert billions(tiny) < 0.2 * billions(full)  # Z-Image: 0.91 of 6.15 B (its width is fixed by detection)
+    assert {s.key for s in tiny} < {s.key for s in full}  # fewer blocks, the same names
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_modulation_layers_are_drawn_small_and_vaes_are_complete(comfy, family):
+    specs = model_layout(family, "tiny")
+    assert any(s.init == "small" for s in specs) and any(s.init == "normal" for s in specs)
+    assert any(s.key.startswith("decoder.") for s in vae_layout(FAMILIES[family].vae, "tiny"))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_builtin_conditioning_has_the_family_text_encoder_shape(comfy, family):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    positive, negative = NODE_CLASS_MAPPINGS["OverdriveBuiltinConditioning"]().make(family, seed=3, tokens=7)
+    (cond, extras), = positive
+    assert tuple(cond.shape) == (1, 7, FAMILIES[family].cond["width"])
+    assert ("pooled_output" in extras) == ("pooled" in FAMILIES[family].cond)
+    assert not (cond == negative[0][0]).all() and (cond == conditioning(family, 3, 7)[0][0]).all()
+    with pytest.raises(ValueError, match="unknown family"):
+        NODE_CLASS_MAPPINGS["OverdriveBuiltinConditioning"]().make("sdxl")

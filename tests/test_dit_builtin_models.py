@@ -39,3 +39,20 @@ def test_builtin_conditioning_has_the_family_text_encoder_shape(comfy, family):
     assert not (cond == negative[0][0]).all() and (cond == conditioning(family, 3, 7)[0][0]).all()
     with pytest.raises(ValueError, match="unknown family"):
         NODE_CLASS_MAPPINGS["OverdriveBuiltinConditioning"]().make("sdxl")
+
+
+def test_the_command_line_writes_files_comfyui_loads(comfy, tmp_path):
+    """`python -m overdrive.builtin_models --arch wan22` writes the diffusion model and the VAE; ComfyUI's own
+    loaders (what Load Diffusion Model and Load VAE call) take them as Wan 2.2."""
+    import subprocess
+    import sys
+
+    import comfy.sd
+    import comfy.utils
+    out = subprocess.run([sys.executable, "-m", "overdrive.builtin_models", "--arch", "wan22", "--out", str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    model_path, vae_path = [p for p in out if p.endswith(".safetensors")]
+    model = comfy.sd.load_diffusion_model(model_path)
+    assert type(model.model.model_config).__name__ == "WAN22_T2V"
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_path))
+    assert vae.latent_channels == 48

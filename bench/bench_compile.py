@@ -73,10 +73,6 @@ def bench_vae(comfy, run_node, latent, repeats):
     return rows
 
 
-# CFG as each family is usually sampled: Flux.1-dev and Z-Image (Turbo) are guidance-distilled (one call a step).
-DIT_CFG = {"flux": 1.0, "qwen_image": 2.5, "wan22": 5.0, "zimage": 1.0, "sd35": 4.5}
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
@@ -120,7 +116,7 @@ def main():
         base = build_dit_model(comfy, args.arch, args.size, dtype)
         positive, negative = dit.conditioning(args.arch, 1), dit.conditioning(args.arch, 2)
         latent = dit.empty_latent(args.arch, width, height, args.frames)
-        scheduler, cfg = "simple", args.cfg if args.cfg is not None else DIT_CFG[args.arch]
+        scheduler, cfg = "simple", args.cfg if args.cfg is not None else dit.FAMILIES[args.arch].sampling["cfg"]
     else:
         dtype = torch.float16 if cuda else torch.float32
         base = build_model(comfy, args.arch, args.size, dtype)

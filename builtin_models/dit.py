@@ -44,6 +44,8 @@ class Family(NamedTuple):
     vae: str             # key of VAES
     cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance
     latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis
+    sampling: dict       # CFG and steps as the family is usually sampled (Flux.1-dev and Z-Image Turbo are
+                         # guidance-distilled: CFG 1, one model call a step)
 
 
 FAMILIES: Dict[str, Family] = {
@@ -54,17 +56,20 @@ FAMILIES: Dict[str, Family] = {
              theta=10000, qkv_bias=True, guidance_embed=True, patch_size=2, txt_ids_dims=[], yak_mlp=False,
              txt_norm=False),
         dict(depth=1, depth_single_blocks=1),
-        "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False)),
+        "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False),
+        dict(cfg=1.0, steps=20)),
     "qwen_image": Family(
         "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=1),
-        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True)),  # Wan 2.1 VAE latents
+        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True),  # Wan 2.1 VAE latents
+        dict(cfg=2.5, steps=20)),
     "wan22": Family(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
         "WAN22_T2V",
         dict(image_model="wan2.1", model_type="t2v", dim=3072, out_dim=48, in_dim=48, num_heads=24, ffn_dim=14336,
              num_layers=30, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
              cross_attn_norm=True, eps=1e-6),
         dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
-        "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True)),
+        "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True),
+        dict(cfg=5.0, steps=20)),
     "zimage": Family(
         "ZImage",
         dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, n_layers=30,
@@ -72,7 +77,8 @@ FAMILIES: Dict[str, Family] = {
              rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
              pad_tokens_multiple=32),
         dict(n_layers=1),
-        "flux_ae", dict(tokens=64, width=2560), dict(channels=16, spatial=8, frames=False)),
+        "flux_ae", dict(tokens=64, width=2560), dict(channels=16, spatial=8, frames=False),
+        dict(cfg=1.0, steps=8)),
     "sd35": Family(  # SD3.5 Large: 38 joint blocks of 64 x 38 channels
         "SD3",
         dict(in_channels=16, patch_size=2, out_channels=16, depth=38, input_size=None, adm_in_channels=2048,
@@ -83,7 +89,8 @@ FAMILIES: Dict[str, Family] = {
         dict(depth=2, context_embedder_config={"target": "torch.nn.Linear",
                                                "params": {"in_features": 4096, "out_features": 128}},
              num_patches=1024, pos_embed_max_size=32),
-        "flux_ae", dict(tokens=154, width=4096, pooled=2048), dict(channels=16, spatial=8, frames=False)),
+        "flux_ae", dict(tokens=154, width=4096, pooled=2048), dict(channels=16, spatial=8, frames=False),
+        dict(cfg=4.5, steps=20)),
 }
 
 # VAE configs as ComfyUI's comfy.sd.VAE builds them from the file's shapes.
@@ -133,18 +140,26 @@ def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
-def model_layout(family: str, size: str) -> Specs:
-    """The diffusion model's tensors, checked to round-trip through ComfyUI's detection to the same class."""
+def build_model(family: str, size: str, dtype: torch.dtype, device):
+    """ComfyUI's BaseModel of the family (its weights uninitialised), built on `device` through the model config that
+    ComfyUI's detection picks for the family's unet_config; in `dtype` where the family's code asks for it (some
+    layers are float32 by design: Wan's patch embedding)."""
     comfy = _import_comfy()
     cfg = unet_config(family, size)
     model_config = comfy.model_detection.model_config_from_unet_config(dict(cfg))
     expected = FAMILIES[family].model_class
     if type(model_config).__name__ != expected:
         raise AssertionError(f"{family}/{size}: ComfyUI picks {type(model_config).__name__} for {cfg}, not {expected}")
-    model_config.set_inference_dtype(torch.bfloat16, None)
-    with torch.device("meta"), _quiet():
-        model = model_config.get_model({}, "", device="meta")
-    specs = _specs(model.diffusion_model)
+    model_config.set_inference_dtype(dtype, None)
+    with torch.device(device), _quiet():
+        return model_config.get_model({}, "", device=device)
+
+
+def model_layout(family: str, size: str) -> Specs:
+    """The diffusion model's tensors, checked to round-trip through ComfyUI's detection to the same class."""
+    comfy = _import_comfy()
+    cfg, expected = unet_config(family, size), FAMILIES[family].model_class
+    specs = _specs(build_model(family, size, torch.bfloat16, "meta").diffusion_model)
     # The round trip: what detection reads back from these shapes must pick the same class, same config.
     meta = {s.key: torch.empty(s.shape, device="meta") for s in specs}
     detected = comfy.model_detection.detect_unet_config(meta, "")

@@ -41,8 +41,8 @@ def seeded_init_(module: torch.nn.Module, seed: int, modulation_gain: float = 1.
             p.copy_(torch.randn(p.shape, generator=generator, device=p.device) * gain / max(p[0].numel(), 1) ** 0.5)
 
 
-# The SD1.x/SDXL autoencoder. Given as an explicit config: ComfyUI
-# builds nothing without weights to detect the architecture from.
+# The SD1.x/SDXL autoencoder. Given as an explicit config: ComfyUI builds nothing without weights to detect the
+# architecture from.
 SD_VAE_CONFIG = {"params": {"embed_dim": 4, "ddconfig": {
     "double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
     "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}}}
@@ -79,15 +79,9 @@ def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
 def build_dit_model(comfy, family: str, size: str, dtype: torch.dtype, seed: int = 0):
     """A ModelPatcher around ComfyUI's own model class of a DiT family (builtin_models.dit), built and initialised
     on the device it runs on: no file, no copy of 12-20 B weights through host memory."""
-    import comfy.model_detection
-
-    from ..builtin_models.dit import unet_config
-    model_config = comfy.model_detection.model_config_from_unet_config(dict(unet_config(family, size)))
-    model_config.set_inference_dtype(dtype, None)
+    from ..builtin_models.dit import build_model
     load_device = comfy.model_management.get_torch_device()
-    # Built in `dtype` where the family's code asks for it (set_inference_dtype), not cast whole: some layers are
-    # float32 by design (Wan's patch embedding).
-    model = model_config.get_model({}, "", device=load_device)
+    model = build_model(family, size, dtype, load_device)
     seeded_init_(model.diffusion_model, seed, MODULATION_GAIN)
     return comfy.model_patcher.ModelPatcher(model, load_device=load_device,
                                             offload_device=comfy.model_management.unet_offload_device())

@@ -3,14 +3,27 @@ import copy
 import json
 import pathlib
 
+from ..builtin_models.dit import FAMILIES
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO / "workflows"
 BUILTIN_NAMES = {"sd15": "overdrive-builtin-sd15.safetensors", "sdxl": "overdrive-builtin-sdxl.safetensors"}
 # The DiT families' built-in files, as the workflows name them: (diffusion_models file, vae file).
-DIT_FAMILIES = ("flux", "qwen_image", "wan22", "zimage", "sd35")
+DIT_FAMILIES = tuple(FAMILIES)
 BUILTIN_DIT_NAMES = {family: (f"overdrive-builtin-{family}.safetensors", f"overdrive-builtin-{family}-vae.safetensors")
                      for family in DIT_FAMILIES}
 MODEL_FOLDERS = ("checkpoints", "diffusion_models", "vae")
+LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent")  # the examples' empty latents
+
+
+def set_latent_size(workflow: dict, width: int, height: int, frames=None) -> dict:
+    """Size every empty-latent node of `workflow`, whichever the family uses (and its frames, for video)."""
+    for node in workflow.values():
+        if node["class_type"] in LATENT_NODES:
+            node["inputs"].update(width=width, height=height)
+            if frames is not None and "length" in node["inputs"]:
+                node["inputs"]["length"] = frames
+    return workflow
 
 
 def builtin_dit_files(families=DIT_FAMILIES, size: str = "tiny") -> dict:

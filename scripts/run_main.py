@@ -19,13 +19,13 @@ import torch
 
 from overdrive.builtin_models import ensure_checkpoint
 from overdrive.runner import ComfyClient, ComfyServer
+from overdrive.builtin_models.dit import FAMILIES
 from overdrive.runner.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin_dit_files, load_workflow,
-                                        model_paths_config, set_inputs, without_overdrive)
+                                        model_paths_config, set_inputs, set_latent_size, without_overdrive)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "flux": "compile_flux_api.json",
             "qwen_image": "compile_qwen_image_api.json", "wan22": "compile_wan22_api.json"}
-LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent")
 
 
 def dit_workflow(family: str) -> dict:
@@ -35,7 +35,7 @@ def dit_workflow(family: str) -> dict:
     set_inputs(workflow, "UNETLoader", unet_name=model)
     set_inputs(workflow, "VAELoader", vae_name=vae)
     set_inputs(workflow, "OverdriveBuiltinConditioning", family=family)
-    return set_inputs(workflow, "KSampler", cfg={"zimage": 1.0, "sd35": 4.5}[family], steps=8 if family == "zimage" else 20)
+    return set_inputs(workflow, "KSampler", **FAMILIES[family].sampling)
 
 
 def main():
@@ -66,11 +66,8 @@ def main():
         name = next(n for n in workflow.values() if n["class_type"] == "CheckpointLoaderSimple")["inputs"]["ckpt_name"]
         checkpoints = {name: pathlib.Path(args.checkpoint) if args.checkpoint else ensure_checkpoint(args.arch, size)}
         files = {}
-    for node in workflow.values():
-        if node["class_type"] in LATENT_NODES and (args.size or not gpu):
-            node["inputs"].update(width=args.size or 256, height=args.size or 256)
-            if not gpu and "length" in node["inputs"]:
-                node["inputs"]["length"] = 5
+    if args.size or not gpu:
+        set_latent_size(workflow, args.size or 256, args.size or 256, frames=None if gpu else 5)
     if args.steps or not gpu:
         set_inputs(workflow, "KSampler", steps=args.steps or 8)
 

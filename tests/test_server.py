@@ -5,21 +5,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from overdrive.runner.workflows import load_workflow, set_inputs, without_overdrive
+from overdrive.runner.workflows import load_workflow, set_inputs, set_latent_size, without_overdrive
 
 RES, STEPS = 64, 3  # CPU-sized; the same workflow file runs at 512² / 20 steps on a GPU
 TOLERANCE = 1e-3  # relative error of compiled vs eager final latents (float32 CPU; measured ~1e-5)
 
 
-LATENT_NODES = {"EmptyLatentImage": {}, "EmptySD3LatentImage": {}, "Wan22ImageToVideoLatent": {"length": 5}}
-
-
 def small(workflow):
     """RES² (and 5 frames for video), STEPS steps, whichever latent node the workflow uses."""
-    for node in workflow.values():
-        if node["class_type"] in LATENT_NODES:
-            node["inputs"].update(width=RES, height=RES, **LATENT_NODES[node["class_type"]])
-    return set_inputs(workflow, "KSampler", steps=STEPS)
+    return set_inputs(set_latent_size(workflow, RES, RES, frames=5), "KSampler", steps=STEPS)
 
 
 def with_latent_output(workflow, prefix):

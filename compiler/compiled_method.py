@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from ..interrupts import raise_if_interrupt
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
 from .regions import install_regions, uninstall_regions
@@ -106,6 +107,7 @@ class CompiledMethod:
             with progress:
                 out = graph.call(self.module, args, kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
+            raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
             graph.failure = reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
             if self.options.regional:
                 # Regions are newer compiler machinery than whole-graph compilation: try that before giving up.

@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from ..interrupts import raise_if_interrupt
 from . import precompiled
 from .disk_cache import CompileDiskCache, cache_key
 from .options import CompileOptions
@@ -136,6 +137,7 @@ class SharedGraph:
             with self.frames.settings():
                 return frame(module, self.method, args, kwargs)
         except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
+            raise_if_interrupt(error)
             self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",
                         self.description, self.method, self.frames.failure)

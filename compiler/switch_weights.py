@@ -48,19 +48,32 @@ def reference_tensors(module: torch.nn.Module) -> dict:
     return dict(module.state_dict(keep_vars=True))
 
 
+def unreadable(path, error: Exception) -> WeightMismatchError:
+    """The error for a checkpoint file that cannot be read (truncated, still downloading, not safetensors)."""
+    reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    return WeightMismatchError(
+        f"{path} could not be read ({reason}): the file is damaged, truncated (an unfinished download or copy) or not "
+        f"a checkpoint. Download or copy it again. The running model was left unchanged.")
+
+
 def read_safetensors_subset(path, reference: dict, prefixes=("model.diffusion_model.", "diffusion_model.", "")) -> dict:
     """The tensors of `path` that belong to the module, under the first key prefix that matches it."""
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = list(f.keys())
-        for prefix in prefixes:
-            names = {k[len(prefix):]: k for k in keys if k.startswith(prefix)}
-            if len(set(names) & set(reference)) >= max(1, len(reference) // 2):
-                break
-        else:
-            raise WeightMismatchError(
-                f"{path} has no weights for this model under any of the prefixes {list(prefixes)}: it is not a "
-                "checkpoint of this architecture. The running model was left unchanged.")
-        return {name: f.get_tensor(key) for name, key in names.items()}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            for prefix in prefixes:
+                names = {k[len(prefix):]: k for k in keys if k.startswith(prefix)}
+                if len(set(names) & set(reference)) >= max(1, len(reference) // 2):
+                    break
+            else:
+                raise WeightMismatchError(
+                    f"{path} has no weights for this model under any of the prefixes {list(prefixes)}: it is not a "
+                    "checkpoint of this architecture. The running model was left unchanged.")
+            return {name: f.get_tensor(key) for name, key in names.items()}
+    except WeightMismatchError:
+        raise
+    except Exception as error:  # noqa: BLE001 - safetensors' own errors name neither the file nor the consequence
+        raise unreadable(path, error) from error
 
 
 def _cast_like(state: dict, reference: dict) -> dict:

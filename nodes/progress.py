@@ -4,6 +4,7 @@ import logging
 import threading
 import time
 
+import comfy.model_management
 import comfy.utils
 
 log = logging.getLogger("overdrive")
@@ -14,7 +15,9 @@ def comfy_progress(label: str, expected_seconds: float = 60.0, interval: float =
     """While the body runs, tick the executing node's progress bar (websocket 'progress' messages).
 
     Compilation happens inside a single call we cannot split, so a background thread advances the bar
-    towards `expected_seconds`; it completes when the work ends.
+    towards `expected_seconds`; it completes when the work ends. ComfyUI's progress hook raises (and clears) a
+    pending stop request: in the heartbeat thread that would swallow it, so the heartbeat leaves a pending stop
+    alone and the bar's last update, in the working thread, raises it when the work ends.
     """
     total = max(int(expected_seconds / interval), 1)
     bar = comfy.utils.ProgressBar(total)
@@ -24,7 +27,13 @@ def comfy_progress(label: str, expected_seconds: float = 60.0, interval: float =
 
     def heartbeat():
         while not done.wait(interval):
-            bar.update_absolute(min(int((time.perf_counter() - start) / interval), total - 1))
+            if comfy.model_management.processing_interrupted():
+                return
+            try:
+                bar.update_absolute(min(int((time.perf_counter() - start) / interval), total - 1))
+            except comfy.model_management.InterruptProcessingException:
+                comfy.model_management.interrupt_current_processing(True)  # a stop that came in between: keep it
+                return
 
     thread = threading.Thread(target=heartbeat, name="overdrive-progress", daemon=True)
     thread.start()
@@ -33,5 +42,5 @@ def comfy_progress(label: str, expected_seconds: float = 60.0, interval: float =
     finally:
         done.set()
         thread.join()
-        bar.update_absolute(total)
         log.info("Overdrive: %s finished in %.1f s", label, time.perf_counter() - start)
+        bar.update_absolute(total)  # in this thread, a stop requested meanwhile raises: the prompt ends interrupted

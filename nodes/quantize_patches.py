@@ -4,9 +4,8 @@
   clone's patches (ComfyUI could not apply them to an int8/fp8 layer: it has no `weight`).
 - Weight patches added AFTER quantizing to a quantized layer are refused with a clear error when they are added
   (LoraLoader), instead of ComfyUI skipping them with "could not patch" at load.
-- The quantized layers follow the model between devices: ComfyUI calls `.to(device)` on the patches in
-  model_options whenever it loads or offloads the model, also when it reuses already-loaded weights and so
-  never moves the module tree itself.
+- The quantized layers follow the model between devices (QuantizedModules), and the float layers they replace
+  leave the GPU while they run.
 """
 import copy
 import hashlib
@@ -15,8 +14,11 @@ import uuid
 import torch
 
 import comfy.lora
+import comfy.model_management
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP
+
+from .load_state import forget_load_state
 
 PREFIX = "diffusion_model."
 LORA_AFTER_QUANTIZE = (
@@ -85,33 +87,91 @@ class RefuseQuantizedPatches:
         self.guard(clone)
 
 
-class QuantizedModules:
-    """Rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch
-    names there) so that ModelPatcher.model_patches_to moves the quantized layers with the model.
+FOLLOWER = "overdrive_quantized"  # the name of QuantizedModules in model_options' patches
+FLOAT_HOME = torch.device("cpu")  # where the float layers that 8-bit layers replaced wait while the quantized model runs
 
-    It also moves the float layers they replace (`originals`, shared with the input MODEL) to the offload device
-    whenever the quantized model is loaded: they are out of the module tree while it runs, so ComfyUI would leave
-    them on the GPU (where calibration put them) beside their 8-bit copies. A later load of the float model moves
-    its whole tree, these layers included, back to its device."""
+
+class QuantizedModules:
+    """Where the 8-bit layers and the float layers they replace live, as ComfyUI loads and unloads the model.
+
+    It rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch names
+    there), so ModelPatcher.model_patches_to calls `.to(device)` on it at every load and detach, and an ON_DETACH
+    callback tells it when a clone leaves. Clones share it (and the layers).
+    - Loading: the 8-bit layers go to the load device; the float layers they replace (out of the module tree while the
+      quantized model runs, shared with the input MODEL) go to the CPU, whatever ComfyUI's offload device, so 8-bit
+      weights lower VRAM in every memory mode (--gpu-only and --highvram offload to the GPU).
+    - Detaching: ComfyUI detaches a clone when it unloads it, when another clone of the model loads, and when any
+      clone is garbage-collected (`ModelPatcher.__del__`). While another loaded clone still runs these layers, nothing
+      moves (moving them on every collected clone cost Flux's fp8 model 22 GB of copies per image). Otherwise the 8-bit
+      layers go to the offload device and the float layers back to where ComfyUI holds the model's other weights,
+      which is where it believes they are.
+    """
 
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
-    def __init__(self, modules: dict, originals: dict | None = None, offload_device=None):
+    def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None):
         self.modules = modules
         self.originals = originals or {}
-        self.offload_device = offload_device
+        self.load_device = torch.device(load_device) if load_device is not None else None
+        self.offload_device = torch.device(offload_device) if offload_device is not None else None
 
     def to(self, device_or_dtype):
-        if not isinstance(device_or_dtype, torch.dtype):  # the quantized storage keeps its dtype
-            for module in self.modules.values():
-                module.to(device_or_dtype)
-            if self.offload_device is not None and torch.device(device_or_dtype) != torch.device(self.offload_device):
-                for module in self.originals.values():
-                    module.to(self.offload_device)
+        if isinstance(device_or_dtype, torch.dtype):  # the 8-bit storage keeps its dtypes
+            return self
+        device = torch.device(device_or_dtype)
+        if device == self.offload_device and device != self.load_device:
+            return self  # a detach: `on_detach` decides, knowing which clone leaves
+        move(self.modules.values(), device)
+        move(self.originals.values(), FLOAT_HOME)
+        # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and skip
+        # the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were baked, and
+        # then the model was unpatched before this load), so nothing is lost.
+        forget_load_state(self.originals.values())
         return self
+
+    def on_detach(self, patcher, unpatch_all) -> None:
+        if self not in followers(patcher) or self.used_by_a_loaded_model(besides=patcher):
+            return  # a switched clone that re-quantized keeps the callback of layers it no longer runs
+        if self.offload_device is not None:
+            move(self.modules.values(), self.offload_device)
+        home = getattr(patcher.model, "device", None)
+        if home is not None:
+            move(self.originals.values(), home)
+
+    def on_cleanup(self, patcher) -> None:
+        """After each sampling run (also a stopped one): the checkpoint's float layers back into the shared module
+        tree. ComfyUI leaves object patches applied until another clone loads, and the next prompt's nodes read that
+        tree: LoraLoader accepts only keys of its state_dict (with 8-bit layers there, a LoRA for another clone of
+        this model silently lost those layers), Compile Model keys its graph by it. The next load swaps the 8-bit
+        layers in again, as ComfyUI re-applies object patches at every load."""
+        if self not in followers(patcher):
+            return
+        tree = patcher.model.diffusion_model
+        for name, original in self.originals.items():
+            if tree.get_submodule(name) is self.modules[name]:
+                comfy.utils.set_attr(tree, name, original)
+
+    def used_by_a_loaded_model(self, besides) -> bool:
+        for loaded in list(comfy.model_management.current_loaded_models):
+            patcher = loaded.model  # a weak reference: None once that clone is gone
+            if patcher is not None and patcher is not besides and self in followers(patcher):
+                return True
+        return False
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
         return self
+
+
+def move(modules, device) -> None:
+    """`module.to(device)` for each module not already there (ComfyUI detaches clones often, also at exit)."""
+    for module in modules:
+        tensor = next(iter(module.state_dict().values()), None)
+        if tensor is not None and tensor.device != torch.device(device):
+            module.to(device)
+
+
+def followers(patcher) -> list:
+    return patcher.model_options.get("transformer_options", {}).get("patches", {}).get(FOLLOWER, [])
 
 
 def install(patcher, modules: dict) -> None:
@@ -124,7 +184,10 @@ def install(patcher, modules: dict) -> None:
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
-    patcher.set_model_patch(QuantizedModules(modules, originals, patcher.offload_device), "overdrive_quantized")
+    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device)
+    patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
+    patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
+    patcher.set_model_patch(follower, FOLLOWER)
 
 
 def patches_digest(patches: dict) -> str:
@@ -166,9 +229,17 @@ def requantize_onto(patcher, diffusion_model) -> list:
     for name, module in old.items():
         layer = diffusion_model.get_submodule(name)
         fresh[name] = copy.deepcopy(module).load_float_weight(layer.weight, layer.bias)
-    patcher.model_options["transformer_options"]["patches"]["overdrive_quantized"] = []  # the old layers' follower
+    patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old layers' follower
     install(patcher, fresh)
     return sorted(fresh)
+
+
+def swapped_out(patcher) -> dict:
+    """{layer name: the checkpoint's module} for each layer that a loaded clone's object patches (a quantized model's
+    8-bit layers) have swapped out of the shared module tree right now. The backup is shared by every clone of one
+    model, so this is the same whichever clone asks."""
+    return {key[len(PREFIX):]: module for key, module in patcher.object_patches_backup.items()
+            if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
 
 
 def float_view(patcher):
@@ -176,8 +247,7 @@ def float_view(patcher):
     module tree right now (a loaded quantized model), the float layers they replaced. Shares every tensor; only
     read (SwitchWeights builds its twin from it), never run."""
     current = patcher.model.diffusion_model
-    originals = {key[len(PREFIX):]: module for key, module in patcher.object_patches_backup.items()
-                 if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
+    originals = swapped_out(patcher)
     if not originals:
         return current
     memo = {id(current.get_submodule(name)): original for name, original in originals.items()}

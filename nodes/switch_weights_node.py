@@ -8,7 +8,8 @@ import comfy.utils
 import folder_paths
 
 from ..compiler import WeightMismatchError, twin_with_weights
-from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors
+from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors, unreadable
+from .load_state import forget_load_state
 from .forward_patch import FORWARD, compile_options, forward_for
 from .quantize_patches import float_view, requantize_onto
 
@@ -53,20 +54,16 @@ def mark_unloaded(switched) -> None:
     for name, value in _UNLOADED_BASE_MODEL.items():
         if hasattr(base, name):
             setattr(base, name, value)
-    for layer in base.diffusion_model.modules():
-        state = layer.__dict__
-        state.pop("comfy_patched_weights", None)
-        if "prev_comfy_cast_weights" in state:  # a low-VRAM load switched weight casting on; undo as unloading does
-            layer.comfy_cast_weights = state.pop("prev_comfy_cast_weights")
-        for name in ("weight_function", "bias_function"):
-            if name in state:
-                state[name] = []
+    forget_load_state([base.diffusion_model])
 
 
 def load_unet_weights(path, reference):
     if str(path).endswith(".safetensors"):
         return read_safetensors_subset(path, reference)
-    state = comfy.utils.load_torch_file(path)  # .ckpt/.pt: ComfyUI's own safe loader
+    try:
+        state = comfy.utils.load_torch_file(path)  # .ckpt/.pt: ComfyUI's own safe loader
+    except Exception as error:  # noqa: BLE001 - torch's unpickling errors name neither the file nor the consequence
+        raise unreadable(path, error) from error
     for prefix in ("model.diffusion_model.", "diffusion_model.", ""):
         picked = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if len(set(picked) & set(reference)) >= len(reference) // 2:

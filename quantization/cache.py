@@ -24,6 +24,7 @@ from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
 SCHEMA = 3  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale
+REQUANTIZE = "its cached decisions stand, and the chosen layers are quantized again from the model's weights (no calibration)"
 _TENSOR_NAMES = ("weight_q", "weight_scale", "bias", "input_scale")
 
 
@@ -118,9 +119,8 @@ class QuantCache:
     def weights_path(self, key: str) -> pathlib.Path:
         return self.directory / f"{key}.safetensors"
 
-    def _discard(self, path: pathlib.Path, why):
-        log.warning("Overdrive quantization: ignoring the corrupt cache file %s (%s); it will be re-calibrated.",
-                    path, why)
+    def _discard(self, path: pathlib.Path, why, consequence: str):
+        log.warning("Overdrive quantization: deleted the corrupt cache file %s (%s); %s.", path, why, consequence)
         try:
             path.unlink(missing_ok=True)
         except OSError:
@@ -139,7 +139,7 @@ class QuantCache:
             entry["report_obj"] = QuantReport.from_dict(entry["report"])
             return entry
         except Exception as error:  # noqa: BLE001 - a bad cache entry must never stop a generation
-            self._discard(path, error)
+            self._discard(path, error, "the layers are calibrated and measured again")
             return None
 
     def load(self, key: str) -> QuantReport | None:
@@ -160,13 +160,13 @@ class QuantCache:
             from safetensors.torch import load_file
             flat = load_file(str(path), device=str(torch.device(device)))
         except Exception as error:  # noqa: BLE001
-            self._discard(path, error)
+            self._discard(path, error, REQUANTIZE)
             return None
         layers = {}
         for name, tensor in flat.items():
             layer, _, tensor_name = name.rpartition(".")
             if tensor_name not in _TENSOR_NAMES:
-                self._discard(path, f"unexpected tensor {name!r}")
+                self._discard(path, f"unexpected tensor {name!r}", REQUANTIZE)
                 return None
             layers.setdefault(layer, {})[tensor_name] = tensor
         return layers

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..interrupts import raise_if_interrupt
 from . import metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
@@ -176,6 +177,7 @@ def _too_slow(decision: LayerDecision, candidate: Candidate, sample: LayerSample
     try:
         decision.speedup = speed.measured_speedup(candidate.module, quantized, sample.input_shape, sample.rows.dtype)
     except Exception as error:  # noqa: BLE001 - timing is an optimisation check: never fail the run over it
+        raise_if_interrupt(error)
         log.warning("Overdrive quantization: could not time %s (%s); it stays in float.", candidate.name, error)
         return f"measuring its speed failed ({type(error).__name__}), so it stays in float"
     if decision.speedup is None or decision.speedup >= config.min_speedup:

@@ -65,6 +65,40 @@ def test_compile_model_matches_eager_and_leaves_the_input_model_alone(base, comp
     assert not isinstance(base.model.diffusion_model.__dict__.get("forward"), CompiledMethod)
 
 
+@pytest.fixture
+def comfy_progress_hook(comfy):
+    """ComfyUI's progress hook as its server installs it: each update first raises a pending stop request."""
+    import comfy.utils
+    previous = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(
+        lambda *args, **kwargs: comfy.model_management.throw_exception_if_processing_interrupted())
+    yield
+    comfy.utils.set_progress_bar_global_hook(previous)
+    comfy.model_management.interrupt_current_processing(False)
+
+
+def test_a_stop_while_compiling_ends_the_run_as_interrupted_and_keeps_the_model_compiled(
+        comfy, nodes, base, sample, eager_latent, comfy_progress_hook, caplog):
+    """The progress heartbeat thread used to raise (and so clear) the stop request itself: the prompt finished as if
+    nothing happened. And a stop that did reach the compiled call counted as a compile failure: eager until restart."""
+    from comfy.model_management import InterruptProcessingException, interrupt_current_processing, processing_interrupted
+
+    # Options no other test compiles with: this run really compiles (several seconds on the CPU).
+    model = nodes["OverdriveCompileModel"]().compile(base, mode="default", cuda_graphs=False, dynamic="static",
+                                                     regional=False)[0]
+    stop = threading.Timer(1.5, interrupt_current_processing, args=(True,))  # POST /interrupt, mid-compile
+    stop.start()
+    with caplog.at_level(logging.WARNING, logger="overdrive"), pytest.raises(InterruptProcessingException):
+        sample(model)
+    stop.join()
+    assert not processing_interrupted()  # the stop was delivered (and consumed) in the sampling thread
+    forward = model.object_patches["diffusion_model.forward"]
+    assert forward.graph.failure is None and "runs eager" not in caplog.text
+    graphs = dynamo_graph_count()
+    assert relative_error(sample(model), eager_latent) < TOLERANCE  # the next prompt runs compiled
+    assert dynamo_graph_count() == graphs  # the graph compiled before the stop is kept
+
+
 def test_lora_on_a_compiled_model_applies_without_recompiling(base, compiled, sample):
     sample(compiled)  # compiled and warm
     graphs = dynamo_graph_count()
@@ -148,6 +182,22 @@ def test_switch_weights_refuses_another_architecture_and_changes_nothing(nodes, 
     from overdrive.compiler import WeightMismatchError
     with pytest.raises(WeightMismatchError, match="does not match the running model's architecture.*missing keys"):
         nodes["OverdriveSwitchWeights"]().switch(compiled, "sdxl-seed0.safetensors")
+    assert compiled.object_patches == patches
+    assert torch.equal(sample(compiled), before)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "truncated-ckpt"])
+def test_switch_weights_names_a_damaged_file_and_changes_nothing(nodes, compiled, sample, checkpoints, damage):
+    from overdrive.compiler import WeightMismatchError
+    data = (checkpoints / "sd15-seed1.safetensors").read_bytes()
+    name = f"damaged-{damage}.{'ckpt' if damage.endswith('ckpt') else 'safetensors'}"
+    content = {"truncated": data[: len(data) // 2], "garbage": b"\xff" * 4096, "empty": b"",
+               "truncated-ckpt": data[: len(data) // 3]}[damage]
+    (checkpoints / name).write_bytes(content)
+    before, patches = sample(compiled), dict(compiled.object_patches)
+    with pytest.raises(WeightMismatchError, match=f"{name} could not be read .*Download or copy it again. The running "
+                                                  f"model was left unchanged"):
+        nodes["OverdriveSwitchWeights"]().switch(compiled, name)
     assert compiled.object_patches == patches
     assert torch.equal(sample(compiled), before)
 

@@ -1,0 +1,93 @@
+"""QuantizeModel's VRAM and device moves in each of ComfyUI's memory modes, on a real CUDA GPU with ComfyUI's own
+loader: the float layers that 8-bit layers replace leave the GPU, a collected clone moves nothing, and a float prompt
+after a quantized one runs on the GPU with its own layers.
+
+Skipped without CUDA (CI has no GPU). Run it alone (it imports ComfyUI for the GPU, the rest of the suite for the CPU):
+`python3 -m pytest tests/test_quantize_memory_gpu.py`.
+"""
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+RES, STEPS = 1024, 2
+EVERYTHING = dict(conv_mse_threshold=1e9, linear_mse_threshold=1e9, compute_density_threshold=0.0, min_speedup=0.0)
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from overdrive.runner.inprocess import import_comfy
+    return import_comfy(cpu=False)
+
+
+@pytest.fixture(params=["normal", "gpu-only"])
+def memory_mode(comfy, request):
+    """ComfyUI's default (models offload to the CPU) and --gpu-only / --highvram (they stay on the GPU)."""
+    mm = comfy.model_management
+    saved = mm.vram_state
+    mm.vram_state = mm.VRAMState.HIGH_VRAM if request.param == "gpu-only" else mm.VRAMState.NORMAL_VRAM
+    yield request.param
+    mm.unload_all_models()
+    mm.vram_state = saved
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def sampler(comfy):
+    import comfy.sample
+    from overdrive.runner.inprocess import conditioning
+    positive, negative = conditioning("sdxl", RES, RES, seed=1)
+    latent = torch.zeros(1, 4, RES // 8, RES // 8)
+    noise = comfy.sample.prepare_noise(latent, 7)
+
+    def run(model):
+        with torch.inference_mode():
+            return comfy.sample.sample(model, noise, STEPS, 1.0, "euler", "normal", positive, negative, latent,
+                                       seed=7, disable_pbar=True)
+    return run, dict(positive=positive, negative=negative, latent={"samples": latent})
+
+
+def weights_on_gpu(model) -> int:
+    """Bytes of the diffusion model's tensors (float and 8-bit layers, loaded or not) that are on the GPU."""
+    from overdrive.nodes.quantize_patches import followers
+    tensors = {id(t): t for t in model.model.diffusion_model.state_dict().values()}
+    for follower in followers(model):
+        for module in list(follower.modules.values()) + list(follower.originals.values()):
+            tensors.update({id(t): t for t in module.state_dict().values()})
+    return sum(t.numel() * t.element_size() for t in tensors.values() if t.is_cuda)
+
+
+def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, tmp_path, monkeypatch):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes.quantize_patches import followers
+    from overdrive.runner.inprocess import build_model
+
+    monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))
+    run, prompt = sampler(comfy)
+    base = build_model(comfy, "sdxl", "full", torch.float16, seed=0)
+    float_out = run(base.clone())
+    float_bytes = weights_on_gpu(base)
+    with torch.inference_mode():
+        quantized = NODE_CLASS_MAPPINGS["OverdriveQuantizeModel"]().quantize(
+            base, format="fp8_e4m3", calibration_steps=1, **prompt, **EVERYTHING)[0]
+    follower = followers(quantized)[0]
+    run(quantized)
+    quantized_bytes = weights_on_gpu(quantized)
+    print(f"{memory_mode}: diffusion-model bytes on the GPU, float {float_bytes / 2**30:.2f} GiB, "
+          f"quantized {quantized_bytes / 2**30:.2f} GiB ({len(follower.modules)} layers in fp8)")
+    assert all(t.device.type == "cpu" for m in follower.originals.values() for t in m.state_dict().values())
+    assert quantized_bytes < 0.75 * float_bytes
+
+    # A clone collected while the quantized model stays loaded moves nothing (it used to copy every 8-bit layer to
+    # the CPU and back).
+    clone = quantized.clone()
+    del clone
+    gc.collect()
+    assert all(t.is_cuda for m in follower.modules.values() for t in m.state_dict().values())
+
+    # The float model again: its own layers back on the GPU, the same output as before any quantizing.
+    again = run(base.clone())
+    tree = base.model.diffusion_model
+    assert all(t.is_cuda for t in tree.state_dict().values())
+    assert ((again - float_out).norm() / float_out.norm()).item() < 1e-3

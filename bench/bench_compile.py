@@ -172,18 +172,21 @@ def main():
     def sample(patcher, first_call=None):
         """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
         (the same input in every variant: noise at the first sigma)."""
-        if first_call is not None:
-            patcher = patcher.clone()
+        options = patcher.model_options
+        if first_call is not None:  # on the timed model itself: a clone would be another model to ComfyUI's loader
             def record(apply_model, call):
                 out = apply_model(call["input"], call["timestep"], **call["c"])
                 if not first_call:
                     first_call.append(out.float().clone())
                 return out
-            patcher.set_model_unet_function_wrapper(record)
+            patcher.model_options = {**options, "model_function_wrapper": record}
         sync()
         start = time.perf_counter()
-        out = comfy.sample.sample(patcher, noise, args.steps, cfg, "euler", scheduler, positive, negative, latent,
-                                  seed=42, disable_pbar=True)
+        try:
+            out = comfy.sample.sample(patcher, noise, args.steps, cfg, "euler", scheduler, positive, negative, latent,
+                                      seed=42, disable_pbar=True)
+        finally:
+            patcher.model_options = options
         sync()
         return out, time.perf_counter() - start
 

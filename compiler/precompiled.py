@@ -44,6 +44,12 @@ def supported() -> bool:
     return hasattr(torch._dynamo.config, "enable_aot_compile")
 
 
+# ComfyUI copies a ModelPatcher's callbacks into transformer_options under this key while it samples. They run when
+# the model loads, detaches or is cleaned up (QuantizeModel's device follower, Compile Model's frame release), never in
+# the forward: not part of what a frame depends on.
+LIFECYCLE_CALLBACKS = "callbacks"
+
+
 def _describe(value, parts: list) -> bool:
     """Append what the compiled code may depend on in `value`; False if `value` holds something unkeyable."""
     if isinstance(value, torch.Tensor):
@@ -63,6 +69,8 @@ def _describe(value, parts: list) -> bool:
             if not isinstance(key, (str, int)):
                 return False
             parts.append(("K", key))
+            if key == LIFECYCLE_CALLBACKS:
+                continue
             if not _describe(item, parts):
                 return False
     else:

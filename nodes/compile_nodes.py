@@ -1,6 +1,8 @@
 """CompileModel and CompileVAE: thin ComfyUI adapters over overdrive.compiler."""
 import copy
 
+from comfy.patcher_extension import CallbacksMP
+
 from ..compiler import CompiledMethod, CompileOptions
 from ..compiler.options import DYNAMIC, MODES
 from .forward_patch import FORWARD, compiled_forward
@@ -37,6 +39,14 @@ PRECOMPILE_TOOLTIP = (
 )
 
 
+def release_precompiled(patcher, unpatch_all) -> None:
+    """ComfyUI unloads the model (a detach that unpatches; it detaches without unpatching before every run): the
+    memory its precompiled frames hold goes with it."""
+    forward = patcher.object_patches.get(FORWARD)
+    if unpatch_all and isinstance(forward, CompiledMethod):
+        forward.graph.release_precompiled()
+
+
 class OverdriveCompileModel:
     DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step. "
                    "Graphs are shared by every checkpoint of the same architecture. Before or after DeepCache, its "
@@ -67,6 +77,8 @@ class OverdriveCompileModel:
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
         # A DeepCache already on the model is kept, with its paths compiled.
         patched.add_object_patch(FORWARD, compiled_forward(patched, options))
+        if precompile:
+            patched.add_callback(CallbacksMP.ON_DETACH, release_precompiled)
         return (patched,)
 
 

@@ -20,7 +20,8 @@ TOOLTIPS = {
              "this node: they are baked into the quantized weights.",
     "bits": "Bits per weight and activation. 8 only (int8 or fp8 tensor-core kernels).",
     "format": "auto: fp8 (e4m3) on GPUs that have it (Ada, Hopper, Blackwell), int8 on Ampere and on the CPU. "
-              "int8 / fp8_e4m3: force one; an error says so if your device cannot run it.",
+              "int8 / fp8_e4m3: force one; on a GPU without it (fp8 before Ada, int8 before Ampere) an error says so. "
+              "The CPU runs both through PyTorch's reference kernels: for testing, not for speed.",
     "quantize_conv": "Consider 1x1 convolutions (SD1.5's attention projections, skip connections). Other convs stay "
                      "in the model's precision (no 8-bit kernel for them).",
     "quantize_linear": "Consider linear layers (attention and feed-forward projections).",

@@ -95,48 +95,62 @@ class QuantizedModules:
     """Where the 8-bit layers and the float layers they replace live, as ComfyUI loads and unloads the model.
 
     It rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch names
-    there), so ModelPatcher.model_patches_to calls `.to(device)` on it at every load and detach, and an ON_DETACH
-    callback tells it when a clone leaves. Clones share it (and the layers).
+    there), so ModelPatcher.model_patches_to calls `.to(device)` on it at every load and detach; ON_DETACH and
+    ON_CLEANUP callbacks tell it more. Clones share it (and the layers).
     - Loading: the 8-bit layers go to the load device; the float layers they replace (out of the module tree while the
       quantized model runs, shared with the input MODEL) go to the CPU, whatever ComfyUI's offload device, so 8-bit
       weights lower VRAM in every memory mode (--gpu-only and --highvram offload to the GPU).
-    - Detaching: ComfyUI detaches a clone when it unloads it, when another clone of the model loads, and when any
-      clone is garbage-collected (`ModelPatcher.__del__`). While another loaded clone still runs these layers, nothing
-      moves (moving them on every collected clone cost Flux's fp8 model 22 GB of copies per image). Otherwise the 8-bit
-      layers go to the offload device and the float layers back to where ComfyUI holds the model's other weights,
-      which is where it believes they are.
+    - Detaching: ComfyUI 0.7 detaches a loaded model without unpatching before every sampling run (it pops the model
+      as a clone of itself and loads it again), when another clone of the model loads, and when a clone is collected.
+      None of these moves weights, so nothing moves here either (moving on each cost Flux's fp8 model 22 GB of copies
+      per image). Only a real unload sends the 8-bit layers to the offload device.
+    - A float clone of the same checkpoint that ComfyUI runs right after (it reuses the loaded weights without moving
+      them) finds its layers on the CPU: a pre-hook on the diffusion model puts them beside the input at its first
+      call, once.
     """
 
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
-    def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None):
+    def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None,
+                 tree: torch.nn.Module | None = None):
         self.modules = modules
         self.originals = originals or {}
         self.load_device = torch.device(load_device) if load_device is not None else None
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
+        self.tree = tree
+        self.return_hook = None
 
     def to(self, device_or_dtype):
         if isinstance(device_or_dtype, torch.dtype):  # the 8-bit storage keeps its dtypes
             return self
         device = torch.device(device_or_dtype)
         if device == self.offload_device and device != self.load_device:
-            return self  # a detach: `on_detach` decides, knowing which clone leaves
+            return self  # a detach: weights stay where they are (see on_detach)
         move(self.modules.values(), device)
-        move(self.originals.values(), FLOAT_HOME)
-        # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and skip
-        # the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were baked, and
-        # then the model was unpatched before this load), so nothing is lost.
-        forget_load_state(self.originals.values())
+        if device != FLOAT_HOME:
+            move(self.originals.values(), FLOAT_HOME)
+            # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and
+            # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were
+            # baked, and the model was unpatched before this load), so nothing is lost.
+            forget_load_state(self.originals.values())
+            if self.tree is not None and self.return_hook is None:
+                self.return_hook = self.tree.register_forward_pre_hook(self.bring_back)
         return self
 
+    def bring_back(self, tree, args) -> None:
+        """Before each call of the diffusion model: if the tree holds the float layers (another clone of this
+        checkpoint runs), put them on the input's device, once."""
+        if not any(tree.get_submodule(name) is original for name, original in self.originals.items()):
+            return
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is not None:
+            move(self.originals.values(), device)
+        self.return_hook.remove()
+        self.return_hook = None
+
     def on_detach(self, patcher, unpatch_all) -> None:
-        if self not in followers(patcher) or self.used_by_a_loaded_model(besides=patcher):
-            return  # a switched clone that re-quantized keeps the callback of layers it no longer runs
-        if self.offload_device is not None:
-            move(self.modules.values(), self.offload_device)
-        home = getattr(patcher.model, "device", None)
-        if home is not None:
-            move(self.originals.values(), home)
+        if unpatch_all and self in followers(patcher) and self.offload_device is not None:
+            move(self.modules.values(), self.offload_device)  # unloaded: the float layers went with the tree
 
     def on_cleanup(self, patcher) -> None:
         """After each sampling run (also a stopped one): the checkpoint's float layers back into the shared module
@@ -151,22 +165,20 @@ class QuantizedModules:
             if tree.get_submodule(name) is self.modules[name]:
                 comfy.utils.set_attr(tree, name, original)
 
-    def used_by_a_loaded_model(self, besides) -> bool:
-        for loaded in list(comfy.model_management.current_loaded_models):
-            patcher = loaded.model  # a weak reference: None once that clone is gone
-            if patcher is not None and patcher is not besides and self in followers(patcher):
-                return True
-        return False
-
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
         return self
 
 
+def on_device(module) -> torch.device | None:
+    tensor = next(iter(module.state_dict().values()), None)
+    return tensor.device if tensor is not None else None
+
+
 def move(modules, device) -> None:
-    """`module.to(device)` for each module not already there (ComfyUI detaches clones often, also at exit)."""
+    """`module.to(device)` for each module not already there."""
     for module in modules:
-        tensor = next(iter(module.state_dict().values()), None)
-        if tensor is not None and tensor.device != torch.device(device):
+        current = on_device(module)
+        if current is not None and current != torch.device(device):
             module.to(device)
 
 
@@ -184,7 +196,7 @@ def install(patcher, modules: dict) -> None:
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
-    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device)
+    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree)
     patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
     patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
     patcher.set_model_patch(follower, FOLLOWER)

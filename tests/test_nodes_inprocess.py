@@ -146,6 +146,22 @@ def test_precompile_runs_a_saved_frame_and_leaves_patched_calls_to_torch_compile
     assert relative_error(patched, eager_latent) > 1e-3  # the patch mattered, and was not skipped
 
 
+def test_unloading_a_precompiled_model_releases_its_frames_which_load_again_from_disk(comfy, nodes, base, sample,
+                                                                                      eager_latent, caplog):
+    model = nodes["OverdriveCompileModel"]().compile(base, cuda_graphs=False, precompile=True)[0]
+    first = sample(model)
+    frames = model.object_patches["diffusion_model.forward"].graph.frames
+    assert frames.frames  # held in memory after the run
+    comfy.model_management.load_models_gpu([model])  # ComfyUI's per-run detach (no unpatching) keeps them
+    assert frames.frames
+    comfy.model_management.unload_all_models()
+    assert not frames.frames
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        again = sample(model)
+    assert "loaded the precompiled frame" in caplog.text
+    assert torch.equal(again, first) and relative_error(again, eager_latent) < TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def checkpoints(comfy, tmp_path_factory):
     """Two SD1.5-shaped checkpoints (other seeds) and one SDXL-shaped, in a folder ComfyUI searches."""

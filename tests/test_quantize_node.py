@@ -206,15 +206,36 @@ def test_quantized_layers_follow_the_model_between_devices(quantized, node, base
     quantize_patches.followers(again)[0].modules = {}  # meta tensors cannot move back when `again` is collected
 
 
+class Moves(list):
+    """The moves the device follower makes, as (which layers, device type), tracked instead of made."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = {}  # module id -> device type it would be on
+
+    def devices(self, follower) -> tuple:
+        """(where the 8-bit layer would be, where the float layer would be) of a one-layer follower."""
+        return tuple(self.where[id(module)] for module in (follower.modules["layer"], follower.originals["layer"]))
+
+    def place(self, modules, device):
+        self.where.update({id(m): device for m in modules})
+
+    def __call__(self, modules, device):
+        modules, device = list(modules), torch.device(device).type
+        moving = [m for m in modules if self.where.get(id(m), next(iter(m.state_dict().values())).device.type) != device]
+        if moving:
+            self.append(("8-bit" if hasattr(moving[0], "load_float_weight") else "float", device))
+            self.place(moving, device)
+
+
 @pytest.fixture
 def moves(monkeypatch):
-    """The moves the quantized model's device follower makes, as (which layers, device), instead of making them: on
-    a CPU-only machine there is no second device to see them on (tests/test_quantize_memory_gpu.py moves for real)."""
+    """On a CPU-only machine there is no second device to see moves on (tests/test_quantize_memory_gpu.py moves for
+    real): the meta device stands for the GPU, and moves are tracked instead of made."""
     from overdrive.nodes import quantize_patches
-    made = []
-    monkeypatch.setattr(quantize_patches, "move", lambda modules, device: made.append(
-        ("8-bit" if all(hasattr(m, "load_float_weight") for m in modules) else "float", torch.device(device).type)))
-    return made
+    tracked = Moves()
+    monkeypatch.setattr(quantize_patches, "move", tracked)
+    return tracked
 
 
 def follower_of_one_layer(load, offload):
@@ -233,6 +254,7 @@ def test_loading_a_quantized_model_sends_the_float_layers_it_replaced_off_the_gp
     # The meta device stands for the GPU. ComfyUI's default offloads to the CPU; --gpu-only and --highvram to the GPU.
     for offload in ("cpu", "meta"):
         follower = follower_of_one_layer("meta", offload)
+        moves.place(follower.originals.values(), "meta")  # the float model was loaded on the GPU
         moves.clear()
         follower.to(torch.float16)  # a dtype: nothing moves
         follower.to(torch.device("meta"))  # loaded: the 8-bit layers to the GPU, the float ones to the CPU
@@ -242,23 +264,46 @@ def test_loading_a_quantized_model_sends_the_float_layers_it_replaced_off_the_gp
             assert len(moves) == 2
 
 
-def test_a_detaching_clone_moves_nothing_while_another_loaded_clone_runs_the_layers(comfy, quantized, moves):
-    """ComfyUI detaches every clone it garbage-collects; Flux's fp8 layers were copied out and back for each."""
+def test_comfyui_detaching_a_model_it_keeps_loaded_moves_nothing(comfy, quantized, moves):
+    """ComfyUI 0.7 detaches (without unpatching) a loaded model before each of its sampling runs, and any clone it
+    collects: moving the layers each time cost Flux's fp8 model 22 GB of copies per image."""
+    import gc
     from overdrive.nodes import quantize_patches
     follower = follower_of_one_layer("meta", "cpu")
-    loaded = quantized["model"].clone()
-    loaded.set_model_patch(follower, quantize_patches.FOLLOWER)
-    comfy.model_management.load_models_gpu([loaded])
-    leaving = loaded.clone()  # shares the follower, as every clone does
-    assert follower in quantize_patches.followers(leaving)
+    parent = quantized["model"].clone()
+    parent.set_model_patch(follower, quantize_patches.FOLLOWER)
+    parent.add_callback(quantize_patches.CallbacksMP.ON_DETACH, follower.on_detach)
+    child = parent.clone()  # shares the follower, as every clone does
+    comfy.model_management.load_models_gpu([child])
+    moves.place(follower.originals.values(), "meta")  # the float layers were loaded on the GPU ...
+    follower.to(torch.device("meta"))  # ... until the quantized model loaded there
     moves.clear()
-    follower.on_detach(leaving, False)  # e.g. the clone's __del__
+    comfy.model_management.load_models_gpu([child])  # the next run: ComfyUI detaches and reloads it
+    del child
+    gc.collect()
     assert moves == []
-    # The loaded clone itself unloads: the 8-bit layers to the offload device, the float layers back to where ComfyUI
-    # holds the rest of the model.
-    follower.on_detach(loaded, True)
-    assert moves == [("8-bit", "cpu"), ("float", loaded.model.device.type)]
-    comfy.model_management.unload_all_models()
+    comfy.model_management.unload_all_models()  # a real unload: the 8-bit layers go to the offload device
+    assert moves.devices(follower)[0] == "cpu"
+
+
+def test_a_float_clone_run_after_the_quantized_model_gets_its_float_layers_back_once(moves):
+    """ComfyUI runs another clone of the checkpoint on the loaded weights without moving them; the float layers the
+    quantized model sent to the CPU come back beside the input at the first call."""
+    from collections import OrderedDict
+    from overdrive.nodes.quantize_patches import QuantizedModules
+    float_layer, eight_bit = torch.nn.Linear(32, 32), Int8Linear.from_float(torch.nn.Linear(32, 32))
+    tree = torch.nn.Sequential(OrderedDict(layer=float_layer))
+    follower = QuantizedModules({"layer": eight_bit}, {"layer": float_layer}, torch.device("meta"),
+                                torch.device("cpu"), tree)
+    moves.place([float_layer], "meta")
+    follower.to(torch.device("meta"))  # the quantized model loads: its float layer to the CPU, a return hook set
+    assert moves.devices(follower) == ("meta", "cpu") and follower.return_hook is not None
+    tree.layer = eight_bit  # while the quantized model runs, the hook leaves everything alone
+    follower.bring_back(tree, (torch.zeros(1, 32, device="meta"),))
+    assert moves.devices(follower) == ("meta", "cpu")
+    tree.layer = float_layer  # the float model runs
+    follower.bring_back(tree, (torch.zeros(1, 32, device="meta"),))
+    assert moves.devices(follower) == ("meta", "meta") and follower.return_hook is None
 
 
 # -------------------------------------------------------------------------------------------- LoRA

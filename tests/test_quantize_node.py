@@ -440,6 +440,21 @@ def test_quantized_calls_are_reproducible_and_compiled_matches_eager_per_call(co
     assert relative_error(fast, eager) < 1.5 * noise
 
 
+def test_compile_model_after_a_quantized_prompt_keys_and_counts_the_checkpoint_s_layers(comfy, quantized, base, sample,
+                                                                                       caplog):
+    """A plain Compile Model run right after a quantized prompt saw that prompt's 8-bit layers in the shared module tree:
+    the quantized parameter count in its log and another architecture key."""
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    comfy.model_management.unload_all_models()
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        alone = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(base)[0]
+    sample(quantized["model"])  # the quantized prompt; ComfyUI keeps that model loaded
+    after = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(base)[0]
+    forward = "diffusion_model.forward"
+    assert after.object_patches[forward].fingerprint == alone.object_patches[forward].fingerprint
+    assert after.object_patches[forward].graph is alone.object_patches[forward].graph
+
+
 def test_compile_then_quantize_calibrates_eager_and_keeps_the_compiled_forward(comfy, node, base, prompt,
                                                                               float_layers, monkeypatch, tmp_path):
     from overdrive.compiler import CompiledMethod, dynamo_graph_count

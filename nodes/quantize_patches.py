@@ -14,7 +14,6 @@ import uuid
 import torch
 
 import comfy.lora
-import comfy.model_management
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
@@ -133,14 +132,15 @@ class QuantizedModules:
             # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were
             # baked, and the model was unpatched before this load), so nothing is lost.
             forget_load_state(self.originals.values())
-            if self.tree is not None and self.return_hook is None:
+            if self.tree is not None and self.originals and self.return_hook is None:
                 self.return_hook = self.tree.register_forward_pre_hook(self.bring_back)
         return self
 
     def bring_back(self, tree, args) -> None:
         """Before each call of the diffusion model: if the tree holds the float layers (another clone of this
         checkpoint runs), put them on the input's device, once."""
-        if not any(tree.get_submodule(name) is original for name, original in self.originals.items()):
+        name, original = next(iter(self.originals.items()))  # ComfyUI swaps object patches all together
+        if tree.get_submodule(name) is not original:
             return
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         if device is not None:
@@ -246,20 +246,13 @@ def requantize_onto(patcher, diffusion_model) -> list:
     return sorted(fresh)
 
 
-def swapped_out(patcher) -> dict:
-    """{layer name: the checkpoint's module} for each layer that a loaded clone's object patches (a quantized model's
-    8-bit layers) have swapped out of the shared module tree right now. The backup is shared by every clone of one
-    model, so this is the same whichever clone asks."""
-    return {key[len(PREFIX):]: module for key, module in patcher.object_patches_backup.items()
-            if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
-
-
 def float_view(patcher):
     """`patcher`'s diffusion model as its checkpoint has it: where quantized layers are swapped into the shared
     module tree right now (a loaded quantized model), the float layers they replaced. Shares every tensor; only
     read (SwitchWeights builds its twin from it), never run."""
     current = patcher.model.diffusion_model
-    originals = swapped_out(patcher)
+    originals = {key[len(PREFIX):]: module for key, module in patcher.object_patches_backup.items()
+                 if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
     if not originals:
         return current
     memo = {id(current.get_submodule(name)): original for name, original in originals.items()}

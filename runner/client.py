@@ -36,18 +36,24 @@ class ComfyClient:
         """POST /prompt; returns the prompt id. A prompt ComfyUI rejects raises PromptFailed with its reason."""
         return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})["prompt_id"]
 
-    def wait(self, prompt_id: str, timeout: float = 900) -> dict:
-        """Poll /history until the prompt finished; returns its history entry. Raises on error or timeout."""
+    def finished(self, prompt_id: str, timeout: float = 900) -> dict:
+        """Poll /history until the prompt has ended, however it ended; returns its history entry (its status says
+        how). Raises TimeoutError if it has not ended within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             entry = self.get(f"/history/{prompt_id}").get(prompt_id)
-            if entry:  # ComfyUI writes the history entry once the prompt has finished, with its status
-                status = entry.get("status", {})
-                if status.get("status_str") == "error":
-                    raise PromptFailed(f"prompt {prompt_id} failed: {json.dumps(status.get('messages'))[:3000]}")
+            if entry:  # ComfyUI writes the history entry once the prompt has ended, with its status
                 return entry
             time.sleep(0.25)
         raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout} s")
+
+    def wait(self, prompt_id: str, timeout: float = 900) -> dict:
+        """The history entry of the prompt once it finished. Raises on error or timeout."""
+        entry = self.finished(prompt_id, timeout)
+        status = entry.get("status", {})
+        if status.get("status_str") == "error":
+            raise PromptFailed(f"prompt {prompt_id} failed: {json.dumps(status.get('messages'))[:3000]}")
+        return entry
 
     def events(self):
         """This client id's websocket, to follow prompts as they run (open it before queueing): an EventStream."""

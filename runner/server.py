@@ -101,3 +101,11 @@ class ComfyServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def start_with_models(workdir, checkpoints: dict, other_files: dict | None = None, env=None) -> ComfyServer:
+    """A started ComfyServer that sees `checkpoints` ({file name: path}) and `other_files` ({folder: {name: path}})
+    through an extra_model_paths.yaml in `workdir`."""
+    from .workflows import model_paths_config
+    config = model_paths_config(workdir, checkpoints, other_files)
+    return ComfyServer(workdir, extra_args=["--extra-model-paths-config", str(config)], env=env).start()

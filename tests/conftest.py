@@ -37,11 +37,8 @@ def builtin_checkpoints():
 
 
 def start_server(workdir, checkpoints, env=None, other_files=None):
-    from overdrive.runner import ComfyServer
-    from overdrive.runner.workflows import model_paths_config
-
-    config = model_paths_config(workdir, checkpoints, other_files)
-    return ComfyServer(workdir, extra_args=["--extra-model-paths-config", str(config)], env=env).start()
+    from overdrive.runner.server import start_with_models
+    return start_with_models(workdir, checkpoints, other_files, env)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ deleted cache files, damaged and wrong checkpoints, an invalid setting, prompts 
 (runner/soak.py; the full run is `python -m overdrive.runner.soak --prompts 200 --families --workdir DIR`)."""
 from overdrive.runner.soak import Soak
 
-PROMPTS = 24
+PROMPTS = 32
 
 
 def test_a_short_fault_soak_ends_every_prompt_as_expected_with_the_images_of_prompts_run_alone(tmp_path, comfy):

@@ -39,7 +39,11 @@ if [ -z "${COMFYUI_PATH:-}" ]; then
     if [ -f "$archive" ]; then
       tar -xzf "$archive" -C "$repo/.comfyui" && mv "$repo/.comfyui/ComfyUI-$comfy_version" "$COMFYUI_PATH"
     else
-      git clone -q --depth 1 --branch "v$comfy_version" https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH"
+      git clone -q --depth 1 --branch "v$comfy_version" https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH" || {
+        echo "Could not download ComfyUI $comfy_version from GitHub. Set COMFYUI_PATH to your ComfyUI (>= 0.7.0), or put" \
+             "ComfyUI-$comfy_version.tar.gz in $(cd "$repo/.." && pwd)/shared/comfyui/, and run this again." >&2
+        exit 1
+      }
     fi
   fi
 fi

@@ -88,6 +88,9 @@ def main():
                              "overdrive[-no-cudagraphs|-autotune|-flat|-precompile], "
                              "int8, fp8, deepcache, e.g. overdrive+fp8+deepcache")
     parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval for '+deepcache' variants")
+    parser.add_argument("--cache-threshold", type=float, default=0.1, help="threshold for '+adaptive' variants")
+    parser.add_argument("--cache-start", type=float, default=0.0, help="start_percent of the step cache variants")
+    parser.add_argument("--cache-end", type=float, default=1.0, help="end_percent of the step cache variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
     parser.add_argument("--vae", action="store_true", help="also time VAE decode: eager vs CompileVAE")
     parser.add_argument("--out", default=None)
@@ -141,9 +144,12 @@ def main():
 
     def make(variant):
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8), compile (peer |
-        overdrive[-no-cudagraphs|-autotune|-flat|-precompile]), deepcache. 'eager' alone is the baseline."""
+        overdrive[-no-cudagraphs|-autotune|-flat|-precompile]), a step cache (deepcache: fixed interval; adaptive;
+        easycache: ComfyUI's built-in EasyCache with its defaults). 'eager' alone is the baseline."""
         parts = variant.split("+")
-        unknown = set(parts) - {"eager", "peer", "builtin", "int8", "fp8", "deepcache"} - set(compile_options)
+        adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
+        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", "deepcache", "easycache", adaptive}
+                   - set(compile_options))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
         patcher = base.clone()
@@ -166,8 +172,45 @@ def main():
             if name in parts:
                 patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)
         if "deepcache" in parts:
-            patcher = run_node("OverdriveDeepCache", model=patcher, cache_interval=args.cache_interval)
+            patcher = run_node("OverdriveDeepCache", model=patcher, cache_interval=args.cache_interval,
+                               start_percent=args.cache_start, end_percent=args.cache_end)
+        if adaptive:
+            patcher = run_node("OverdriveDeepCache", model=patcher, mode="adaptive",
+                               threshold=float(adaptive[len("adaptive"):] or args.cache_threshold),
+                               start_percent=args.cache_start, end_percent=args.cache_end)
+        if "easycache" in parts:
+            from comfy_extras.nodes_easycache import EasyCacheNode
+            patcher = EasyCacheNode.execute(patcher, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95,
+                                            verbose=False)[0]
         return patcher
+
+    def per_step_errors(patcher):
+        """A step cache's error per model call: each call's output against the full model's (eager) on the same
+        input, over one run."""
+        calls = []
+
+        def record(apply_model, call):
+            out = apply_model(call["input"], call["timestep"], **call["c"])
+            calls.append((call["input"].clone(), call["timestep"].clone(), dict(call["c"]), out.float().clone()))
+            return out
+        options = patcher.model_options
+        patcher.model_options = {**options, "model_function_wrapper": record}
+        try:
+            comfy.sample.sample(patcher, noise, args.steps, cfg, "euler", scheduler, positive, negative, latent,
+                                seed=42, disable_pbar=True)
+        finally:
+            patcher.model_options = options
+        full = base.clone()
+        comfy.model_management.load_models_gpu([full])
+        errors = []
+        with torch.no_grad():
+            for x, t, c, out in calls:
+                c = dict(c)
+                c["transformer_options"] = {k: v for k, v in c.get("transformer_options", {}).items()
+                                            if k not in ("wrappers", "callbacks")}
+                expected = full.model.apply_model(x, t, **c).float()
+                errors.append(round(float((out - expected).norm() / expected.norm()), 5))
+        return errors
 
     def sample(patcher, first_call=None):
         """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
@@ -217,6 +260,13 @@ def main():
             reference, reference_call = out, first_call[0]
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
+        if ({"deepcache", "easycache"} & set(variant.split("+")) or "adaptive" in variant) and args.arch in dit.FAMILIES:
+            row["per_call_rel_err"] = per_step_errors(patcher)
+            cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "cache", None)
+            if cache is not None:
+                row["steps_full_reused"] = [cache.last_stats.full_steps, cache.last_stats.shallow_steps] \
+                    if cache.last_stats else None
+                row["adaptive_changes"] = [None if c is None else round(c, 4) for c in cache.changes]
         results.append(row)
         print(json.dumps(row), flush=True)
         write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured

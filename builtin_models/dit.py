@@ -59,7 +59,7 @@ FAMILIES: Dict[str, Family] = {
         "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False),
         dict(cfg=1.0, steps=20)),
     "qwen_image": Family(
-        "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=1),
+        "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=2),
         "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True),  # Wan 2.1 VAE latents
         dict(cfg=2.5, steps=20)),
     "wan22": Family(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
@@ -76,7 +76,7 @@ FAMILIES: Dict[str, Family] = {
              qk_norm=True, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
              rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
              pad_tokens_multiple=32),
-        dict(n_layers=1),
+        dict(n_layers=2),
         "flux_ae", dict(tokens=64, width=2560), dict(channels=16, spatial=8, frames=False),
         dict(cfg=1.0, steps=8)),
     "sd35": Family(  # SD3.5 Large: 38 joint blocks of 64 x 38 channels

@@ -43,10 +43,12 @@ class CompiledMethod:
     """
 
     def __init__(self, module: torch.nn.Module, method: str = "forward", options: CompileOptions | None = None,
-                 reporter=None, variant: str = ""):
+                 reporter=None, variant: str = "", announce: bool = True):
         """`variant`: what the module tree will hold at run time that it does not hold now (e.g. layers a
-        ModelPatcher swaps in when the model loads), so such a model gets its own graph entry."""
+        ModelPatcher swaps in when the model loads), so such a model gets its own graph entry. `announce`: log when
+        the graph is shared (off for the blocks of one model, which share theirs by design)."""
         self.module = module
+        self.announce = announce
         self.method = method
         self.reporter = reporter
         self.variant = variant
@@ -72,7 +74,7 @@ class CompiledMethod:
             extra["variant"] = self.variant
         self.fingerprint = architecture_fingerprint(self.module, extra)
         self.graph, self.shared = shared_graph(self.fingerprint, self.method, options, describe(self.module))
-        if self.shared:
+        if self.shared and self.announce:
             log.info("Overdrive: %s.%s reuses the compiled graph of architecture %s (no recompile)",
                      describe(self.module), self.method, self.fingerprint)
 

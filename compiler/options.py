@@ -9,7 +9,9 @@ ATTENTION = ("default", "cudnn")
 # on ComfyUI 0.7.0, tests/test_dit_families.py): ComfyUI's Flux, Qwen-Image and Wan build their position ids with
 # torch.linspace(steps=<latent size>), which Dynamo specialises anyway (a generic graph only adds a compile), and in
 # Z-Image's (NextDiT) shape-generic graph the token padding `(-n) % 32` came out wrong on the CPU (relative error 0.69
-# at a third resolution, then a segfault). SD3's MMDiT and the UNets stay shape-generic.
+# at a third resolution, then a segfault). SD3's MMDiT and the UNets stay shape-generic. This applies when one of these
+# models is compiled whole (compile_module); Compile Model compiles them per block (blockwise.py), whose blocks are
+# shape-generic, with the position and padding code running eager around them.
 STATIC_UNDER_AUTO = frozenset({"Flux", "QwenImageTransformer2DModel", "WanModel", "NextDiT"})
 
 

@@ -18,6 +18,7 @@ Terms used throughout `overdrive.deepcache`, for an openaimodel-style UNet (Comf
 from dataclasses import dataclass
 
 ON_UNSUPPORTED = ("full", "error")
+MODES = ("fixed", "adaptive")
 
 
 class DeepCacheConfigError(ValueError):
@@ -38,6 +39,10 @@ class DeepCacheConfig:
     on_unsupported: what to do with a call DeepCache cannot serve exactly (ControlNet/T2I residuals, a patch or
         wrapper it does not know, per-sample sigmas): "full" runs the model's own full forward for that call (the
         image stays exact; that step is not accelerated), "error" raises DeepCacheUnsupportedError.
+    mode: "fixed" follows cache_interval; "adaptive" (DiT families, deepcache/block_cache.py) reuses a step whenever
+        the output of the blocks that always run has changed by less than `threshold` (mean absolute change relative
+        to its mean magnitude) since the last full step, and ignores cache_interval.
+    threshold: the adaptive mode's bound on that relative change.
     """
 
     cache_interval: int = 3
@@ -46,6 +51,8 @@ class DeepCacheConfig:
     end_percent: float = 1.0
     verify: bool = True
     on_unsupported: str = "full"
+    mode: str = "fixed"
+    threshold: float = 0.1
 
     def __post_init__(self):
         if isinstance(self.cache_interval, bool) or not isinstance(self.cache_interval, int):
@@ -65,6 +72,10 @@ class DeepCacheConfig:
         if self.start_percent >= self.end_percent:
             raise DeepCacheConfigError(f"start_percent ({self.start_percent}) must be < end_percent "
                                        f"({self.end_percent}): the caching window would be empty")
+        if self.mode not in MODES:
+            raise DeepCacheConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold < 0:
+            raise DeepCacheConfigError(f"threshold must be a number >= 0, got {self.threshold!r}")
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise DeepCacheConfigError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
 
@@ -82,4 +93,5 @@ class DeepCacheConfig:
 
     def describe(self) -> str:
         window = "" if self.full_window else f", window {self.start_percent:g}-{self.end_percent:g}"
-        return f"interval {self.cache_interval}, depth {self.cache_depth}{window}"
+        rule = f"adaptive, threshold {self.threshold:g}" if self.mode == "adaptive" else f"interval {self.cache_interval}"
+        return f"{rule}, depth {self.cache_depth}{window}"

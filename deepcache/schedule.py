@@ -11,7 +11,8 @@ then drops every cached feature.
 
 Within a run, step k is full when it is outside [start_percent, end_percent] (as sigmas), or when it is the j-th step
 inside that window with j % cache_interval == 0; so the first step of a run, and the first step inside the window,
-are always full.
+are always full. In the adaptive mode the steps inside the window after its first are decided by the caller once it
+has measured the step (`settle`).
 """
 import logging
 import math
@@ -90,7 +91,18 @@ class DeepCacheSchedule:
         return self.sigma_end <= sigma <= self.sigma_start
 
     def _full(self, in_window: bool, window_index: int) -> bool:
-        return (not in_window) or window_index % self.config.cache_interval == 0
+        interval = self.config.cache_interval if self.config.mode == "fixed" else window_index + 1
+        return (not in_window) or window_index % interval == 0
+
+    def settle(self, full: bool) -> None:
+        """The adaptive mode's decision for the current step, made after its first blocks ran."""
+        current = self._current
+        if current is None or current.full == full:
+            return
+        self._current = StepDecision(full, current.step, current.sigma, current.in_window, False, False)
+        self.stats.decisions[-1] = full
+        self.stats.full_steps += 1 if full else -1
+        self.stats.shallow_steps += -1 if full else 1
 
     def plan(self, sigmas: Iterable[float]) -> list[bool]:
         """The decisions (True = full) for one run over the sigmas at which the model is evaluated, in order

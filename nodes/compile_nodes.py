@@ -20,15 +20,16 @@ CUDA_GRAPHS_TOOLTIP = (
 DYNAMIC_TOOLTIP = (
     "How new resolutions and batch sizes are handled. auto: the first shape gets a specialised graph, a second shape "
     "compiles one shape-generic graph that serves all later ones (batch 1 gets one of its own: at most 3 graphs). static: one specialised graph per shape "
-    "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start. Flux, Qwen-Image, "
-    "Wan and Z-Image compile one graph per resolution under auto: their code is not shape-generic."
+    "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start. DiT models "
+    "(Flux, Qwen-Image, Wan, Z-Image, SD3.5) follow the same rule per block."
 )
 
 REGIONAL_TOOLTIP = (
-    "Compile each distinct transformer block once and reuse it for every block of that shape, instead of compiling "
-    "all of them one by one: SDXL's 70 blocks become 2, so the first run compiles several times faster. Turn off "
-    "only to compare, or if a custom node patches blocks in a way regions do not handle (Overdrive then falls back "
-    "to whole-graph compiling by itself when regions fail)."
+    "UNets (SD1.5, SDXL): compile each distinct transformer block once and reuse it for every block of that shape, "
+    "inside one graph: SDXL's 70 blocks become 2, so the first run compiles several times faster. Turn off only to "
+    "compare (Overdrive falls back to whole-graph compiling by itself when regions fail). DiT models always compile "
+    "per block (Flux.1-dev: 57 blocks, 2 graphs, first image 19 s instead of 71 s on an H200); this switch does not "
+    "apply to them."
 )
 
 PRECOMPILE_TOOLTIP = (
@@ -48,8 +49,9 @@ def release_precompiled(patcher, unpatch_all) -> None:
 
 
 class OverdriveCompileModel:
-    DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step. "
-                   "Graphs are shared by every checkpoint of the same architecture. Before or after DeepCache, its "
+    DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step: a "
+                   "UNet as one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, each distinct "
+                   "block once. Graphs are shared by every checkpoint of the same architecture. Before or after DeepCache, its "
                    "full and shallow steps are compiled. If compiling fails, sampling continues on the normal (eager) "
                    "path with a warning in the log.")
     CATEGORY = "overdrive"

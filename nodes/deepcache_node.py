@@ -1,22 +1,33 @@
 """DeepCache: a thin ComfyUI adapter over overdrive.deepcache (MODEL -> MODEL, through a ModelPatcher object patch)."""
 import logging
 
+from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod
-from ..deepcache import DeepCacheConfig, DeepCacheRunner, UnsupportedUNetError
-from .forward_patch import FORWARD, compile_options, deepcache_runner
+from ..deepcache import DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner, UnsupportedUNetError
+from ..deepcache.config import MODES
+from ..families import family_of
+from .forward_patch import FORWARD, blockwise, compile_options, deepcache_runner
 
 log = logging.getLogger("overdrive")
 
 INTERVAL_TOOLTIP = (
-    "Run the whole UNet every this many sampling steps; the steps in between reuse its deep features and run only "
-    "the outer blocks. 3 is the paper's setting (about 2x faster sampling, small changes in detail); higher is "
-    "faster and drifts more. 1 = no caching: every step runs the whole UNet, and the image is the same as without "
-    "this node.")
+    "fixed mode: run the whole model every this many sampling steps; the steps in between reuse its deep features "
+    "(UNets) or the residual of its later blocks (DiTs) and run only the first blocks. 3 is DeepCache's setting "
+    "(about 2x faster sampling, small changes in detail); higher is faster and drifts more. 1 = no caching: the image "
+    "is the same as without this node. Ignored in adaptive mode.")
 DEPTH_TOOLTIP = (
-    "How many of the UNet's outermost skip branches (input/output block pairs) still run on cached steps. 1, the "
-    "paper's choice for Stable Diffusion: only the first input block, the last output block and the output layer "
-    "run, about a tenth of a full step's time: the fastest. Larger values run more of the UNet on cached steps: "
-    "closer to the uncached image, less speed-up. At most the UNet's number of input blocks (SD1.5: 12, SDXL: 9).")
+    "UNets: how many of the outermost skip branches (input/output block pairs) still run on cached steps; 1, the "
+    "paper's choice, runs about a tenth of a full step (SD1.5 at most 12, SDXL 9). DiTs (Flux, Qwen-Image, Wan, "
+    "Z-Image, SD3.5): how many of the first transformer blocks run on every step (1 = only the first). Larger is "
+    "closer to the uncached image and less fast.")
+MODE_TOOLTIP = (
+    "fixed: a full step every cache_interval steps (no extra work per step). adaptive (DiT families only): each step "
+    "runs the first blocks, measures how much their output changed since the last full step, and reuses the cache "
+    "only while that change is below threshold: few reuses early, many late. Costs one GPU->CPU sync per step.")
+THRESHOLD_TOOLTIP = (
+    "adaptive mode: the largest relative change of the first blocks' output (mean absolute change / mean magnitude, "
+    "since the last full step) at which a step still reuses the cache. Higher is faster and drifts more; 0 never "
+    "reuses. Ignored in fixed mode.")
 START_TOOLTIP = ("Where in the sampling process caching may begin (0 = first step, 1 = last). Steps before it run "
                  "the whole UNet: raise it to keep the early steps, which set the composition, exact.")
 END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 = last). Steps after it run the "
@@ -24,19 +35,23 @@ END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 =
 
 
 def installable(previous, unet) -> bool:
-    """True for the forward patches DeepCache knows how to wrap: none, this UNet compiled, or a DeepCache."""
+    """True for the forward patches DeepCache knows how to wrap: none, this model compiled, or a DeepCache."""
+    if isinstance(previous, BlockwiseForward):
+        return previous.module is unet
     if isinstance(previous, DeepCacheRunner):
         previous = previous.native
     return previous is None or (isinstance(previous, CompiledMethod) and previous.module is unet)
 
 
 class OverdriveDeepCache:
-    DESCRIPTION = ("DeepCache (Ma et al., 2023): on most sampling steps only the outer blocks of the UNet run and the "
-                   "deep part is reused from the last full step: about 2x faster sampling at interval 3 (SD1.5 on an "
-                   "H100), for a small change in detail. Full steps are exact. Works with Compile Model (before or "
-                   "after it), LoRA and Switch Weights. Only UNet models (SD1.5, SD2, SDXL and their fine-tunes); "
-                   "other models pass through unchanged, with a note in the log. ControlNet and unknown patches make "
-                   "their steps run the whole UNet. The log shows each run's schedule (full / shallow steps).")
+    DESCRIPTION = ("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks run and "
+                   "the rest is reused from the last full step: about 2x faster sampling at interval 3, for a small "
+                   "change in detail. Full steps are exact. UNets (SD1.5, SD2, SDXL) reuse their deep features; DiTs "
+                   "(Flux, Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks, on a fixed "
+                   "schedule or adaptively (a step is reused while the first blocks' output barely changed). Works "
+                   "with Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. ControlNet and "
+                   "block patches make their steps run the whole model. The log shows each run's full / reused "
+                   "steps.")
     CATEGORY = "overdrive"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model, sampling with DeepCache.",)
@@ -52,13 +67,26 @@ class OverdriveDeepCache:
             "start_percent": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                         "tooltip": START_TOOLTIP}),
             "end_percent": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": END_TOOLTIP}),
+        }, "optional": {
+            "mode": (list(MODES), {"default": "fixed", "tooltip": MODE_TOOLTIP}),
+            "threshold": ("FLOAT", {"default": 0.1, "min": 0.0, "max": 2.0, "step": 0.005,
+                                    "tooltip": THRESHOLD_TOOLTIP}),
         }}
 
-    def patch(self, model, cache_interval=3, cache_depth=1, start_percent=0.0, end_percent=1.0):
-        config = DeepCacheConfig(cache_interval, cache_depth, float(start_percent), float(end_percent))
+    def patch(self, model, cache_interval=3, cache_depth=1, start_percent=0.0, end_percent=1.0, mode="fixed",
+              threshold=0.1):
+        config = DeepCacheConfig(cache_interval, cache_depth, float(start_percent), float(end_percent), mode=mode,
+                                 threshold=float(threshold))
         patched = model.clone()
         unet = patched.model.diffusion_model
         previous = patched.object_patches.get(FORWARD)
+        family = family_of(unet)
+        if family is not None:
+            return (self._patch_blocks(patched, family, config, previous),)
+        if mode != "fixed":
+            raise DeepCacheConfigError(f"mode={mode!r} applies to DiT models (Flux, Qwen-Image, Wan, Z-Image, SD3.5); "
+                                       f"this {type(unet).__name__} takes mode='fixed' (cache_interval sets its "
+                                       "schedule).")
         if not installable(previous, unet):
             log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
                         "DeepCache cannot wrap without bypassing it; the model is returned unchanged.",
@@ -80,3 +108,18 @@ class OverdriveDeepCache:
                  cache_depth, runner.paths.skip_branches, ", paths compiled" if options is not None else "",
                  ", replacing the DeepCache already on this model" if isinstance(previous, DeepCacheRunner) else "")
         return (patched,)
+
+    @staticmethod
+    def _patch_blocks(patched, family, config, previous):
+        """A DiT: the step cache over its block stacks, keeping Compile Model's compiled blocks if it came first."""
+        unet = patched.model.diffusion_model
+        if previous is not None and not installable(previous, unet):
+            log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
+                        "the step cache cannot wrap without bypassing it; the model is returned unchanged.",
+                        type(previous).__name__)
+            return patched
+        forward = blockwise(patched, family, compile_options(previous), config)
+        patched.add_object_patch(FORWARD, forward)
+        log.info("Overdrive DeepCache on %s (%s): %s; a run's full / reused steps are logged when the next run starts",
+                 type(unet).__name__, family.name, forward.describe())
+        return patched

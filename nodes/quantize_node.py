@@ -4,6 +4,7 @@ import logging
 
 import comfy.model_management
 
+from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
 from ..quantization import FORMATS, QuantCache, QuantConfig, plan_quantization, weights_digest
@@ -56,7 +57,7 @@ def eager_clone(model):
     so Compile Model's and DeepCache's forwards, if they come before this node, are left out of it."""
     calib = model.clone()
     calib.object_patches = {k: v for k, v in calib.object_patches.items()
-                            if not isinstance(v, (CompiledMethod, DeepCacheRunner))}
+                            if not isinstance(v, (CompiledMethod, DeepCacheRunner, BlockwiseForward))}
     return calib
 
 

@@ -1,0 +1,152 @@
+"""The forward of a diffusion model whose family is known (families/): the model's own code, with every block of its
+stacks called through one compiled graph per distinct block and, optionally, the DiT step cache.
+
+Why blocks and not one whole-model graph for DiTs: a DiT step is GPU-bound (Flux.1 at 1024² runs ~550 TFLOP/s
+compiled on an H200), so the whole-model graph's fusions across block boundaries and its CUDA graph gain little,
+while compiling 57 blocks inline dominated a 60-90 s cold compile. Compiled per block, Flux traces and lowers two
+graphs (a double and a single block) that every block of that shape runs, and the step cache decides between blocks
+in plain Python, outside any graph, so both its paths reuse the same compiled blocks.
+
+While a call runs, each block's `forward` is this object's per-block callable (an instance attribute, restored
+after the call), so the model's own forward, ComfyUI's block-replace patches and its ControlNet code run unchanged.
+"""
+import dataclasses
+import functools
+import logging
+
+import torch
+
+from .compiler import CompiledMethod
+from .compiler.regions import options_change_block
+from .deepcache.block_cache import BlockStepCache
+
+log = logging.getLogger("overdrive")
+
+# transformer_options["patches"] entries of Overdrive's own (QuantizeModel's device follower): they never touch what
+# a block computes. Any other patch may read or change block outputs, so its calls run every block.
+OWN_PATCHES = "overdrive_"
+
+
+def block_options(options):
+    """Compile options for one block: no CUDA graph (a recording per block call gains nothing on a GPU-bound block),
+    no nested regions, no whole-call precompile."""
+    return dataclasses.replace(options, cuda_graphs=False, regional=False, precompile=False)
+
+
+class BlockwiseForward:
+    """`diffusion_model.forward` for a model of a known family.
+
+    module:  the diffusion model.
+    family:  its families.Family.
+    options: CompileOptions to compile each distinct block once (None: blocks run eager).
+    cache:   a DeepCacheConfig for the step cache (None: every step runs every block).
+    compiled_block: factory (block, path, options) -> CompiledMethod; the ComfyUI adapter passes one that keys each
+             block by the layers a load swaps into it.
+    percent_to_sigma: the cache window's sigmas (ComfyUI: model_sampling.percent_to_sigma).
+    """
+
+    def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None):
+        self.module, self.family, self.options, self.cache_config = module, family, options, cache
+        self.blocks = family.blocks(module)
+        make = compiled_block or (lambda block, path, opts: CompiledMethod(block, "forward", opts, announce=False))
+        self.compiled = {path: make(block, path, block_options(options)) for _, path, block in self.blocks} \
+            if options is not None else {}
+        cached = [(stack, len(getattr(module, stack.attribute))) for stack in family.stacks if stack.cached]
+        self.cache = BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None
+        self._cached_position = {}
+        position = 0
+        for stack, path, _ in self.blocks:
+            if stack.cached:
+                self._cached_position[path] = position
+                position += 1
+        self._warned = set()
+
+    def with_module(self, module, compiled_block=None, percent_to_sigma=None) -> "BlockwiseForward":
+        """The same settings over another module of the architecture (switched weights), with a fresh cache."""
+        return BlockwiseForward(module, self.family, self.options, self.cache_config, compiled_block, percent_to_sigma)
+
+    def with_settings(self, options=..., cache=..., compiled_block=None, percent_to_sigma=None):
+        """A copy with other compile options or step cache (`...` keeps this one's); the input stays as it was."""
+        return BlockwiseForward(self.module, self.family, self.options if options is ... else options,
+                                self.cache_config if cache is ... else cache, compiled_block, percent_to_sigma)
+
+    # -- the call ----------------------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        cache = self.cache
+        if cache is not None:
+            cache.begin(*self._read_call(args, kwargs))
+        saved = [(block, block.__dict__.get("forward")) for _, _, block in self.blocks]
+        try:
+            for stack, path, block in self.blocks:
+                block.forward = functools.partial(self._run_block, stack, path, block)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        finally:
+            for block, forward in saved:
+                if forward is None:
+                    block.__dict__.pop("forward", None)
+                else:
+                    block.forward = forward
+            if cache is not None:
+                cache.end()
+
+    def _run_block(self, stack, path, block, *args, **kwargs):
+        run = functools.partial(self._block_call, path, block, args, kwargs)
+        position = self._cached_position.get(path)
+        if self.cache is None or position is None:
+            return run()
+        return self.cache.block(position, args, kwargs, run)
+
+    def _block_call(self, path, block, args, kwargs):
+        compiled = self.compiled.get(path)
+        if compiled is None:
+            return type(block).forward(block, *args, **kwargs)
+        options = kwargs.get("transformer_options")
+        if options_change_block(options):
+            # An attention override or block patch reads per-block options: such calls run eager, exact.
+            self._warn_once("a node patches this model's attention or blocks; those block calls run uncompiled")
+            return type(block).forward(block, *args, **kwargs)
+        # Blocks only read transformer_options for such patches; its per-block entries (block_index) would make
+        # every block's graph different.
+        return compiled(*args, **{k: v for k, v in kwargs.items() if k != "transformer_options"})
+
+    def _read_call(self, args, kwargs):
+        """(sigma, run key, branch, why the call cannot be cached) from ComfyUI's transformer_options."""
+        options = kwargs.get("transformer_options") or {}
+        x = args[0] if args else kwargs.get("x")
+        sigmas, sample_sigmas = options.get("sigmas"), options.get("sample_sigmas")
+        parts = [sigmas.detach().reshape(-1).double()] if isinstance(sigmas, torch.Tensor) else []
+        if isinstance(sample_sigmas, torch.Tensor):
+            parts.append(sample_sigmas.detach().reshape(-1).double().to(parts[0].device if parts else "cpu"))
+        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []  # one sync per call
+        n = sigmas.numel() if isinstance(sigmas, torch.Tensor) else 0
+        step_sigmas, schedule = values[:n], tuple(values[n:])
+        unsupported = None
+        if not step_sigmas:
+            unsupported = "the call carries no sigma (transformer_options['sigmas'])"
+        elif len(set(step_sigmas)) > 1:
+            unsupported = "per-sample sigmas differ within the batch"
+        elif kwargs.get("control") is not None:
+            unsupported = "ControlNet residuals are added between blocks"
+        elif (options.get("patches_replace") or {}).get("dit") or any(
+                value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
+            unsupported = "a node patches this model's blocks"
+        if unsupported is not None:
+            self._warn_once(f"step cache: {unsupported}; such calls run every block (exact, not accelerated)")
+        run_key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")), str(getattr(x, "device", "")),
+                   schedule)
+        branch = (tuple(options.get("cond_or_uncond") or ()), tuple(getattr(x, "shape", ())))
+        return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("Overdrive %s: %s", type(self.module).__name__, message)
+
+    def describe(self) -> str:
+        parts = []
+        if self.options is not None:
+            distinct = len({c.fingerprint for c in self.compiled.values()})
+            parts.append(f"{len(self.compiled)} blocks compiled as {distinct} distinct graph(s)")
+        if self.cache is not None:
+            parts.append(f"step cache ({self.cache_config.describe()})")
+        return ", ".join(parts) or "eager"

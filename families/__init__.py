@@ -1,0 +1,67 @@
+"""Model families as plug-ins: what the core needs to know about a diffusion model's repeated blocks.
+
+One small module per family declares its block stacks (the `nn.ModuleList`s of identical blocks, in the order the
+model runs them) and, per stack, which block arguments carry the hidden states and in what order a block returns
+them. Compile Model compiles each distinct block once from this (regional compilation), and the step cache cuts
+between blocks with it. Adding a family is one file here plus its fixture in builtin_models.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One `nn.ModuleList` of identical blocks on the diffusion model.
+
+    attribute: the ModuleList's attribute name on the diffusion model.
+    streams:   the hidden states a block carries from input to output, as (keyword, position) of its call: the
+               model may pass them either way.
+    returns:   the block's outputs, by stream name, in the order it returns them (one name: a lone tensor).
+    cached:    whether the step cache may skip these blocks (False for small refiner stacks that run before the
+               main ones: they are compiled, never skipped).
+    """
+    attribute: str
+    streams: tuple
+    returns: tuple
+    cached: bool = True
+
+    def carried(self, args: tuple, kwargs: dict) -> dict:
+        """The streams of one block call, by name."""
+        return {name: kwargs[name] if name in kwargs else args[position] for name, position in self.streams}
+
+    def named(self, out) -> dict:
+        """A block's output, by stream name."""
+        return dict(zip(self.returns, out if len(self.returns) > 1 else (out,)))
+
+    def output(self, values: dict):
+        """`values` (by stream name) in the block's own output form."""
+        ordered = tuple(values[name] for name in self.returns)
+        return ordered if len(ordered) > 1 else ordered[0]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    classes: frozenset  # the diffusion model's class names (ComfyUI's; diffusers' where the layout matches)
+    stacks: tuple
+
+    def blocks(self, model: torch.nn.Module) -> list:
+        """[(stack, path, block)] of every block in run order."""
+        return [(stack, f"{stack.attribute}.{i}", block)
+                for stack in self.stacks for i, block in enumerate(getattr(model, stack.attribute))]
+
+
+def _registered() -> tuple:
+    from . import flux, qwen_image, sd3, wan, zimage
+    return tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage))
+
+
+def family_of(model: torch.nn.Module) -> Family | None:
+    """The family plug-in for this diffusion model, or None (the SD UNets are handled by DeepCache's own paths)."""
+    name = type(model).__name__
+    for family in _registered():
+        if name in family.classes and all(isinstance(getattr(model, s.attribute, None), torch.nn.ModuleList)
+                                          for s in family.stacks):
+            return family
+    return None

@@ -1,0 +1,7 @@
+"""Qwen-Image (ComfyUI's `QwenImageTransformer2DModel`): 60 dual-stream blocks; each returns (text, image)."""
+from . import Family, Stack
+
+FAMILY = Family("qwen_image", frozenset({"QwenImageTransformer2DModel"}), (
+    Stack("transformer_blocks", streams=(("hidden_states", 0), ("encoder_hidden_states", 1)),
+          returns=("encoder_hidden_states", "hidden_states")),
+))

@@ -1,0 +1,153 @@
+"""The DiT step cache's arithmetic on a toy two-stack model (no ComfyUI): what a reused step computes, run and branch
+boundaries, the adaptive rule, and bad settings. The families' real models are covered in test_dit_families.py."""
+import pytest
+import torch
+
+from overdrive.blockwise import BlockwiseForward
+from overdrive.deepcache import DeepCacheConfig, DeepCacheConfigError
+from overdrive.families import Family, Stack
+
+
+class Pair(torch.nn.Module):
+    """A dual-stream block: forward(img, txt) -> (txt, img), as Qwen-Image orders its outputs."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.img, self.txt = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, img, txt, transformer_options=None):
+        return txt + torch.tanh(self.txt(img.mean(1, keepdim=True))), img + torch.tanh(self.img(img) + txt.mean(1, True))
+
+
+class Single(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.mix = torch.nn.Linear(width, width)
+
+    def forward(self, x, transformer_options=None):
+        return x + torch.tanh(self.mix(x))
+
+
+class Toy(torch.nn.Module):
+    """Three dual-stream blocks, then two single-stream blocks over the concatenated tokens."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pairs = torch.nn.ModuleList(Pair(width) for _ in range(3))
+        self.singles = torch.nn.ModuleList(Single(width) for _ in range(2))
+
+    def forward(self, img, txt, transformer_options=None):
+        for block in self.pairs:
+            txt, img = block(img=img, txt=txt, transformer_options=transformer_options)
+        x = torch.cat((txt, img), 1)
+        for block in self.singles:
+            x = block(x, transformer_options=transformer_options)
+        return x[:, txt.shape[1]:]
+
+
+TOY = Family("toy", frozenset({"Toy"}), (
+    Stack("pairs", streams=(("img", 0), ("txt", 1)), returns=("txt", "img")),
+    Stack("singles", streams=(("x", 0),), returns=("x",)),
+))
+
+
+def call(forward, img, txt, sigma, branch=(0,)):
+    options = {"sigmas": torch.tensor([sigma]), "cond_or_uncond": list(branch)}
+    return forward(img, txt, transformer_options=options)
+
+
+def inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 6, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+
+
+@pytest.fixture
+def toy():
+    return Toy()
+
+
+def cached(toy, **config):
+    return BlockwiseForward(toy, TOY, cache=DeepCacheConfig(**config))
+
+
+def test_interval_1_runs_every_block(toy):
+    forward = cached(toy, cache_interval=1)
+    for sigma, seed in ((1.0, 1), (0.5, 2), (0.25, 3)):
+        img, txt = inputs(seed)
+        assert torch.equal(call(forward, img, txt, sigma), toy(img, txt))
+
+
+def test_a_reused_step_runs_the_first_blocks_and_adds_each_stack_s_recorded_residual(toy):
+    forward = cached(toy, cache_interval=2, cache_depth=1)
+    img0, txt0 = inputs(1)
+    assert torch.equal(call(forward, img0, txt0, 1.0), toy(img0, txt0))  # full step: exact
+
+    # The residuals the full step left, computed by hand: pairs[1:] and all singles.
+    txt1, img1 = toy.pairs[0](img0, txt0)
+    txt3, img3 = toy.pairs[2](*reversed(toy.pairs[1](img1, txt1)))
+    x_in = torch.cat((txt3, img3), 1)
+    x_out = toy.singles[1](toy.singles[0](x_in))
+
+    img, txt = inputs(2)
+    t1, i1 = toy.pairs[0](img, txt)  # the reused step runs the first block only
+    t, i = t1 + (txt3 - txt1), i1 + (img3 - img1)
+    x = torch.cat((t, i), 1)
+    expected = (x + (x_out - x_in))[:, t.shape[1]:]
+    out = call(forward, img, txt, 0.5)
+    assert torch.allclose(out, expected, atol=1e-6)
+    assert not torch.allclose(out, toy(img, txt), atol=1e-3)  # it really reused
+    assert forward.cache.stats.shallow_steps == 1 and forward.cache.stats.full_steps == 1
+
+
+def test_a_new_run_never_reuses_the_last_run_s_residuals(toy):
+    forward = cached(toy, cache_interval=2)
+    img, txt = inputs(1)
+    call(forward, img, txt, 1.0)
+    call(forward, *inputs(2), 0.5)
+    img, txt = inputs(3)
+    assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))  # sigma went up: a new run, full
+    assert forward.cache.last_stats.steps == 2
+
+
+def test_each_branch_reuses_its_own_residuals_and_a_branch_without_any_runs_full(toy):
+    forward = cached(toy, cache_interval=2)
+    cond, uncond = inputs(1), inputs(2)
+    call(forward, *cond, 1.0, branch=(0,))
+    call(forward, *uncond, 1.0, branch=(1,))
+    reused_cond = call(forward, *inputs(3), 0.5, branch=(0,))
+    only_cond = cached(toy, cache_interval=2)
+    call(only_cond, *cond, 1.0, branch=(0,))
+    assert torch.equal(reused_cond, call(only_cond, *inputs(3), 0.5, branch=(0,)))
+    img, txt = inputs(4)
+    assert torch.equal(call(forward, img, txt, 0.5, branch=(0, 1)), toy(img, txt))  # nothing recorded for (0, 1)
+    assert forward.cache.stats.fallback_calls == 1
+
+
+def test_adaptive_reuses_only_while_the_first_blocks_changed_less_than_the_threshold(toy):
+    img, txt = inputs(1)
+    never = cached(toy, mode="adaptive", threshold=0.0)
+    always = cached(toy, mode="adaptive", threshold=1e9)
+    for sigma in (1.0, 0.8, 0.6):
+        small_change = (img * (1 + 0.01 * (1 - sigma)), txt)
+        assert torch.equal(call(never, *small_change, sigma), toy(*small_change))
+        call(always, *small_change, sigma)
+    assert never.cache.stats.full_steps == 3
+    assert (always.cache.stats.full_steps, always.cache.stats.shallow_steps) == (1, 2)
+    assert len(always.cache.changes) == 2 and all(0 < c < 0.01 for c in always.cache.changes)
+
+
+def test_a_cache_depth_the_model_does_not_have_is_refused_with_the_range(toy):
+    with pytest.raises(DeepCacheConfigError, match=r"cache_depth must be in 1\.\.4"):
+        cached(toy, cache_depth=5)
+    with pytest.raises(DeepCacheConfigError, match="mode must be one of fixed, adaptive"):
+        DeepCacheConfig(mode="sometimes")
+
+
+def test_the_model_s_own_forward_is_back_after_each_call_even_when_it_fails(toy):
+    forward = cached(toy, cache_interval=2)
+    with pytest.raises(RuntimeError):
+        call(forward, torch.randn(1, 6, 5), torch.randn(1, 3, 5), 1.0)  # wrong width
+    assert all("forward" not in block.__dict__ for block in list(toy.pairs) + list(toy.singles))
+    img, txt = inputs(1)
+    assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))

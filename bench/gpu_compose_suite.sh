@@ -48,7 +48,7 @@ case "$part" in
     timeout "${ISSUE6_TIMEOUT:-540}" python3 bench_compile.py --arch "$arch" --res "$res" --warm-cache --repeats 3 \
       --variants eager,overdrive,overdrive+deepcache,deepcache,peer,overdrive+fp8+deepcache${ISSUE6_EXTRA:+,$ISSUE6_EXTRA} \
       --out "$out/${day}_h100_${arch}_issue6.json" > "$out/${arch}_issue6.log" 2>&1; filter 10 < "$out/${arch}_issue6.log" ;;
-  fp8-deepcache-profile)  # why fp8 made compile + DeepCache slower (eighth session): host (cProfile) and GPU time of both
+  fp8-deepcache-profile)  # why fp8 made compile + DeepCache slower (bench/results/archive_2026-11-23_h100.md, run set 8): host (cProfile) and GPU time of both
     timeout 130 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 3 --profile --profile-all --cprofile \
       --variants eager,overdrive+deepcache --out "$out/${day}_h100_sd15_dc_profile.json" > "$out/sd15_dc_profile.log" 2>&1
     timeout 240 python3 bench_compile.py --arch sd15 --res 512 --warm-cache --repeats 3 --profile --profile-all --cprofile \
@@ -74,7 +74,7 @@ case "$part" in
       --peer-mode reduce-overhead --warm-variants overdrive \
       --out "$out/${day}_h100_diffusers_sdxl_all.json" > "$out/diffusers.log" 2>&1; filter 12 < "$out/diffusers.log" ;;
   diffusers-flat)  # issue 9: is Overdrive's per-image gap to the peer the regions? One flat graph beside them, warm
-    # compiles skipped (measured in session 5) so that the five rows fit one call
+    # compiles skipped (measured in run set 5 of the archive) so that the five rows fit one call
     timeout "${DIFFUSERS_TIMEOUT:-580}" python3 bench_diffusers.py \
       --variants eager,peer,overdrive-flat,overdrive,overdrive+quant+deepcache --peer-mode reduce-overhead --no-warm \
       --out "$out/${day}_h100_diffusers_sdxl_flat.json" > "$out/diffusers_flat.log" 2>&1; filter 12 < "$out/diffusers_flat.log" ;;
@@ -89,9 +89,9 @@ case "$part" in
     timeout 150 python3 bench_quantize.py --quick --formats fp8_e4m3 --budget-s 90 \
       --out "$out/${day}_h100_quantize_gemm_fp8_static.json" > "$out/quantize_gemm_fp8_static.log" 2>&1
     filter 16 < "$out/quantize_gemm_fp8_static.log" ;;
-  gemm-autotune)  # ninth session: do Inductor's autotuned Triton GEMM templates beat cuBLAS for fp16 / static fp8 at
+  gemm-autotune)  # do Inductor's autotuned Triton GEMM templates beat cuBLAS for fp16 / static fp8 at
     # SDXL's shapes? The same 7 shapes under the default mode and under max-autotune, one process each. Without
-    # Inductor's CUDA graphs: the bench captures its own graph around each call (session 9's "max-autotune" run
+    # Inductor's CUDA graphs: the bench captures its own graph around each call (the archive's run set 9 "max-autotune" run
     # nested cudagraph trees inside it and timed their bookkeeping, 0.05-0.08 ms a call, not the kernels)
     for mode in ${GEMM_MODES:-default max-autotune-no-cudagraphs}; do
       timeout "${GEMM_TIMEOUT:-200}" python3 bench_quantize.py --formats fp8_e4m3 --static-only --mode $mode --budget-s 160 \
@@ -103,13 +103,13 @@ case "$part" in
       --variants ${DIFFUSERS_VARIANTS:-eager,overdrive,overdrive-autotune,overdrive+quant,overdrive-autotune+quant,peer} \
       --out "$out/${day}_h100_diffusers_sdxl_autotune.json" > "$out/diffusers_autotune.log" 2>&1
     filter 12 < "$out/diffusers_autotune.log" ;;
-  levers)  # tenth session, issue 9: per UNet call / VAE decode, do fused q/k/v, coordinate-descent tuning or cuDNN's
+  levers)  # issue 9: per UNet call / VAE decode, do fused q/k/v, coordinate-descent tuning or cuDNN's
     # conv benchmarking put Overdrive's graph ahead of the peer's? (bench_unet_levers.py)
     timeout "${LEVERS_TIMEOUT:-570}" python3 bench_unet_levers.py \
       --variants ${LEVERS_VARIANTS:-eager,od,od+cudnn,od+fuse,od+fuse+cudnn,vae-eager,vae-od,vae-od+cudnn,vae-peer,od+cdt,peer} \
       --out "$out/${day}_h100_unet_levers.json" > "$out/unet_levers.log" 2>&1
     filter 16 < "$out/unet_levers.log" ;;
-  memory)  # tenth/eleventh session: GPU memory a dropped compiled UNet leaves behind (memory_after_release.py)
+  memory)  # GPU memory a dropped compiled UNet leaves behind (memory_after_release.py)
     timeout "${MEMORY_TIMEOUT:-300}" python3 memory_after_release.py --out "$out/${day}_h100_memory_after_release.json" \
       > "$out/memory_after_release.log" 2>&1
     filter 8 < "$out/memory_after_release.log" ;;

@@ -1,10 +1,10 @@
 """What GPU memory stays allocated after a compiled model is dropped (GPU; CUDA graphs only exist there).
 
-Tenth session: in bench_diffusers, the rows after `overdrive-precompile` had ~2.5 GiB more peak VRAM than the same
+Why: in bench_diffusers, the rows after `overdrive-precompile` had ~2.5 GiB more peak VRAM than the same
 rows before it. This builds a diffusers UNet (SDXL's block layout, narrower), compiles it with Overdrive (precompile, then
 plain), runs it, drops it, and reports the bytes still allocated, then after forgetting Overdrive's in-memory
 graphs, then after torch._dynamo.reset(); the `tmp` names torch leaked into Dynamo's guard closure
-variables (fixed in compiler/precompiled.py, eleventh session); plus the largest live CUDA tensors and who holds them.
+variables (fixed in compiler/precompiled.py); plus the largest live CUDA tensors and who holds them.
 
   python bench/memory_after_release.py --out bench/results/DATE_h100_memory_after_release.json
 """

@@ -1,7 +1,7 @@
 """Precompiled frames (opt-in): after a restart, run a saved compiled call without tracing the model again.
 
 A restarted process traces the model's Python with Dynamo before Inductor's caches can serve a single kernel: for
-SDXL on the H100 that was 20.8 s of the 34 s a warm restart took (bench/README.md, sixth session). torch's AOT
+SDXL on the H100 that was 20.8 s of the 34 s a warm restart took (bench/results/archive_2026-11-23_h100.md, run set 6). torch's AOT
 precompile (`torch.compile(fn, fullgraph=True).aot_compile(inputs)`, torch >= 2.10) captures one whole-graph call
 (the transformed bytecode and the compiled graph) into bytes that a new process loads and calls directly.
 
@@ -200,7 +200,7 @@ class GuardTemporaries:
     its base object to a `tmp<N>` name in that shared dict and skips deleting it when the read raises (seen in torch
     2.11 to 2.14, `ChainedSource.get_value`). The guards are then built again with a copy of that dict, which their
     CheckFunctionManager keeps: on the H100 a leaked name held an SDXL up block, and 248 MiB of a dropped UNet stayed in
-    VRAM for good (bench/README.md, eleventh session). So the names go in the filter itself, before that copy."""
+    VRAM for good (bench/results/archive_2026-11-23_h100.md, run sets 10 and 11). So the names go in the filter itself, before that copy."""
 
     def __init__(self):
         self.before = set(_guard_closure_vars())

@@ -222,10 +222,20 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, 
     report = quantize.last_report
     assert report is not None, caplog.text  # None: quantizing failed and fell back
     assert not report.cache_hit and report.quantized, report.summary()
-    error = assert_calls_match(sample(quantized)[1], eager[1], QUANTIZED_TOLERANCE)
+    quantized_calls = sample(quantized)[1]
+    error = assert_calls_match(quantized_calls, eager[1], QUANTIZED_TOLERANCE)
     logging.getLogger("overdrive").info("%s: %d layers int8, per-call error %.4f", family, len(report.quantized), error)
 
     again = nodes["OverdriveQuantizeModel"]()
     again.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0, calibration_steps=1,
                    positive=positive, negative=negative, latent=latent)
     assert again.last_report.cache_hit and again.last_report.quantized == report.quantized
+
+    # The step cache over the quantized model: its full step is the quantized model's, and the next step is reused
+    # (QuantizeModel's own entry in transformer_options is not a block patch that would stop the cache).
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        cached = nodes["OverdriveDeepCache"]().patch(quantized, cache_interval=2)[0]
+        calls = sample(cached)[1]
+        sample(cached)  # the first run's counts are logged when the next starts
+    assert_calls_match(calls[:1], quantized_calls[:1], 1e-6)
+    assert "1 full / 1 shallow" in caplog.text and "ran full in shallow steps" not in caplog.text

@@ -10,6 +10,7 @@
 import copy
 import hashlib
 import uuid
+import weakref
 
 import torch
 
@@ -133,7 +134,7 @@ class QuantizedModules:
             # baked, and the model was unpatched before this load), so nothing is lost.
             forget_load_state(self.originals.values())
             if self.tree is not None and self.originals and self.return_hook is None:
-                self.return_hook = self.tree.register_forward_pre_hook(self.bring_back)
+                self.return_hook = return_hook(self)
         return self
 
     def bring_back(self, tree, args) -> None:
@@ -167,6 +168,23 @@ class QuantizedModules:
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
         return self
+
+
+def return_hook(follower: QuantizedModules):
+    """`follower.bring_back` as a pre-hook on its tree, holding the follower weakly: the tree is the checkpoint's, shared
+    with every clone, and a strong hook kept each dropped quantized model's 8-bit layers alive (and in the hook list)
+    until a float clone ran (bench/results/2026-11-25_h200_quantize_memory_repeat_wan22.json)."""
+    follower_ref = weakref.ref(follower)
+    handle = None
+
+    def hook(tree, args):
+        live = follower_ref()
+        if live is None:
+            handle.remove()
+            return
+        live.bring_back(tree, args)
+    handle = follower.tree.register_forward_pre_hook(hook)
+    return handle
 
 
 def on_device(module) -> torch.device | None:

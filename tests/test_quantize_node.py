@@ -306,6 +306,28 @@ def test_a_float_clone_run_after_the_quantized_model_gets_its_float_layers_back_
     assert moves.devices(follower) == ("meta", "meta") and follower.return_hook is None
 
 
+def test_a_dropped_quantized_model_is_freed_though_its_return_hook_never_fired(comfy, moves):
+    """The return hook sits on the checkpoint's module tree, which every clone shares: it must not keep a dropped
+    quantized model's 8-bit layers alive until a float clone happens to run (on the H200, four Wan 2.2 fp8 models
+    quantized in a row were all still alive)."""
+    import gc
+    import weakref
+    from collections import OrderedDict
+    from overdrive.nodes.quantize_patches import QuantizedModules
+    float_layer, eight_bit = torch.nn.Linear(32, 32), Int8Linear.from_float(torch.nn.Linear(32, 32))
+    tree = torch.nn.Sequential(OrderedDict(layer=float_layer))
+    follower = QuantizedModules({"layer": eight_bit}, {"layer": float_layer}, torch.device("meta"),
+                                torch.device("cpu"), tree)
+    follower.to(torch.device("meta"))
+    assert len(tree._forward_pre_hooks) == 1
+    dropped, layer = weakref.ref(follower), weakref.ref(eight_bit)
+    del follower, eight_bit
+    gc.collect()
+    assert dropped() is None and layer() is None
+    tree(torch.zeros(1, 32))  # the next call of the tree removes the orphaned hook
+    assert len(tree._forward_pre_hooks) == 0
+
+
 # -------------------------------------------------------------------------------------------- LoRA
 def lora_for(base, float_layers, names, seed=5, rank=4):
     """A LoRA file's tensors (kohya naming, as most LoRAs ship) for `names`, changing each weight by ~50%."""

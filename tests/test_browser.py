@@ -100,6 +100,9 @@ def test_dropped_workflow_loads_and_queues_to_an_image(path, page, server, tmp_p
     runnable = prefix_images(cpu_sized(copy.deepcopy(api)), prefix)
     page.evaluate(SET_WIDGETS, edits(api, runnable))
     assert without_meta(page.evaluate(QUEUED)) == without_meta(runnable)
+    # The frontend blocks the page with a mask while it is busy; on a loaded 2-core machine its fade-out outlasted the
+    # click's 30 s wait (CI, compile_qwen_image). A person waits for it too.
+    page.wait_for_selector(".p-blockui-mask", state="detached", timeout=300_000)
     page.get_by_role("button", name=QUEUE_BUTTON).first.click()
     outcome = page.wait_for_function(OUTCOME, timeout=900_000, polling=500).json_value()
     page.screenshot(path=str(tmp_path / f"{path.stem}.png"))

@@ -140,14 +140,9 @@ class QuantizedModules:
     def bring_back(self, tree, args) -> None:
         """Before each call of the diffusion model: if the tree holds the float layers (another clone of this
         checkpoint runs), put them on the input's device, once."""
-        name, original = next(iter(self.originals.items()))  # ComfyUI swaps object patches all together
-        if tree.get_submodule(name) is not original:
-            return
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if device is not None:
-            move(self.originals.values(), device)
-        self.return_hook.remove()
-        self.return_hook = None
+        if return_float_layers(tree, self.originals, args):
+            self.return_hook.remove()
+            self.return_hook = None
 
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
@@ -170,19 +165,33 @@ class QuantizedModules:
         return self
 
 
+def return_float_layers(tree, originals: dict, args) -> bool:
+    """If `tree` holds the float layers, put them on the device of the call's input; whether it did."""
+    name, original = next(iter(originals.items()))  # ComfyUI swaps object patches all together
+    if tree.get_submodule(name) is not original:
+        return False
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is not None:
+        move(originals.values(), device)
+    return True
+
+
 def return_hook(follower: QuantizedModules):
-    """`follower.bring_back` as a pre-hook on its tree, holding the follower weakly: the tree is the checkpoint's, shared
-    with every clone, and a strong hook kept each dropped quantized model's 8-bit layers alive (and in the hook list)
-    until a float clone ran (bench/results/2026-11-25_h200_quantize_memory_repeat_wan22.json)."""
-    follower_ref = weakref.ref(follower)
+    """The pre-hook on the checkpoint's module tree that brings the float layers back for a float clone, once.
+
+    It holds the float layers (the checkpoint's own) and not the follower: the tree is shared by every clone, and a
+    hook holding the follower kept each dropped quantized model's 8-bit layers alive until a float clone ran
+    (bench/results/2026-11-25_h200_quantize_memory_repeat_wan22_compile.json). It still fires after its quantized model
+    is gone, when the float layers are needed most."""
+    originals, follower_ref = follower.originals, weakref.ref(follower)
     handle = None
 
     def hook(tree, args):
-        live = follower_ref()
-        if live is None:
+        if return_float_layers(tree, originals, args):
             handle.remove()
-            return
-        live.bring_back(tree, args)
+            live = follower_ref()
+            if live is not None:
+                live.return_hook = None
     handle = follower.tree.register_forward_pre_hook(hook)
     return handle
 

@@ -309,7 +309,7 @@ def test_a_float_clone_run_after_the_quantized_model_gets_its_float_layers_back_
 def test_a_dropped_quantized_model_is_freed_though_its_return_hook_never_fired(comfy, moves):
     """The return hook sits on the checkpoint's module tree, which every clone shares: it must not keep a dropped
     quantized model's 8-bit layers alive until a float clone happens to run (on the H200, four Wan 2.2 fp8 models
-    quantized in a row were all still alive)."""
+    quantized in a row were all still alive), and must still bring the float layers back when one does."""
     import gc
     import weakref
     from collections import OrderedDict
@@ -324,8 +324,9 @@ def test_a_dropped_quantized_model_is_freed_though_its_return_hook_never_fired(c
     del follower, eight_bit
     gc.collect()
     assert dropped() is None and layer() is None
-    tree(torch.zeros(1, 32))  # the next call of the tree removes the orphaned hook
-    assert len(tree._forward_pre_hooks) == 0
+    moves.place([float_layer], "meta")  # say the float layer were away from the input's device
+    tree(torch.zeros(1, 32))  # a float clone runs: its layers come back beside the input, and the hook goes
+    assert moves[-1] == ("float", "cpu") and len(tree._forward_pre_hooks) == 0
 
 
 # -------------------------------------------------------------------------------------------- LoRA

@@ -19,6 +19,7 @@ import torch
 from .compiler import CompiledMethod
 from .compiler.regions import options_change_block
 from .deepcache.block_cache import BlockStepCache
+from .deepcache.schedule import host_floats
 
 log = logging.getLogger("overdrive")
 
@@ -49,26 +50,16 @@ class BlockwiseForward:
         self.module, self.family, self.options, self.cache_config = module, family, options, cache
         self.blocks = family.blocks(module)
         make = compiled_block or (lambda block, path, opts: CompiledMethod(block, "forward", opts, announce=False))
-        self.compiled = {path: make(block, path, block_options(options)) for _, path, block in self.blocks} \
-            if options is not None else {}
+        if options is not None:
+            per_block = block_options(options)
+            self.compiled = {path: make(block, path, per_block) for _, path, block in self.blocks}
+        else:
+            self.compiled = {}
         cached = [(stack, len(getattr(module, stack.attribute))) for stack in family.stacks if stack.cached]
         self.cache = BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None
-        self._cached_position = {}
-        position = 0
-        for stack, path, _ in self.blocks:
-            if stack.cached:
-                self._cached_position[path] = position
-                position += 1
+        # Position among the blocks the step cache sees (the cached stacks', in run order).
+        self._cached_position = {path: i for i, path in enumerate(p for stack, p, _ in self.blocks if stack.cached)}
         self._warned = set()
-
-    def with_module(self, module, compiled_block=None, percent_to_sigma=None) -> "BlockwiseForward":
-        """The same settings over another module of the architecture (switched weights), with a fresh cache."""
-        return BlockwiseForward(module, self.family, self.options, self.cache_config, compiled_block, percent_to_sigma)
-
-    def with_settings(self, options=..., cache=..., compiled_block=None, percent_to_sigma=None):
-        """A copy with other compile options or step cache (`...` keeps this one's); the input stays as it was."""
-        return BlockwiseForward(self.module, self.family, self.options if options is ... else options,
-                                self.cache_config if cache is ... else cache, compiled_block, percent_to_sigma)
 
     # -- the call ----------------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -113,13 +104,11 @@ class BlockwiseForward:
         """(sigma, run key, branch, why the call cannot be cached) from ComfyUI's transformer_options."""
         options = kwargs.get("transformer_options") or {}
         x = args[0] if args else kwargs.get("x")
-        sigmas, sample_sigmas = options.get("sigmas"), options.get("sample_sigmas")
-        parts = [sigmas.detach().reshape(-1).double()] if isinstance(sigmas, torch.Tensor) else []
-        if isinstance(sample_sigmas, torch.Tensor):
-            parts.append(sample_sigmas.detach().reshape(-1).double().to(parts[0].device if parts else "cpu"))
-        values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []  # one sync per call
-        n = sigmas.numel() if isinstance(sigmas, torch.Tensor) else 0
-        step_sigmas, schedule = values[:n], tuple(values[n:])
+        sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
+        given = [t for t in (sigmas, sample_sigmas) if isinstance(t, torch.Tensor)]
+        values = host_floats(given) if given else []  # one sync per call
+        step_sigmas = values[0] if isinstance(sigmas, torch.Tensor) else []
+        schedule = tuple(values[-1]) if isinstance(sample_sigmas, torch.Tensor) else ()
         unsupported = None
         if not step_sigmas:
             unsupported = "the call carries no sigma (transformer_options['sigmas'])"

@@ -15,16 +15,12 @@ Adaptive mode: after block `cache_depth - 1` the first stream's mean absolute ch
 relative to its mean magnitude, is compared with `threshold`. Reading that number is one GPU->host sync per step:
 the GPU finishes the first blocks while the host waits, then the host queues the rest (one block's launch time).
 """
-import logging
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from .config import DeepCacheConfig, DeepCacheConfigError
 from .schedule import DeepCacheSchedule
-
-log = logging.getLogger("overdrive.deepcache")
 
 
 @dataclass(frozen=True)
@@ -57,13 +53,12 @@ def relative_change(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 class BlockStepCache:
-    """The per-call state machine; `BlockStackForward` calls `begin`, `block` for each cached block, then `end`."""
+    """The per-call state machine; `BlockwiseForward` calls `begin`, `block` for each cached block, then `end`."""
 
     def __init__(self, config: DeepCacheConfig, stacks: list, percent_to_sigma=None):
         self.config = config
         self.roles = block_roles(stacks, config.cache_depth)
         self.schedule = DeepCacheSchedule(config, percent_to_sigma)
-        self._lock = threading.Lock()
         self._residuals: dict = {}   # (branch, stack index) -> {stream: tensor or None}
         self._entries: dict = {}     # (branch, stack index) -> {stream: tensor} at the first skipped block (full steps)
         self._references: dict = {}  # branch -> probe at the last full step (adaptive)
@@ -78,11 +73,6 @@ class BlockStepCache:
     def last_stats(self):
         return self.schedule.last_stats
 
-    def reset(self) -> None:
-        with self._lock:
-            self.schedule.reset()
-            self._drop()
-
     def _drop(self) -> None:
         self._residuals.clear()
         self._entries.clear()
@@ -90,18 +80,17 @@ class BlockStepCache:
 
     def begin(self, sigma: float, run_key, branch, unsupported: str | None = None) -> None:
         """Decide the call at `sigma` (one sigma per call; ComfyUI's per-sample sigmas agree within a batch)."""
-        with self._lock:
-            decision = self.schedule.decide(sigma, run_key)
-            if decision.new_run:
-                self._drop()
-                self.changes = []
-            adaptive = self.config.mode == "adaptive"
-            pending = adaptive and decision.new_step and not decision.full and unsupported is None
-            reuse = not decision.full and not pending and unsupported is None
-            if reuse and not self._recorded(branch):
-                reuse, unsupported = False, "no residual recorded for this batch layout"
-            self._call = {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full,
-                          "unsupported": unsupported}
+        decision = self.schedule.decide(sigma, run_key)
+        if decision.new_run:
+            self._drop()
+            self.changes = []
+        adaptive = self.config.mode == "adaptive"
+        pending = adaptive and decision.new_step and not decision.full and unsupported is None
+        reuse = not decision.full and not pending and unsupported is None
+        if reuse and not self._recorded(branch):
+            reuse, unsupported = False, "no residual recorded for this batch layout"
+        self._call = {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full,
+                      "unsupported": unsupported}
 
     def block(self, position: int, args: tuple, kwargs: dict, run):
         """Block `position` of the cached stacks: run it (`run()`), or stand in for it on a reused step."""
@@ -143,19 +132,14 @@ class BlockStepCache:
                 reference is not None and reference.shape == probe.shape) else None
             self.changes.append(change)
             reuse = change is not None and self._recorded(branch) and change < self.config.threshold
-            with self._lock:
-                self.schedule.settle(full=not reuse)
+            self.schedule.settle(full=not reuse)
             call["reuse"], call["pending"] = reuse, False
         if not call["reuse"]:
             self._references[branch] = probe.detach().clone()
 
     def end(self) -> None:
         call, self._call = self._call, None
-        with self._lock:
-            if call["unsupported"] is not None:
-                self.schedule.note_call("full" if call["full_step"] else "fallback", call["unsupported"])
-            else:
-                self.schedule.note_call("shallow" if call["reuse"] else "full")
-
-    def summary(self) -> str:
-        return self.schedule.summary()
+        if call["unsupported"] is not None:
+            self.schedule.note_call("full" if call["full_step"] else "fallback", call["unsupported"])
+        else:
+            self.schedule.note_call("shallow" if call["reuse"] else "full")

@@ -8,7 +8,7 @@ import torch
 from .cache import FeatureCache
 from .config import DeepCacheConfig, DeepCacheConfigError
 from .paths import CallInfo, UNetPaths
-from .schedule import DeepCacheSchedule, RunStats
+from .schedule import DeepCacheSchedule, RunStats, host_floats
 
 log = logging.getLogger("overdrive.deepcache")
 
@@ -162,15 +162,10 @@ class DeepCacheRunner:
 
     def _read(self, info: CallInfo):
         """Sigmas, conditioning fingerprint and the run's sigma list, as Python floats (one device sync)."""
-        parts = [info.sigma.detach().reshape(-1)] + [f.detach().reshape(-1) for f in info.fingerprint]
-        if info.sample_sigmas is not None:
-            parts.append(info.sample_sigmas.detach().reshape(-1))
-        device = parts[0].device
-        values = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
-        n = parts[0].numel()
-        n_fp = sum(p.numel() for p in parts[1:1 + len(info.fingerprint)])
-        sample = values[n + n_fp:] if info.sample_sigmas is not None else None
-        return values[:n], values[n:n + n_fp], sample
+        sample = [info.sample_sigmas] if info.sample_sigmas is not None else []
+        sigmas, *rest = host_floats([info.sigma, *info.fingerprint, *sample])
+        fingerprint = [value for values in rest[:len(info.fingerprint)] for value in values]
+        return sigmas, fingerprint, (rest[-1] if sample else None)
 
     def _native_call(self, full_step: bool, reason: str, args, kwargs):
         if self.config.on_unsupported == "error":

@@ -20,9 +20,24 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable
 
+import torch
+
 from .config import DeepCacheConfig, DeepCacheConfigError
 
 log = logging.getLogger("overdrive.deepcache")
+
+
+def host_floats(tensors: list) -> list[list[float]]:
+    """Each tensor's values as Python floats, read from the device in one sync for all of them (a sync per tensor
+    would stall the GPU queue once more per model call for each)."""
+    flat = [t.detach().reshape(-1) for t in tensors]
+    device = flat[0].device
+    values = torch.cat([f.to(device=device, dtype=torch.float64) for f in flat]).tolist()
+    out, start = [], 0
+    for f in flat:
+        out.append(values[start:start + f.numel()])
+        start += f.numel()
+    return out
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ class OverdriveDeepCache:
     def _patch_blocks(patched, family, config, previous):
         """A DiT: the step cache over its block stacks, keeping Compile Model's compiled blocks if it came first."""
         unet = patched.model.diffusion_model
-        if previous is not None and not installable(previous, unet):
+        if not installable(previous, unet):
             log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
                         "the step cache cannot wrap without bypassing it; the model is returned unchanged.",
                         type(previous).__name__)

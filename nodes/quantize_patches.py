@@ -137,13 +137,6 @@ class QuantizedModules:
                 self.return_hook = return_hook(self)
         return self
 
-    def bring_back(self, tree, args) -> None:
-        """Before each call of the diffusion model: if the tree holds the float layers (another clone of this
-        checkpoint runs), put them on the input's device, once."""
-        if return_float_layers(tree, self.originals, args):
-            self.return_hook.remove()
-            self.return_hook = None
-
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
             move(self.modules.values(), self.offload_device)  # unloaded: the float layers went with the tree
@@ -165,17 +158,6 @@ class QuantizedModules:
         return self
 
 
-def return_float_layers(tree, originals: dict, args) -> bool:
-    """If `tree` holds the float layers, put them on the device of the call's input; whether it did."""
-    name, original = next(iter(originals.items()))  # ComfyUI swaps object patches all together
-    if tree.get_submodule(name) is not original:
-        return False
-    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    if device is not None:
-        move(originals.values(), device)
-    return True
-
-
 def return_hook(follower: QuantizedModules):
     """The pre-hook on the checkpoint's module tree that brings the float layers back for a float clone, once.
 
@@ -184,14 +166,19 @@ def return_hook(follower: QuantizedModules):
     (bench/results/2026-11-25_h200_quantize_memory_repeat_wan22_compile.json). It still fires after its quantized model
     is gone, when the float layers are needed most."""
     originals, follower_ref = follower.originals, weakref.ref(follower)
+    name, original = next(iter(originals.items()))  # ComfyUI swaps object patches all together: one tells
     handle = None
 
     def hook(tree, args):
-        if return_float_layers(tree, originals, args):
-            handle.remove()
-            live = follower_ref()
-            if live is not None:
-                live.return_hook = None
+        if tree.get_submodule(name) is not original:
+            return  # the quantized model (or another) runs: nothing to bring back
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is not None:
+            move(originals.values(), device)
+        handle.remove()
+        live = follower_ref()
+        if live is not None:
+            live.return_hook = None
     handle = follower.tree.register_forward_pre_hook(hook)
     return handle
 

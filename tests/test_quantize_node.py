@@ -298,12 +298,14 @@ def test_a_float_clone_run_after_the_quantized_model_gets_its_float_layers_back_
     moves.place([float_layer], "meta")
     follower.to(torch.device("meta"))  # the quantized model loads: its float layer to the CPU, a return hook set
     assert moves.devices(follower) == ("meta", "cpu") and follower.return_hook is not None
+    hook = next(iter(tree._forward_pre_hooks.values()))  # called as the tree's forward would, on a "GPU" input
     tree.layer = eight_bit  # while the quantized model runs, the hook leaves everything alone
-    follower.bring_back(tree, (torch.zeros(1, 32, device="meta"),))
+    hook(tree, (torch.zeros(1, 32, device="meta"),))
     assert moves.devices(follower) == ("meta", "cpu")
     tree.layer = float_layer  # the float model runs
-    follower.bring_back(tree, (torch.zeros(1, 32, device="meta"),))
+    hook(tree, (torch.zeros(1, 32, device="meta"),))
     assert moves.devices(follower) == ("meta", "meta") and follower.return_hook is None
+    assert not tree._forward_pre_hooks
 
 
 def test_a_dropped_quantized_model_is_freed_though_its_return_hook_never_fired(comfy, moves):

@@ -8,7 +8,7 @@
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl*/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
 export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH="$PWD/.devcarry/ComfyUI" PYTHONUNBUFFERED=1
 #   VARIANTS=... overrides the variants; BENCH_ARGS=... adds bench_compile.py arguments (e.g. --profile)

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from .compiler import CompiledMethod
-from .compiler.regions import options_change_block
+from .compiler.regions import block_options
 from .deepcache.block_cache import BlockStepCache
 from .deepcache.schedule import host_floats
 
@@ -91,14 +91,15 @@ class BlockwiseForward:
         compiled = self.compiled.get(path)
         if compiled is None:
             return type(block).forward(block, *args, **kwargs)
-        options = kwargs.get("transformer_options")
-        if options_change_block(options):
-            # An attention override or block patch reads per-block options: such calls run eager, exact.
+        shared = block_options(kwargs.get("transformer_options"))
+        if shared is None:
+            # Another node's attention override or block patch reads per-block options: such calls run eager, exact.
             self._warn_once("a node patches this model's attention or blocks; those block calls run uncompiled")
             return type(block).forward(block, *args, **kwargs)
         # Blocks only read transformer_options for such patches; its per-block entries (block_index) would make
-        # every block's graph different.
-        return compiled(*args, **{k: v for k, v in kwargs.items() if k != "transformer_options"})
+        # every block's graph different. Overdrive's own attention override is passed alone.
+        kwargs = {k: v for k, v in kwargs.items() if k != "transformer_options"}
+        return compiled(*args, **kwargs, **({"transformer_options": shared} if shared else {}))
 
     def _read_call(self, args, kwargs):
         """(sigma, run key, branch, why the call cannot be cached) from ComfyUI's transformer_options."""

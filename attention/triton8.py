@@ -106,8 +106,9 @@ if triton is not None:
                 scale = tl.maximum(tl.load(stats_ptr + n_bh * HEAD_DIM + bh * HEAD_DIM + cols) / 448.0, 1e-20)
                 x = tl.load(_token_block(v_ptr, v_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None],
                             other=0.0).to(tl.float32)
-                y = (x / scale[None, :]).to(v8_ptr.dtype.element_ty)
-                tl.store(v8_ptr + (bh * HEAD_DIM + cols)[None, :].to(tl.int64) * nkv_pad + rows[:, None], y)
+                # Transposed in registers (through shared memory), so that the store runs along the tokens.
+                y = tl.trans((x / scale[None, :]).to(v8_ptr.dtype.element_ty))
+                tl.store(v8_ptr + (bh * HEAD_DIM + cols)[:, None].to(tl.int64) * nkv_pad + rows[None, :], y)
                 if pid == 0:
                     tl.store(v_scale_ptr + bh * HEAD_DIM + cols, scale)
 

@@ -143,12 +143,20 @@ def main():
                        "overdrive-precompile": {"precompile": True}}
 
     def make(variant):
-        """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8), compile (peer |
+        """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8, with attn<bound> or
+        attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
         overdrive[-no-cudagraphs|-autotune|-flat|-precompile]), a step cache (deepcache: fixed interval; adaptive;
         easycache: ComfyUI's built-in EasyCache with its defaults). 'eager' alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
-        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", "deepcache", "easycache", adaptive}
+        # "attn0.05": QuantizeModel's attention=auto with that error bound; "attn8bit0.05": attention=8bit.
+        attn = next((p for p in parts if p.startswith("attn")), None)
+        attention = {"attention": "sdpa"}
+        if attn:
+            mode = "8bit" if attn.startswith("attn8bit") else "auto"
+            bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
+            attention = {"attention": mode, "attention_max_error": float(bound or 0.03)}
+        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", "deepcache", "easycache", adaptive, attn}
                    - set(compile_options))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -158,7 +166,7 @@ def main():
                 start = time.perf_counter()
                 patcher = run_node("OverdriveQuantizeModel", model=patcher,
                                    format={"int8": "int8", "fp8": "fp8_e4m3"}[fmt], positive=positive,
-                                   negative=negative, latent={"samples": latent})
+                                   negative=negative, latent={"samples": latent}, **attention)
                 sync()
                 calibration[variant] = time.perf_counter() - start
         if "peer" in parts:

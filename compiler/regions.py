@@ -8,8 +8,9 @@ identical block graphs become one subgraph that AOTAutograd and Inductor compile
 
 ComfyUI's blocks take `transformer_options`, whose per-block entries ("block", "block_index") would make every
 block's traced graph different. Blocks only read them to look up patches, so a block whose options hold no patch it
-would apply runs in the region without them; a block that has such a patch (IP-Adapter's attention patches, an
-attention override) runs inline with its options, exactly as without regions.
+would apply runs in the region without them (or with Overdrive's own attention override alone); a block that has
+such a patch (IP-Adapter's attention patches, another node's attention override) runs inline with its options,
+exactly as without regions.
 """
 import inspect
 import types
@@ -25,14 +26,20 @@ BLOCK_REPLACES = ("attn1", "attn2")
 ATTENTION_OVERRIDE = "optimized_attention_override"
 
 
-def options_change_block(options) -> bool:
-    """Whether ComfyUI transformer_options carry something a transformer block applies (so it must see them)."""
+def block_options(options):
+    """What a compiled block is given of ComfyUI's transformer_options: {} (nothing), {override} when the only thing
+    that applies is Overdrive's own attention (the same object for every block, so blocks still share one graph),
+    or None when a patch or another node's attention override needs the block to see all of them."""
     if not options:
-        return False
+        return {}
     patches = options.get("patches") or {}
     replaces = options.get("patches_replace") or {}
-    return (ATTENTION_OVERRIDE in options or any(patches.get(key) for key in BLOCK_PATCHES)
-            or any(replaces.get(key) for key in BLOCK_REPLACES))
+    if any(patches.get(key) for key in BLOCK_PATCHES) or any(replaces.get(key) for key in BLOCK_REPLACES):
+        return None
+    override = options.get(ATTENTION_OVERRIDE)
+    if override is None:
+        return {}
+    return {ATTENTION_OVERRIDE: override} if getattr(override, "overdrive_attention", False) else None
 
 
 _nested_region = torch.compiler.nested_compile_region  # a seam for tests that make regions fail
@@ -60,9 +67,10 @@ def region_forwards(cls) -> tuple:
             return region(self, *args, **kwargs)
 
         def comfy_region_forward(self, x, context=None, transformer_options=None):
-            if options_change_block(transformer_options):
+            shared = block_options(transformer_options)
+            if shared is None:
                 return run_block(self, x, context, transformer_options)
-            return region(self, x, context)
+            return region(self, x, context, shared) if shared else region(self, x, context)
 
         region_forward.overdrive_region = comfy_region_forward.overdrive_region = True
         made = _forwards_by_class[cls] = (region_forward, comfy_region_forward)

@@ -1,0 +1,141 @@
+"""Which attention runs at a shape: SDPA or an 8-bit backend, chosen once per shape, dtype and GPU by measuring
+them on the call's own inputs, as QuantizeModel's `min_speedup` and error thresholds decide per layer.
+
+At the first call of a shape each applicable backend runs on those inputs: its relative error against SDPA's
+output, and its time (median of a few runs, CUDA events). `auto` takes the fastest backend within the error bound
+that beats SDPA by 3 %; `8bit` the fastest within the bound even when SDPA is faster; `sdpa` never measures. The
+choice is logged with its figures and kept for the process. A backend that fails is never tried again at that shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import torch
+
+from . import cudnn8, triton8
+
+log = logging.getLogger("overdrive")
+
+MODES = ("auto", "sdpa", "8bit")
+MIN_SPEEDUP = 1.03  # auto: an 8-bit backend must beat SDPA by this much (timing noise is ~1 %)
+
+
+class AttentionConfigError(ValueError):
+    """Bad attention settings: the message names the setting and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    mode: str = "auto"
+    max_error: float = 0.03  # relative error per call, against SDPA on the same inputs
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise AttentionConfigError(f"attention mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not 0.0 < self.max_error <= 1.0:
+            raise AttentionConfigError(f"attention_max_error must be in (0, 1], got {self.max_error}: it is a "
+                                       "relative error per call (0.03 = 3 %)")
+
+
+def sdpa(q, k, v):
+    """torch's best 16-bit attention, in the backends' output layout (batch, tokens, heads, head dim)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()
+
+
+# name -> (applies(q, k, v) -> None or why not, run(q, k, v) -> (batch, tokens, heads, head dim))
+BACKENDS = {
+    "int8_fp8": (triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8")),
+    "int8_fp16": (triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16")),
+    "cudnn_fp8": (cudnn8.supports, cudnn8.attention),
+}
+
+
+@dataclasses.dataclass
+class Measurement:
+    backend: str
+    ms: float | None = None
+    rel_err: float | None = None
+    failed: str | None = None
+
+
+def pick(measurements: list, sdpa_ms: float, config: AttentionConfig) -> str:
+    """The backend for a shape from its measurements (pure: the rule the docstring above states)."""
+    if config.mode == "sdpa":
+        return "sdpa"
+    within = [m for m in measurements if m.failed is None and m.rel_err is not None and m.rel_err <= config.max_error]
+    if config.mode == "auto":
+        within = [m for m in within if m.ms * MIN_SPEEDUP <= sdpa_ms]
+    return min(within, key=lambda m: m.ms).backend if within else "sdpa"
+
+
+def _median_ms(fn, reps: int = 7) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def relative_error(out, ref) -> float:
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+class Chooser:
+    """Per (shape, dtype, device, config) the backend to run; measured at the first call."""
+
+    def __init__(self):
+        self.choices: dict = {}
+        self.reports: dict = {}
+        self._lock = threading.Lock()
+
+    def backend(self, q, k, v, config: AttentionConfig) -> str:
+        key = (tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device), config)
+        choice = self.choices.get(key)
+        if choice is not None:
+            return choice
+        if config.mode == "sdpa" or not q.is_cuda or torch.cuda.is_current_stream_capturing():
+            return "sdpa"  # nothing to measure here (a CUDA graph records the warm-up's choice, made before)
+        with self._lock:
+            if key not in self.choices:
+                self.choices[key] = self._measure(key, q, k, v, config)
+        return self.choices[key]
+
+    def failed(self, q, k, v, config: AttentionConfig, backend: str, error: Exception) -> None:
+        key = (tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device), config)
+        self.choices[key] = "sdpa"
+        log.warning("Overdrive attention: %s failed at %s (%s: %s); SDPA runs there from now on", backend,
+                    tuple(q.shape), type(error).__name__, str(error).splitlines()[0][:300] if str(error) else "")
+
+    def _measure(self, key, q, k, v, config: AttentionConfig) -> str:
+        ref = sdpa(q, k, v)
+        sdpa_ms = _median_ms(lambda: sdpa(q, k, v))
+        measurements = []
+        for name, (applies, run) in BACKENDS.items():
+            why = applies(q, k, v)
+            if why is not None:
+                measurements.append(Measurement(name, failed=why))
+                continue
+            try:
+                out = run(q, k, v)
+                measurements.append(Measurement(name, ms=_median_ms(lambda: run(q, k, v)),
+                                                rel_err=relative_error(out, ref)))
+            except Exception as error:  # noqa: BLE001 - a backend that cannot run here is skipped, SDPA stays
+                measurements.append(Measurement(name, failed=f"{type(error).__name__}: {str(error)[:200]}"))
+        choice = pick(measurements, sdpa_ms, config)
+        self.reports[key] = (sdpa_ms, measurements, choice)
+        figures = "; ".join(
+            f"{m.backend} {m.ms:.3f} ms ({sdpa_ms / m.ms:.2f}x), error {m.rel_err:.2%}" if m.failed is None
+            else f"{m.backend}: {m.failed}" for m in measurements)
+        log.info("Overdrive attention %s %s, mode %s, error bound %.1f%%: SDPA %.3f ms; %s -> %s", tuple(q.shape),
+                 str(q.dtype).replace("torch.", ""), config.mode, 100 * config.max_error, sdpa_ms, figures, choice)
+        return choice
+
+
+CHOOSER = Chooser()

@@ -1,0 +1,26 @@
+"""`torch.ops.overdrive.attention`: attention through the per-shape choice, as one custom op, so that torch.compile
+traces it as a single opaque call (with a fake implementation for shapes) and CUDA graphs record it like any kernel.
+The backend is picked inside the op at run time; under torch.compile the surrounding graph does not change with it.
+"""
+import torch
+
+from .choice import BACKENDS, CHOOSER, AttentionConfig, sdpa
+
+
+@torch.library.custom_op("overdrive::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, max_error: float) -> torch.Tensor:
+    """(batch, heads, tokens, head dim) q, k, v -> (batch, tokens, heads, head dim), contiguous."""
+    config = AttentionConfig(mode, max_error)
+    backend = CHOOSER.backend(q, k, v, config)
+    if backend != "sdpa":
+        try:
+            return BACKENDS[backend][1](q, k, v)
+        except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
+            CHOOSER.failed(q, k, v, config, backend, error)
+    return sdpa(q, k, v)
+
+
+@attention.register_fake
+def _(q, k, v, mode, max_error):
+    batch, heads, tokens, dim = q.shape
+    return q.new_empty((batch, tokens, heads, v.shape[-1]))

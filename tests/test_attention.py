@@ -1,0 +1,165 @@
+"""8-bit attention on the CPU: the scheme's math (attention.reference), the Triton kernel itself through Triton's
+interpreter (fp16 P·V, where the interpreter's casts are exact), the per-shape choice rule, the custom op under
+torch.compile, and ComfyUI's override: its fallbacks and how compiled blocks receive it. The kernels' speed and
+their fp8 error on the GPU: bench/attention_kernels.py."""
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive.attention
+from overdrive.attention import reference as ref
+from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, pick
+from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_options
+
+
+def qkv(shape, seed=0, k_offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+    return q, k + k_offset * torch.randn((1, shape[1], 1, shape[3]), generator=g), v
+
+
+def test_int8_block_quantization_error_is_within_half_a_step():
+    x = torch.randn(2, 3, 200, 64) * 5
+    for quantize in (ref.quantize_int8_rows, lambda t: ref.quantize_int8_blocks(t, 64)):
+        values, scale = quantize(x)
+        assert values.abs().max() <= 127 and torch.equal(values, values.round())
+        assert ((values * scale - x).abs() <= scale / 2 * (1 + 1e-5)).all()
+
+
+def test_smoothing_k_leaves_attention_unchanged_and_rescues_int8_from_a_shared_offset():
+    q, k, v = qkv((1, 2, 300, 64), k_offset=20.0)
+    torch.testing.assert_close(ref.exact_attention(q, ref.smooth_k(k), v), ref.exact_attention(q, k, v),
+                               rtol=1e-4, atol=1e-5)
+    exact = ref.exact_attention(q, k, v)
+    smoothed = ref.relative_error(ref.quantized_attention(q, k, v, pv="fp16"), exact)
+    values, scale = ref.quantize_int8_blocks(k, 128)  # the same scheme without smoothing
+    scores = ref.quantize_int8_rows(q)[0] @ (values * scale).transpose(-1, -2) * ref.quantize_int8_rows(q)[1]
+    unsmoothed = ref.relative_error(torch.softmax(scores * 64 ** -0.5, dim=-1) @ v, exact)
+    assert smoothed < 0.02 < unsmoothed, (smoothed, unsmoothed)
+
+
+@pytest.mark.parametrize("pv, bound", [("fp16", 0.015), ("fp8", 0.06)])
+def test_scheme_error_on_random_inputs(pv, bound):
+    """The figures triton8.py's docstring gives: ~1 % with fp16 P·V, ~4 % with e4m3 P·V, on N(0, 1) inputs."""
+    q, k, v = qkv((1, 2, 1024, 128))
+    err = ref.relative_error(ref.quantized_attention(q, k, v, pv=pv), ref.exact_attention(q, k, v))
+    assert 0.002 < err < bound
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from overdrive.attention import reference as ref, triton8
+    torch.manual_seed(0)
+    # Token counts off the block sizes (masked last key block, padded queries), cross-attention lengths, both head dims.
+    for (b, h, nq, nkv, d) in [(1, 2, 200, 200, 64), (2, 1, 130, 77, 128)]:
+        q, v = torch.randn(b, h, nq, d), torch.randn(b, h, nkv, d)
+        k = torch.randn(b, h, nkv, d) + 3.0
+        for block_n in (64, 128):
+            out = triton8.attention(q, k, v, pv="fp16", config=(64, block_n, 4, 2))
+            assert out.shape == (b, nq, h, d)
+            scheme = ref.quantized_attention(q, k, v, block_n=block_n, pv="fp16").transpose(1, 2)
+            err = ref.relative_error(out, scheme)
+            assert err < 2e-3, (b, h, nq, nkv, d, block_n, err)
+    # A (batch, tokens, heads*dim) layout viewed as (batch, heads, tokens, dim), as ComfyUI passes it.
+    x = torch.randn(1, 150, 2 * 64)
+    view = x.view(1, 150, 2, 64).transpose(1, 2)
+    out = triton8.attention(view, view, view, pv="fp16", config=(64, 64, 4, 2))
+    err = ref.relative_error(out, ref.exact_attention(view, view, view).transpose(1, 2))
+    assert err < 0.02, err
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_kernel_matches_the_scheme_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_config_errors_name_the_setting():
+    with pytest.raises(AttentionConfigError, match="attention mode 'fast' is not one of auto, sdpa, 8bit"):
+        AttentionConfig("fast")
+    with pytest.raises(AttentionConfigError, match="attention_max_error must be in"):
+        AttentionConfig("auto", 0.0)
+
+
+def test_pick_takes_the_fastest_backend_within_the_bound():
+    measured = [Measurement("int8_fp8", ms=0.30, rel_err=0.04), Measurement("int8_fp16", ms=0.36, rel_err=0.01),
+                Measurement("cudnn_fp8", failed="not installed")]
+    assert pick(measured, 0.40, AttentionConfig("auto", 0.05)) == "int8_fp8"
+    assert pick(measured, 0.40, AttentionConfig("auto", 0.03)) == "int8_fp16"
+    assert pick(measured, 0.37, AttentionConfig("auto", 0.03)) == "sdpa"      # not 3 % faster than SDPA
+    assert pick(measured, 0.37, AttentionConfig("8bit", 0.03)) == "int8_fp16"  # 8bit: within the bound is enough
+    assert pick(measured, 0.40, AttentionConfig("auto", 0.005)) == "sdpa"
+    assert pick(measured, 0.40, AttentionConfig("sdpa")) == "sdpa"
+
+
+def test_custom_op_runs_sdpa_off_the_gpu_and_compiles_with_its_fake():
+    q, k, v = qkv((2, 3, 50, 64))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+
+    def f(q, k, v):
+        return torch.ops.overdrive.attention(q * 1.0, k, v, "auto", 0.03).reshape(2, 50, -1)
+
+    torch.testing.assert_close(f(q, k, v), expected.reshape(2, 50, -1))
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), expected.reshape(2, 50, -1))
+
+
+@pytest.fixture()
+def comfy_attention(comfy):
+    from overdrive.nodes.attention_override import OverdriveAttention, install_attention
+    return OverdriveAttention, install_attention
+
+
+def test_override_falls_back_to_comfyuis_function_exactly(comfy_attention):
+    OverdriveAttention, _ = comfy_attention
+    override = OverdriveAttention(AttentionConfig())
+    calls = []
+
+    def func(q, k, v, heads, **kwargs):
+        calls.append(kwargs)
+        return q * 2
+
+    q = torch.randn(1, 16, 128)
+    mask = torch.zeros(1, 16, 16)
+    assert torch.equal(override(func, q, q, q, 2), q * 2)  # on the CPU
+    assert torch.equal(override(func, q, q, q, 2, mask=mask), q * 2)  # a mask
+    assert calls[1]["mask"] is mask and calls[0]["skip_reshape"] is False
+
+
+def test_override_is_one_object_per_settings_and_survives_model_clones(comfy_attention):
+    OverdriveAttention, _ = comfy_attention
+    a = OverdriveAttention(AttentionConfig("auto", 0.03))
+    assert OverdriveAttention(AttentionConfig("auto", 0.03)) is a is copy.deepcopy(a)
+    assert OverdriveAttention(AttentionConfig("auto", 0.05)) is not a
+
+
+def test_install_keeps_another_nodes_override_and_sdpa_removes_its_own(comfy, comfy_attention):
+    from overdrive.runner.inprocess import build_model
+    OverdriveAttention, install_attention = comfy_attention
+    patcher = build_model(comfy, "sd15", "tiny", torch.float32, seed=0).clone()
+    assert "auto" in install_attention(patcher, AttentionConfig())
+    clone = patcher.clone()
+    assert clone.model_options["transformer_options"][ATTENTION_OVERRIDE] is OverdriveAttention(AttentionConfig())
+    assert "off" in install_attention(clone, AttentionConfig("sdpa"))
+    assert ATTENTION_OVERRIDE not in clone.model_options["transformer_options"]
+    foreign = patcher.clone()
+    foreign.model_options["transformer_options"][ATTENTION_OVERRIDE] = lambda func, *a, **kw: func(*a, **kw)
+    assert "another node" in install_attention(foreign, AttentionConfig())
+
+
+def test_compiled_blocks_get_overdrives_override_alone(comfy_attention):
+    OverdriveAttention, _ = comfy_attention
+    own = OverdriveAttention(AttentionConfig())
+    assert block_options({"block_index": 3}) == {}
+    assert block_options({ATTENTION_OVERRIDE: own, "block_index": 3}) == {ATTENTION_OVERRIDE: own}
+    assert block_options({ATTENTION_OVERRIDE: lambda *a, **k: None}) is None
+    assert block_options({ATTENTION_OVERRIDE: own, "patches": {"attn1_patch": [print]}}) is None

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from .compiler import CompiledMethod
-from .compiler.regions import block_options
+from .compiler.regions import block_transformer_options
 from .deepcache.block_cache import BlockStepCache
 from .deepcache.schedule import host_floats
 
@@ -91,7 +91,7 @@ class BlockwiseForward:
         compiled = self.compiled.get(path)
         if compiled is None:
             return type(block).forward(block, *args, **kwargs)
-        shared = block_options(kwargs.get("transformer_options"))
+        shared = block_transformer_options(kwargs.get("transformer_options"))
         if shared is None:
             # Another node's attention override or block patch reads per-block options: such calls run eager, exact.
             self._warn_once("a node patches this model's attention or blocks; those block calls run uncompiled")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Attention kernels and whole-model runs with 8-bit attention, on the GPU machine, from the repository root:
-#   bash bench/gpu_attention.sh kernels "$OUT"     # bench/attention_kernels.py with the config sweep
+#   [SWEEP=1] [SHAPES=a,b] bash bench/gpu_attention.sh kernels "$OUT"   # bench/attention_kernels.py
 # The wheels the machine's image lacks (nvidia-cudnn-frontend, sageattention 1.0.6, ComfyUI's torchsde/trampoline)
 # travel in .devcarry/whl.
 set -uo pipefail
@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 case "$part" in
-  kernels) python3 bench/attention_kernels.py --sweep ${SHAPES:+--shapes $SHAPES} \
+  kernels) python3 bench/attention_kernels.py ${SWEEP:+--sweep} ${SHAPES:+--shapes $SHAPES} \
              --out "$out/${day}_${gpu}_attention_kernels.json" 2>&1 | grep -v "^W1\|warn" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -26,7 +26,7 @@ BLOCK_REPLACES = ("attn1", "attn2")
 ATTENTION_OVERRIDE = "optimized_attention_override"
 
 
-def block_options(options):
+def block_transformer_options(options):
     """What a compiled block is given of ComfyUI's transformer_options: {} (nothing), {override} when the only thing
     that applies is Overdrive's own attention (the same object for every block, so blocks still share one graph),
     or None when a patch or another node's attention override needs the block to see all of them."""
@@ -67,7 +67,7 @@ def region_forwards(cls) -> tuple:
             return region(self, *args, **kwargs)
 
         def comfy_region_forward(self, x, context=None, transformer_options=None):
-            shared = block_options(transformer_options)
+            shared = block_transformer_options(transformer_options)
             if shared is None:
                 return run_block(self, x, context, transformer_options)
             return region(self, x, context, shared) if shared else region(self, x, context)

@@ -15,7 +15,7 @@ import torch
 from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive.attention
 from overdrive.attention import reference as ref
 from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, pick
-from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_options
+from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_transformer_options
 
 
 def qkv(shape, seed=0, k_offset=0.0):
@@ -159,7 +159,7 @@ def test_install_keeps_another_nodes_override_and_sdpa_removes_its_own(comfy, co
 def test_compiled_blocks_get_overdrives_override_alone(comfy_attention):
     OverdriveAttention, _ = comfy_attention
     own = OverdriveAttention(AttentionConfig())
-    assert block_options({"block_index": 3}) == {}
-    assert block_options({ATTENTION_OVERRIDE: own, "block_index": 3}) == {ATTENTION_OVERRIDE: own}
-    assert block_options({ATTENTION_OVERRIDE: lambda *a, **k: None}) is None
-    assert block_options({ATTENTION_OVERRIDE: own, "patches": {"attn1_patch": [print]}}) is None
+    assert block_transformer_options({"block_index": 3}) == {}
+    assert block_transformer_options({ATTENTION_OVERRIDE: own, "block_index": 3}) == {ATTENTION_OVERRIDE: own}
+    assert block_transformer_options({ATTENTION_OVERRIDE: lambda *a, **k: None}) is None
+    assert block_transformer_options({ATTENTION_OVERRIDE: own, "patches": {"attn1_patch": [print]}}) is None

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from . import cudnn8, triton8
+from .reference import relative_error
 
 log = logging.getLogger("overdrive")
 
@@ -87,11 +88,6 @@ def _median_ms(fn, reps: int = 5, calls: int = 4) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def relative_error(out, ref) -> float:
-    ref = ref.float()
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 class Chooser:
     """Per (shape, dtype, device, config) the backend to run; measured at the first call."""
 
@@ -100,8 +96,12 @@ class Chooser:
         self.reports: dict = {}
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _key(q, k, config: AttentionConfig) -> tuple:
+        return tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device), config
+
     def backend(self, q, k, v, config: AttentionConfig) -> str:
-        key = (tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device), config)
+        key = self._key(q, k, config)
         choice = self.choices.get(key)
         if choice is not None:
             return choice
@@ -113,8 +113,7 @@ class Chooser:
         return self.choices[key]
 
     def failed(self, q, k, v, config: AttentionConfig, backend: str, error: Exception) -> None:
-        key = (tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device), config)
-        self.choices[key] = "sdpa"
+        self.choices[self._key(q, k, config)] = "sdpa"
         log.warning("Overdrive attention: %s failed at %s (%s: %s); SDPA runs there from now on", backend,
                     tuple(q.shape), type(error).__name__, str(error).splitlines()[0][:300] if str(error) else "")
 

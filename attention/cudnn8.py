@@ -13,12 +13,13 @@ import threading
 
 import torch
 
+from ..quantization.kernels import FP8_MAX
+
 try:
     import cudnn
 except Exception:  # noqa: BLE001 - not installed, or its native module does not load here
     cudnn = None
 
-FP8_MAX = 448.0
 _graphs: dict = {}
 _lock = threading.Lock()
 

@@ -3,8 +3,8 @@ the row's final max instead of the kernel's running one. It runs anywhere (the C
 with it) and is what the GPU tests compare the kernel against, beside the exact fp32 attention."""
 import torch
 
-INT8_MAX = 127.0
-FP8_MAX = 448.0
+from ..deepcache.runner import relative_error  # noqa: F401 - ‖out − ref‖ / ‖ref‖, the one the project uses
+from ..quantization.kernels import FP8_MAX, INT8_MAX
 
 
 def quantize_int8_rows(x: torch.Tensor):
@@ -57,9 +57,3 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     """The float32 reference."""
     q, k, v = (t.float() for t in (q, k, v))
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ over the whole tensor."""
-    ref = ref.float()
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))

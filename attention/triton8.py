@@ -38,8 +38,6 @@ except ImportError:  # CPU-only installs; a Triton too old for host-side tensor 
 
 AVAILABLE = triton is not None
 PAD = 128  # prepared tensors are padded to a multiple of this many tokens (the largest block below)
-INT8_MAX = 127.0
-FP8_MAX = 448.0
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 

@@ -35,12 +35,21 @@ def _on_registration(registry: str):
     return hook
 
 
-register_module_parameter_registration_hook(_on_registration("_parameters"))
-register_module_module_registration_hook(_on_registration("_modules"))
+_hooks = []
+
+
+def _watch_registrations() -> None:
+    """Install the two process-wide hooks at the first read of the generation, not at import: until something
+    reads it, no watcher exists whose token could go stale."""
+    if not _hooks:
+        _hooks.append(register_module_parameter_registration_hook(_on_registration("_parameters")))
+        _hooks.append(register_module_module_registration_hook(_on_registration("_modules")))
 
 
 def weights_generation() -> int:
     """Changes whenever a Parameter or a submodule of any module in this process is replaced."""
+    if not _hooks:
+        _watch_registrations()
     return _generation
 
 

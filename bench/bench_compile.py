@@ -13,6 +13,7 @@ are off for the side-by-side variants (`--warm-cache` keeps them on, for the res
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 
@@ -105,13 +106,13 @@ def main():
     cuda = torch.cuda.is_available()
     comfy = import_comfy(cpu=not cuda)
     import comfy.sample
-    from overdrive.compiler import dynamo_graph_count, set_disk_cache
+    from overdrive.compiler import dynamo_graph_count
     from overdrive.compiler.regions import uninstall_regions
 
     if not args.warm_cache:
         torch._inductor.config.fx_graph_cache = False
         torch._inductor.config.autotune_local_cache = False
-        set_disk_cache(None)
+        os.environ["OVERDRIVE_DISK_CACHE"] = "0"
 
     width, height = args.width or args.res, args.res
     if args.arch in dit.FAMILIES:

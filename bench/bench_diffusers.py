@@ -251,8 +251,6 @@ def main(argv=None):
     cache = tempfile.mkdtemp(prefix="overdrive-bench-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
     os.environ["OVERDRIVE_CACHE_DIR"] = cache
-    from overdrive.compiler import CompileDiskCache, set_disk_cache
-    set_disk_cache(CompileDiskCache(pathlib.Path(cache) / "compiled"))
     import diffusers
 
     pipe, embeds = build_pipeline(args), prompt_inputs(args)

@@ -22,7 +22,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from ..cache_dirs import cache_dir
+from ..storage import cache_dir
 from .tensors import Specs, TensorSpec
 from .weights import SMALL_GAIN, make_tensor
 from .writer import DTYPE_NAMES, write_safetensors

@@ -3,11 +3,12 @@ written and dropped in turn. safetensors.torch.save_file needs them all in memor
 full SDXL checkpoint). Format: u64 little-endian header length, JSON header, then the raw bytes."""
 import json
 import math
-import os
 import pathlib
 from typing import Callable, Dict, Sequence, Tuple
 
 import torch
+
+from ..storage import atomic_file
 
 DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
@@ -15,7 +16,7 @@ DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32
 def write_safetensors(path: pathlib.Path, shapes: Sequence[Tuple[str, Tuple[int, ...]]], dtype: torch.dtype,
                       make: Callable[[str], torch.Tensor], metadata: Dict[str, str]) -> None:
     """Writes tensors `make(key)` in the order of `shapes`; the temporary file replaces `path` only when
-    complete (same folder, so os.replace is atomic): readers never see a half-written checkpoint."""
+    complete (storage.atomic_file): readers never see a half-written checkpoint."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     header, offset = {"__metadata__": metadata}, 0
     for key, shape in shapes:
@@ -25,17 +26,10 @@ def write_safetensors(path: pathlib.Path, shapes: Sequence[Tuple[str, Tuple[int,
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the data starts 8-byte aligned, as safetensors writes it
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(len(header_bytes).to_bytes(8, "little"))
-            f.write(header_bytes)
-            for key, shape in shapes:
-                tensor = make(key)
-                assert tensor.dtype == dtype and tuple(tensor.shape) == tuple(shape), key
-                f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian, as required
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        for key, shape in shapes:
+            tensor = make(key)
+            assert tensor.dtype == dtype and tuple(tensor.shape) == tuple(shape), key
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian, as required

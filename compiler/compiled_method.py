@@ -65,6 +65,7 @@ class CompiledMethod:
         """Pick the shared graph for these options. Regions are installed on the module in place: outside
         torch.compile a region is a plain call, so every other user of the module runs exactly as before."""
         self.options = options
+        self.disk = options.disk_cache()  # the folder is read here, not at every step
         if options.regional:
             install_regions(self.module)
         else:
@@ -82,6 +83,11 @@ class CompiledMethod:
         """Switch this module to the whole-graph entry of its architecture and run the call there."""
         self._use_options(dataclasses.replace(self.options, regional=False))
         return self(*args, **kwargs)
+
+    def release_precompiled(self) -> None:
+        """Free the precompiled frames held in memory when they can be loaded from disk again."""
+        if self.disk is not None:
+            self.graph.release_precompiled()
 
     def eager(self, *args, **kwargs):
         return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
@@ -107,7 +113,7 @@ class CompiledMethod:
         progress = self.reporter(f"compiling {graph.description}") if (new_shape and self.reporter) else contextlib.nullcontext()
         try:
             with progress:
-                out = graph.call(self.module, args, kwargs)
+                out = graph.call(self.module, args, kwargs, self.disk)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
             raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
             graph.failure = reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]

@@ -1,5 +1,5 @@
 """What the user can choose about compilation, validated once, in one place."""
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 MODES = ("default", "max-autotune")
 DYNAMIC = ("auto", "static", "dynamic")
@@ -38,6 +38,9 @@ class CompileOptions:
              The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values, weight
              devices and the functions the model read from modules instead (compiler/precompiled.py). Opt-in until
              it has more mileage.
+    cache_dir: the folder of compiled artifacts on disk (ComfyUI's nodes: beside its models); None:
+             $OVERDRIVE_CACHE_DIR/compiled, else ~/.cache/overdrive/compiled. OVERDRIVE_DISK_CACHE=0 keeps them in
+             memory only. Not part of any key: the same graph serves every folder.
     """
 
     mode: str = "default"
@@ -49,6 +52,7 @@ class CompileOptions:
     attention: str = "default"
     regional: bool = True
     precompile: bool = False
+    cache_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -77,4 +81,10 @@ class CompileOptions:
         return self
 
     def as_key(self) -> dict:
-        return asdict(self)
+        key = asdict(self)
+        del key["cache_dir"]
+        return key
+
+    def disk_cache(self):
+        from .disk_cache import disk_cache_for
+        return disk_cache_for(self.cache_dir)

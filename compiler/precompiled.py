@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from ..weights_watch import weights_generation
-from .disk_cache import read_checked, write_atomic
+from ..storage import read_framed, write_framed
 
 log = logging.getLogger("overdrive.compiler")
 
@@ -274,7 +274,7 @@ class PrecompiledFrames:
             return None
         start = time.perf_counter()
         try:
-            read, data = _split(read_checked(path))
+            read, data = _split(read_framed(path))
             renamed = read.renamed()
             if renamed:  # e.g. a node now patches a function the frame had inlined: trace the code that runs now
                 log.info("Overdrive: not using the precompiled frame %s, code it inlined changed since it was saved "
@@ -327,7 +327,7 @@ class PrecompiledFrames:
         if directory is not None:
             try:
                 path = self._path(directory, signature, module)
-                write_atomic(path, _join(read, type(frame).serialize(frame).serialized_data))
+                write_framed(path, _join(read, type(frame).serialize(frame).serialized_data))
                 saved = f"saved to {path}: a restart loads it without tracing"
             except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
                 saved = f"could not be saved ({error})"

@@ -20,7 +20,14 @@ def use_redis_cache(url: str) -> None:
     log.info("Overdrive: sharing compiled artifacts through Redis at %s", url)
 
 
+_configured = []
+
+
 def configure_from_environment() -> None:
+    """OVERDRIVE_REDIS_URL, applied once per process, before the first compile."""
+    if _configured:
+        return
+    _configured.append(True)
     url = os.environ.get("OVERDRIVE_REDIS_URL")
     if url:
         use_redis_cache(url)

@@ -11,7 +11,6 @@ guards there).
 import contextlib
 import copy
 import logging
-import os
 import threading
 import time
 import types
@@ -20,7 +19,8 @@ import torch
 
 from ..interrupts import raise_if_interrupt
 from . import precompiled
-from .disk_cache import CompileDiskCache, cache_key
+from .disk_cache import compile_key
+from .remote_cache import configure_from_environment
 from .options import CompileOptions
 
 log = logging.getLogger("overdrive.compiler")
@@ -54,6 +54,7 @@ class SharedGraph:
     """The compiled callable for one architecture + method + options, with its bookkeeping."""
 
     def __init__(self, fingerprint: str, method: str, options: CompileOptions, description: str):
+        configure_from_environment()  # OVERDRIVE_REDIS_URL, read before the first compile rather than at import
         self.fingerprint = fingerprint
         self.method = method
         self.options = options
@@ -72,15 +73,16 @@ class SharedGraph:
         self.frames = precompiled.PrecompiledFrames(fn, options) if (
             options.precompile and precompiled.supported()) else None
 
-    def call(self, module, args, kwargs):
-        disk, key = _disk_cache, None
+    def call(self, module, args, kwargs, disk=None):
+        """`disk`: the caller's CompileDiskCache (its options' cache_dir), or None for memory only."""
+        key = None
         if disk is not None:
             device = _first_device(args, kwargs)
             key = self.disk_keys.get(device)
             if key is None:  # hashing the GPU identity and versions is too slow for every step
-                key = self.disk_keys[device] = cache_key(self.fingerprint, self.options.as_key(), device)
-            if key not in self.disk_keys_loaded:
-                self.disk_keys_loaded.add(key)
+                key = self.disk_keys[device] = compile_key(self.fingerprint, self.options.as_key(), device)
+            if (disk.directory, key) not in self.disk_keys_loaded:
+                self.disk_keys_loaded.add((disk.directory, key))
                 disk.load(key)
         before = dynamo_graph_count()
         start = time.perf_counter()
@@ -111,7 +113,7 @@ class SharedGraph:
     def release_precompiled(self) -> None:
         """Forget the precompiled frames held in memory (with CUDA graphs, a frame's recording keeps the inputs of the
         model it last ran: 269 MiB of an SDXL-sized UNet measured). Kept on disk, they load again in seconds."""
-        if self.frames is not None and _disk_cache is not None:
+        if self.frames is not None:
             self.frames.frames.clear()
             self.frames.not_on_disk.clear()
 
@@ -188,19 +190,6 @@ def _first_device(args, kwargs) -> torch.device:
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
-
-
-_disk_cache: CompileDiskCache | None = None if os.environ.get("OVERDRIVE_DISK_CACHE", "1") == "0" else CompileDiskCache()
-
-
-def set_disk_cache(cache: CompileDiskCache | None) -> None:
-    """Where compiled artifacts persist across restarts (None: keep them in memory only)."""
-    global _disk_cache
-    _disk_cache = cache
-
-
-def get_disk_cache() -> CompileDiskCache | None:
-    return _disk_cache
 
 
 _registry: dict[tuple, SharedGraph] = {}

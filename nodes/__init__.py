@@ -1,7 +1,5 @@
 """ComfyUI node registrations. Each node is a thin adapter over the core packages."""
-from ..compiler import CompileDiskCache, get_disk_cache, set_disk_cache
 from .builtin_conditioning import OverdriveBuiltinConditioning
-from .cache_folder import comfy_cache_dir
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
 from .quantize_node import OverdriveQuantizeModel
@@ -26,7 +24,3 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "OverdriveBuiltinConditioning": "Built-in Conditioning (Overdrive)",
 }
 
-# Compiled artifacts live beside the user's models (OVERDRIVE_CACHE_DIR overrides), so they survive restarts;
-# OVERDRIVE_DISK_CACHE=0 (no disk cache at all) is kept.
-if get_disk_cache() is not None:
-    set_disk_cache(CompileDiskCache(comfy_cache_dir("compiled")))

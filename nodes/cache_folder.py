@@ -3,7 +3,7 @@ import os
 
 import folder_paths
 
-from ..cache_dirs import cache_dir
+from ..storage import cache_dir
 
 
 def comfy_cache_dir(kind: str):

@@ -5,6 +5,7 @@ from comfy.patcher_extension import CallbacksMP
 
 from ..compiler import CompiledMethod, CompileOptions
 from ..compiler.options import DYNAMIC, MODES
+from .cache_folder import comfy_cache_dir
 from .forward_patch import FORWARD, compiled_forward
 from .progress import comfy_progress
 
@@ -45,7 +46,7 @@ def release_precompiled(patcher, unpatch_all) -> None:
     memory its precompiled frames hold goes with it."""
     forward = patcher.object_patches.get(FORWARD)
     if unpatch_all and isinstance(forward, CompiledMethod):
-        forward.graph.release_precompiled()
+        forward.release_precompiled()
 
 
 class OverdriveCompileModel:
@@ -73,7 +74,7 @@ class OverdriveCompileModel:
 
     def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=False):
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
-                                 precompile=precompile)
+                                 precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
         patched = model.clone()
         # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
@@ -104,7 +105,8 @@ class OverdriveCompileVAE:
         }}
 
     def compile(self, vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False):
-        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic)
+        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic,
+                                 cache_dir=str(comfy_cache_dir("compiled")))
         patched = copy.copy(vae)
         patched.patcher = vae.patcher.clone()
         autoencoder = vae.first_stage_model

@@ -18,7 +18,7 @@ import torch.nn as nn
 from . import cache as cache_mod
 from .calibrate import Calibrator, decide
 from .candidates import FilterFn, find_candidates
-from .config import QuantConfig, device_capability_tag
+from .config import QuantConfig
 from .modules import build_empty, quantized_module_for
 from .report import QuantReport
 
@@ -138,7 +138,7 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
     if store is not None:
         digest = weights_digest or cache_mod.weights_digest(model)
         key = cache_mod.decision_key(digest, config.to_dict(), fmt, cache_mod.resolution_bucket(resolution),
-                                     device_capability_tag(device),
+                                     device,
                                      [[c.name, c.kind, c.skip_reason] for c in candidates])
         cached = store.load(key)
         if cached is not None:

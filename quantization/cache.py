@@ -1,29 +1,28 @@
 """Quantization decisions (JSON) and quantized weights (safetensors) on disk, so a later run skips calibration.
 
-Key = sha256 of: the model's weights digest (sha256 over every parameter and buffer: name, dtype, shape, bytes),
-the settings (`QuantConfig`), the resolution bucket, the concrete format, the device (GPU name and compute
-capability, or "cpu"), the torch version and the candidate layers. Files: `<key>.json` (the report, the weights
-file's sha256, and a checksum of its own payload) and `<key>.safetensors` beside it. Writes are atomic (temp file +
-os.replace); a file that fails to parse or to match its checksum is logged, deleted and ignored: the caller
-re-calibrates. Nothing here raises on a bad cache entry.
+Key (storage.cache_key) = the model's weights digest (sha256 over every parameter and buffer: name, dtype, shape,
+bytes), the settings (`QuantConfig`), the resolution bucket, the concrete format and the candidate layers, plus the
+device identity (GPU model, capability, versions). Files: `<key>.decisions` (the report, as JSON and the weights file's sha256, in
+storage's checksum framing) and `<key>.safetensors` beside it, both written atomically by `storage`; a file that
+fails to parse or to match its checksum is logged, deleted and ignored: the caller re-calibrates. Nothing here raises
+on a bad cache entry.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import pathlib
-import tempfile
 
 import torch
 
-from ..cache_dirs import cache_dir
+from ..storage import (CorruptEntry, atomic_file, cache_dir, cache_key, discard, file_sha256, read_framed_json,
+                       write_framed_json)
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 3  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale
+SCHEMA = 4  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
+#            4: storage's framing
 REQUANTIZE = "its cached decisions stand, and the chosen layers are quantized again from the model's weights (no calibration)"
 _TENSOR_NAMES = ("weight_q", "weight_scale", "bias", "input_scale")
 
@@ -73,37 +72,9 @@ def resolution_bucket(resolution) -> str:
     return f"2^{round(math.log2(pixels))}px"
 
 
-def decision_key(digest: str, config_dict: dict, fmt: str, bucket: str, device_tag: str, candidates: list) -> str:
-    payload = {"schema": SCHEMA, "weights": digest, "config": config_dict, "format": fmt, "resolution": bucket,
-               "device": device_tag, "torch": torch.__version__, "candidates": candidates}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _atomic_write(path: pathlib.Path, data: bytes):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _file_sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _payload_checksum(entry: dict) -> str:
-    body = {k: v for k, v in entry.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+def decision_key(digest: str, config_dict: dict, fmt: str, bucket: str, device, candidates: list) -> str:
+    return cache_key({"schema": SCHEMA, "weights": digest, "config": config_dict, "format": fmt, "resolution": bucket,
+                      "candidates": candidates}, device, length=32)
 
 
 class QuantCache:
@@ -114,28 +85,23 @@ class QuantCache:
         self.store_weights = store_weights
 
     def decisions_path(self, key: str) -> pathlib.Path:
-        return self.directory / f"{key}.json"
+        return self.directory / f"{key}.decisions"
 
     def weights_path(self, key: str) -> pathlib.Path:
         return self.directory / f"{key}.safetensors"
 
     def _discard(self, path: pathlib.Path, why, consequence: str):
         log.warning("Overdrive quantization: deleted the corrupt cache file %s (%s); %s.", path, why, consequence)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
+        discard(path)
 
     def _entry(self, key: str) -> dict | None:
         path = self.decisions_path(key)
         if not path.is_file():
             return None
         try:
-            entry = json.loads(path.read_text())
-            if not isinstance(entry, dict) or entry.get("schema") != SCHEMA or entry.get("key") != key:
-                raise ValueError("wrong schema or key")
-            if entry.get("checksum") != _payload_checksum(entry):
-                raise ValueError("checksum mismatch (truncated or edited file)")
+            entry = read_framed_json(path)
+            if entry.get("schema") != SCHEMA or entry.get("key") != key:
+                raise CorruptEntry("wrong schema or key")
             entry["report_obj"] = QuantReport.from_dict(entry["report"])
             return entry
         except Exception as error:  # noqa: BLE001 - a bad cache entry must never stop a generation
@@ -155,7 +121,7 @@ class QuantCache:
         if not info or not path.is_file():
             return None
         try:
-            if path.stat().st_size != info["bytes"] or _file_sha256(path) != info["sha256"]:
+            if path.stat().st_size != info["bytes"] or file_sha256(path) != info["sha256"]:
                 raise ValueError("size or sha256 mismatch (truncated or corrupt file)")
             from safetensors.torch import load_file
             flat = load_file(str(path), device=str(torch.device(device)))
@@ -175,18 +141,9 @@ class QuantCache:
         from safetensors.torch import save_file
         flat = {f"{name}.{tensor_name}": tensor.detach().contiguous().cpu()
                 for name, module in modules.items() for tensor_name, tensor in module.quantized_state().items()}
-        path = self.weights_path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(flat, tmp, metadata={"overdrive": "quantized weights", "key": key})
-            info = {"sha256": _file_sha256(pathlib.Path(tmp)), "bytes": os.path.getsize(tmp)}
-            os.replace(tmp, path)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
-        return info
+        with atomic_file(self.weights_path(key)) as tmp:
+            save_file(flat, str(tmp), metadata={"overdrive": "quantized weights", "key": key})
+            return {"sha256": file_sha256(tmp), "bytes": tmp.stat().st_size}
 
     def save(self, key: str, report: QuantReport, modules: dict | None = None) -> pathlib.Path | None:
         """Write the decisions (and the quantized tensors of `modules`) atomically; never raises."""
@@ -194,10 +151,8 @@ class QuantCache:
             weights = None
             if self.store_weights and modules:
                 weights = self._save_weights(key, modules)
-            entry = {"schema": SCHEMA, "key": key, "report": report.to_dict(), "weights": weights}
-            entry["checksum"] = _payload_checksum(entry)
             path = self.decisions_path(key)
-            _atomic_write(path, json.dumps(entry, sort_keys=True, indent=1).encode())
+            write_framed_json(path, {"schema": SCHEMA, "key": key, "report": report.to_dict(), "weights": weights})
             return path
         except Exception as error:  # noqa: BLE001 - a cache that cannot be written only costs a re-calibration
             log.warning("Overdrive quantization: could not write the decision cache in %s (%s).", self.directory, error)

@@ -136,16 +136,6 @@ def describe_device(device) -> str:
     return f"device {str(device)!r}"
 
 
-def device_capability_tag(device) -> str:
-    """What quantization kernels depend on: GPU name and capability, or the CPU; part of the cache key."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        return f"cuda:sm{major}{minor}:{torch.cuda.get_device_name(index)}"
-    return device.type
-
-
 @functools.lru_cache(maxsize=None)
 def _probe(kind: str, device_str: str) -> bool:
     device = torch.device(device_str)

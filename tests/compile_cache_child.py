@@ -10,13 +10,15 @@ import sys
 import torch
 import torch.nn as nn
 
-logging.basicConfig(level=logging.INFO)  # before the import: overdrive.compiler logs its Redis set-up on import
-from overdrive.compiler import CompileDiskCache, CompileOptions, compile_module, set_disk_cache  # noqa: E402
+logging.basicConfig(level=logging.INFO)  # Overdrive logs its Redis set-up before the first compile
+if sys.argv[1] == "none":
+    os.environ["OVERDRIVE_DISK_CACHE"] = "0"
+from overdrive.compiler import CompileOptions, compile_module  # noqa: E402
 
-set_disk_cache(None if sys.argv[1] == "none" else CompileDiskCache(sys.argv[1]))
 if os.environ.get("OVERDRIVE_TEST_PATCH_GELU") == "1":  # what a custom node patching a torch function does at import
     torch.nn.functional.gelu = lambda x, approximate="none": torch.tanh(x)
-options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") == "1")
+options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") == "1",
+                         cache_dir=None if sys.argv[1] == "none" else sys.argv[1])
 
 
 def checkpoint(seed):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from overdrive.compiler import CompileDiskCache
-from overdrive.compiler.disk_cache import cache_key, device_identity
+from overdrive.compiler.disk_cache import compile_key
+from overdrive.storage import device_identity
 
 CHILD = pathlib.Path(__file__).with_name("compile_cache_child.py")
 
@@ -58,16 +59,14 @@ def test_precompiled_restart_traces_nothing(tmp_path):
 
 def test_precompiled_frame_steps_aside_when_code_it_inlined_is_patched(tmp_path, caplog):
     """In one process: a node patching a function after the frame was built sends calls to torch.compile."""
-    from overdrive.compiler import CompileOptions, compile_module, set_disk_cache, get_disk_cache
+    from overdrive.compiler import CompileOptions, compile_module
 
-    saved = get_disk_cache()
-    set_disk_cache(CompileDiskCache(tmp_path))
     original_gelu = torch.nn.functional.gelu
     try:
         torch.manual_seed(0)
         module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).requires_grad_(False)
         x = torch.randn(3, 8)
-        compile_module(module, CompileOptions(precompile=True, cuda_graphs=False))
+        compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path)))
         assert torch.allclose(module(x), torch.nn.functional.gelu(module[0](x)), atol=1e-5)
         torch.nn.functional.gelu = lambda t, approximate="none": torch.tanh(t)
         with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
@@ -76,7 +75,6 @@ def test_precompiled_frame_steps_aside_when_code_it_inlined_is_patched(tmp_path,
         assert "was replaced after this model was precompiled" in caplog.text
     finally:
         torch.nn.functional.gelu = original_gelu
-        set_disk_cache(saved)
     assert torch.allclose(module(x), original_gelu(module[0](x)), atol=1e-5)  # the frame again, as traced
     # Nothing Overdrive keeps for the frame holds the model it was traced on (the UNet a checkpoint change dropped
     # stayed in VRAM: 4.9 GiB for SDXL on the GPU).
@@ -125,7 +123,7 @@ def test_a_frame_build_leaves_nothing_torch_leaked_while_filtering_guards(tmp_pa
     import torch._dynamo.guards as guards
     from torch._dynamo.source import AttrSource, LocalSource
 
-    from overdrive.compiler import CompileOptions, compile_module, get_disk_cache, set_disk_cache
+    from overdrive.compiler import CompileOptions, compile_module
 
     block = torch.nn.Linear(2, 2)
     gone = weakref.ref(block)
@@ -140,15 +138,11 @@ def test_a_frame_build_leaves_nothing_torch_leaked_while_filtering_guards(tmp_pa
         return make_entry(guard, builder)
 
     monkeypatch.setattr(guards, "make_guard_filter_entry", make_entry_after_a_failed_read)
-    saved = get_disk_cache()
-    set_disk_cache(CompileDiskCache(tmp_path))  # empty: the frame is built, not loaded
-    try:
-        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
-        compile_module(module, CompileOptions(precompile=True, cuda_graphs=False))
-        x = torch.randn(3, 4)
-        assert torch.allclose(module(x), torch.relu(module[0](x)), atol=1e-5)
-    finally:
-        set_disk_cache(saved)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
+    # An empty cache folder: the frame is built, not loaded.
+    compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path)))
+    x = torch.randn(3, 4)
+    assert torch.allclose(module(x), torch.relu(module[0](x)), atol=1e-5)
     assert leaked and all(leaked)  # torch leaked the block while the frame was built
     del block
     gc.collect()
@@ -157,7 +151,7 @@ def test_a_frame_build_leaves_nothing_torch_leaked_while_filtering_guards(tmp_pa
 
 def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):
     cache = CompileDiskCache(tmp_path)
-    key = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
+    key = compile_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
     tmp_path.mkdir(exist_ok=True)
     cache.path(key).write_bytes(b"OVDRV001" + b"\0" * 40 + b"truncated")
     with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
@@ -169,9 +163,9 @@ def test_corrupt_entry_is_discarded_not_fatal(tmp_path, caplog):
 def test_key_changes_with_device_and_software():
     cpu = device_identity(torch.device("cpu"))
     assert cpu["torch"] == torch.__version__ and cpu["gpu"] is None
-    a = cache_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
-    assert a != cache_key("f" * 16, {"mode": "max-autotune"}, torch.device("cpu"))
-    assert a != cache_key("e" * 16, {"mode": "default"}, torch.device("cpu"))
+    a = compile_key("f" * 16, {"mode": "default"}, torch.device("cpu"))
+    assert a != compile_key("f" * 16, {"mode": "max-autotune"}, torch.device("cpu"))
+    assert a != compile_key("e" * 16, {"mode": "default"}, torch.device("cpu"))
 
 
 @pytest.fixture

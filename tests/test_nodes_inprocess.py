@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from overdrive.compiler import CompiledMethod, dynamo_graph_count, get_disk_cache
+from overdrive.compiler import CompiledMethod, dynamo_graph_count
 from overdrive.runner.inprocess import build_model, conditioning, save_unet_checkpoint
 
 RES = 64  # pixels: an 8x8 latent keeps CPU compiles short
@@ -126,7 +126,8 @@ def test_precompile_runs_a_saved_frame_and_leaves_patched_calls_to_torch_compile
     assert "precompiled forward" in caplog.text
     graph = precompiled.object_patches["diffusion_model.forward"].graph
     assert graph.frames is not None and graph.frames.frames and graph.frames.failure is None
-    assert list(get_disk_cache().directory.glob("*.frames/*.bin")), "the frame was not saved"
+    folder = precompiled.object_patches["diffusion_model.forward"].disk.directory  # ComfyUI's models folder
+    assert list(folder.glob("*.frames/*.bin")), "the frame was not saved"
 
     key = "diffusion_model.input_blocks.0.0.weight"
     diff = torch.randn(base.model.diffusion_model.input_blocks[0][0].weight.shape,

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..compiler.switch_weights import WeightMismatchError, copy_weights_, read_safetensors_subset, reference_tensors
-from ..quantization.modules import QuantConv2d1x1, _QuantizedGemm
+from ..quantization.modules import QuantConv2d1x1, QuantizedGemm
 from .installed import runner_of
 from .targets import target_module
 
@@ -45,7 +45,7 @@ def _quantized_layers(module: nn.Module) -> dict:
     layers = {name: sub for name, sub in module.named_modules() if isinstance(sub, QuantConv2d1x1)}
     inner = {f"{name}.gemm" for name in layers}
     layers.update({name: sub for name, sub in module.named_modules()
-                   if isinstance(sub, _QuantizedGemm) and name not in inner})
+                   if isinstance(sub, QuantizedGemm) and name not in inner})
     return layers
 
 

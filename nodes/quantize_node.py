@@ -9,7 +9,8 @@ from ..attention.choice import AttentionConfig
 from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
-from ..quantization import FORMATS, QuantCache, QuantConfig, plan_quantization, weights_digest
+from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization, weights_digest
+from ..quantization.formats import bit_widths
 from .cache_folder import comfy_cache_dir
 from .attention_override import install_attention
 from .forward_patch import FORWARD, forward_for
@@ -122,8 +123,8 @@ class OverdriveQuantizeModel:
         threshold = {"min": 0.0, "max": 1000.0, "step": 0.001}
         required = {
             "model": ("MODEL",),
-            "bits": ("INT", {"default": 8, "min": 8, "max": 8}),
-            "format": (list(FORMATS), {"default": DEFAULTS.format}),
+            "bits": ("INT", {"default": DEFAULTS.bits, "min": min(bit_widths()), "max": max(bit_widths())}),
+            "format": (list(format_names()), {"default": DEFAULTS.format}),
             "quantize_conv": ("BOOLEAN", {"default": DEFAULTS.quantize_conv}),
             "quantize_linear": ("BOOLEAN", {"default": DEFAULTS.quantize_linear}),
             "conv_mse_threshold": ("FLOAT", {"default": DEFAULTS.conv_mse_threshold, **threshold}),

@@ -1,4 +1,4 @@
-"""Measured int8 / fp8 quantization of diffusion models (plain torch, no ComfyUI).
+"""Measured 8-bit (int8, fp8; formats are plug-ins in formats/) quantization of diffusion models (plain torch, no ComfyUI).
 
     from overdrive.quantization import QuantConfig, quantize_
 
@@ -12,13 +12,14 @@ error on real calibration inputs is below the threshold, and its compute density
 from .apply import QuantPlan, apply_modules, plan_quantization, quantize_, restore_modules
 from .cache import QuantCache, resolution_bucket, weights_digest
 from .calibrate import Calibrator, measure_layer
-from .config import FORMATS, QuantConfig, fp8_supported, int8_supported
+from .config import QuantConfig, format_names, fp8_supported, int8_supported
+from .formats import QuantFormat, register
 from .metrics import conv2d_density, linear_density, normalised_mse, sqnr_db
 from .modules import Fp8Linear, Int8Linear, QuantConv2d1x1, quantized_module_for
 from .report import LayerDecision, QuantReport
 
 __all__ = [
-    "QuantConfig", "FORMATS", "quantize_", "plan_quantization", "QuantPlan", "apply_modules", "restore_modules",
+    "QuantConfig", "format_names", "QuantFormat", "register", "quantize_", "plan_quantization", "QuantPlan", "apply_modules", "restore_modules",
     "Calibrator", "measure_layer", "QuantCache", "weights_digest", "resolution_bucket", "QuantReport",
     "LayerDecision", "Int8Linear", "Fp8Linear", "QuantConv2d1x1", "quantized_module_for", "normalised_mse",
     "sqnr_db", "linear_density", "conv2d_density", "fp8_supported", "int8_supported",

@@ -93,15 +93,14 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
             try:
                 module = build_empty("linear" if candidate.kind == "linear" else "conv", report.format,
                                      candidate.in_features, candidate.out_features,
-                                     bias=candidate.module.bias is not None, device=device,
-                                     fast_accum=config.fp8_fast_accum)
+                                     bias=candidate.module.bias is not None, config=config, device=device)
                 module.load_quantized(tensors["weight_q"], tensors["weight_scale"], tensors.get("bias"))
                 module.load_input_scale(tensors.get("input_scale"))
             except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
                 log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
                 module = None
         if module is None:
-            module = quantized_module_for(candidate.module, report.format, config.fp8_fast_accum, device=device)
+            module = quantized_module_for(candidate.module, report.format, config, device=device)
         modules[name] = module
     return modules
 

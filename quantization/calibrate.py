@@ -21,10 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..interrupts import raise_if_interrupt
-from . import metrics, speed
+from . import formats, metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
-from .modules import QuantConv2d1x1, quantized_module_for
+from .modules import gemm_of, quantized_module_for
 from .report import QUANTIZE, SKIP, LayerDecision
 
 log = logging.getLogger("overdrive.quantization")
@@ -144,11 +144,9 @@ class Calibrator:
 def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig,
                   input_amax: torch.Tensor | None = None):
     """Quantize `module` to `fmt` and measure its normalised MSE on `rows`: returns (quantized module, error).
-    fp8 layers get a static activation scale from `input_amax` when the config asks for one."""
-    static = input_amax if config.fp8_static_activations else None
-    quantized = quantized_module_for(module, fmt, fast_accum=config.fp8_fast_accum, device=rows.device,
-                                     input_amax=static)
-    gemm = quantized.gemm if isinstance(quantized, QuantConv2d1x1) else quantized
+    `input_amax` finishes the layer where its format uses it (fp8's static activation scale)."""
+    quantized = quantized_module_for(module, fmt, config, device=rows.device, input_amax=input_amax)
+    gemm = gemm_of(quantized)
     weight = module.weight.detach().to(rows.device)
     weight = weight.reshape(weight.shape[0], -1).float()
     bias = None if module.bias is None else module.bias.detach().to(rows.device).float()
@@ -188,8 +186,6 @@ def _too_slow(decision: LayerDecision, candidate: Candidate, sample: LayerSample
 
 def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
     """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision."""
-    from . import kernels
-
     decisions, modules = [], {}
     for candidate in candidates:
         module = candidate.module
@@ -203,7 +199,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
             decision.density = layer_density(candidate, sample)
         reason = candidate.skip_reason
         if reason is None:
-            reason = kernels.gemm_shape_problem(fmt, candidate.in_features, candidate.out_features)
+            reason = formats.get(fmt).shape_problem(candidate.in_features, candidate.out_features)
         if reason is not None:
             decision.reason = reason
             continue

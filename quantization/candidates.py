@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from . import kernels
+from . import formats
 from .config import QuantConfig
 
 FilterFn = Callable[[nn.Module, str], bool]  # torchao style: filter_fn(module, qualified_name) -> keep?
@@ -82,6 +82,6 @@ def find_candidates(model: nn.Module, config: QuantConfig, fmt: str | None,
             reason = f"weight dtype {module.weight.dtype} is not a float type"
         elif fmt is not None:
             w = module.weight
-            reason = kernels.gemm_shape_problem(fmt, w.reshape(w.shape[0], -1).shape[1], w.shape[0])
+            reason = formats.get(fmt).shape_problem(w.reshape(w.shape[0], -1).shape[1], w.shape[0])
         found.append(Candidate(name, module, kind, reason, record_inputs=reason is None or record))
     return found

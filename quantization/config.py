@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import torch
 
+from . import formats
+from .formats import cuda_capability
+
 log = logging.getLogger("overdrive.quantization")
 
-FORMATS = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +22,9 @@ class QuantConfig:
     `conv_mse_threshold`) AND its compute density is at least `compute_density_threshold` FLOP/byte.
     See `overdrive.quantization.metrics` for both measures.
 
-    - bits: 8 only (int8 or fp8).
-    - format: "auto" (fp8 e4m3 on NVIDIA compute capability >= 8.9, int8 on >= 8.0 and on CPU), "int8" or "fp8_e4m3".
+    - bits: the bit width of the registered formats (quantization/formats/: 8 for int8 and fp8).
+    - format: "auto" (the best registered format of `bits` the device runs: fp8 e4m3 on NVIDIA compute capability
+      >= 8.9, int8 on >= 8.0 and on the CPU), or a registered format's name ("int8", "fp8_e4m3").
     - quantize_linear / quantize_conv: consider nn.Linear / nn.Conv2d layers at all.
     - linear_mse_threshold / conv_mse_threshold: largest normalised MSE (mean((y_q - y)^2) / mean(y^2)) accepted.
       0.01 means a quantization noise 20 dB below the layer's output power (SQNR >= 20 dB).
@@ -55,11 +57,16 @@ class QuantConfig:
         self.validate()
 
     def validate(self) -> "QuantConfig":
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits != 8:
-            raise ValueError(f"QuantConfig.bits={self.bits!r} is not supported: Overdrive quantizes to 8 bits only "
-                             f"(int8 or fp8 tensor-core kernels). Use bits=8.")
-        if self.format not in FORMATS:
-            raise ValueError(f"QuantConfig.format={self.format!r} is unknown. Use one of {', '.join(map(repr, FORMATS))}.")
+        widths = formats.bit_widths()
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in widths:
+            raise ValueError(f"QuantConfig.bits={self.bits!r} is not supported: Overdrive's formats quantize to "
+                             f"{' or '.join(map(str, widths))} bits. Use bits={widths[-1]}.")
+        if self.format not in format_names():
+            raise ValueError(f"QuantConfig.format={self.format!r} is unknown. Use one of "
+                             f"{', '.join(map(repr, format_names()))}.")
+        if self.format != "auto" and formats.get(self.format).bits != self.bits:
+            raise ValueError(f"QuantConfig.format={self.format!r} is a {formats.get(self.format).bits}-bit format, "
+                             f"but bits={self.bits}. Use bits={formats.get(self.format).bits} or format='auto'.")
         for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum", "fp8_static_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} must be True or False.")
@@ -91,37 +98,30 @@ class QuantConfig:
         return cls(**data)
 
     def resolve_format(self, device) -> str:
-        """The concrete format ("int8" or "fp8_e4m3") for `device`; raises if the device cannot run it."""
+        """The concrete format's name for `device`; raises if the device cannot run it."""
         device = torch.device(device)
         if self.format == "auto":
-            if device.type == "cuda":
-                cap = cuda_capability(device)
-                if cap >= (8, 9):
-                    return "fp8_e4m3"
-                if cap >= (8, 0):
-                    return "int8"
-                raise ValueError(f"format='auto': {describe_device(device)} has no int8/fp8 tensor-core path that "
-                                 f"Overdrive supports (needs compute capability 8.0 or newer). Leave quantization off "
-                                 f"on this GPU.")
-            if device.type == "cpu":
-                return "int8"
-            raise ValueError(f"format='auto': quantization runs on NVIDIA GPUs and the CPU, not on {device.type!r}. "
-                             f"Leave quantization off on this device.")
-        if self.format == "fp8_e4m3" and not fp8_supported(device):
-            raise ValueError(f"format='fp8_e4m3' needs fp8 matrix multiply (torch._scaled_mm), i.e. an NVIDIA GPU of "
-                             f"compute capability 8.9 or newer (Ada, Hopper, Blackwell); {describe_device(device)} has "
-                             f"none. Use format='int8' or format='auto'.")
-        if self.format == "int8" and not int8_supported(device):
-            raise ValueError(f"format='int8' needs int8 matrix multiply (torch._int_mm), i.e. an NVIDIA GPU of compute "
-                             f"capability 8.0 or newer, or the CPU; {describe_device(device)} has none. Leave "
-                             f"quantization off on this device.")
-        return self.format
+            if device.type not in ("cuda", "cpu"):
+                raise ValueError(f"format='auto': quantization runs on NVIDIA GPUs and the CPU, not on "
+                                 f"{device.type!r}. Leave quantization off on this device.")
+            best = formats.best_supported(device, self.bits)
+            if best is None:
+                raise ValueError(f"format='auto': {describe_device(device)} has no {self.bits}-bit tensor-core path "
+                                 f"that Overdrive supports (int8 needs compute capability 8.0 or newer). Leave "
+                                 f"quantization off on this device.")
+            return best.name
+        plugin = formats.get(self.format)
+        if not plugin.supported(device):
+            others = [name for name in formats.names() if name != plugin.name and formats.get(name).supported(device)]
+            fix = f"Use format={others[0]!r} or format='auto'." if others else "Leave quantization off on this device."
+            raise ValueError(f"format={plugin.name!r} needs {plugin.kernel}, i.e. {plugin.hardware}; "
+                             f"{describe_device(device)} has none. {fix}")
+        return plugin.name
 
 
-def cuda_capability(device) -> tuple:
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(torch.cuda.get_device_capability(index))
+def format_names() -> tuple:
+    """What `format` accepts: "auto" and every registered format."""
+    return ("auto",) + formats.names()
 
 
 def describe_device(device) -> str:
@@ -136,34 +136,9 @@ def describe_device(device) -> str:
     return f"device {str(device)!r}"
 
 
-@functools.lru_cache(maxsize=None)
-def _probe(kind: str, device_str: str) -> bool:
-    device = torch.device(device_str)
-    try:
-        if kind == "fp8":
-            a = torch.zeros(32, 32, device=device).to(torch.float8_e4m3fn)
-            b = torch.zeros(32, 32, device=device).to(torch.float8_e4m3fn).t()
-            one_a = torch.ones(32, 1, device=device)
-            one_b = torch.ones(1, 32, device=device)
-            torch._scaled_mm(a, b, one_a, one_b, out_dtype=torch.bfloat16)
-        else:
-            a = torch.zeros(32, 32, dtype=torch.int8, device=device)
-            torch._int_mm(a, a.t())
-        return True
-    except Exception as error:  # noqa: BLE001 - a probe: any failure means "not supported"
-        log.info("Overdrive quantization: %s matmul unavailable on %s (%s)", kind, device_str, error)
-        return False
-
-
 def fp8_supported(device) -> bool:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return cuda_capability(device) >= (8, 9) and _probe("fp8", str(device))
-    return device.type == "cpu" and _probe("fp8", "cpu")
+    return formats.get("fp8_e4m3").supported(device)
 
 
 def int8_supported(device) -> bool:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return cuda_capability(device) >= (8, 0) and _probe("int8", str(device))
-    return device.type == "cpu" and _probe("int8", "cpu")
+    return formats.get("int8").supported(device)

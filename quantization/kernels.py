@@ -14,7 +14,7 @@ Schemes (symmetric, no zero points):
   the range, so one scale per tensor loses little against row-wise scales (tests bound the error).
 
 Kernel constraints (CUDA): `_int_mm` needs M > 16 and K, N multiples of 8; `_scaled_mm` needs K, N multiples of
-16. Rows (M) are padded here when needed; K/N are checked once at decision time (`gemm_shape_problem`) and such
+16. Rows (M) are padded here when needed; K/N are checked once at decision time (`QuantFormat.shape_problem`) and such
 layers are skipped with the reason logged.
 
 No function here calls `.item()` or branches on tensor values, so activation quantization fuses with its
@@ -41,19 +41,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 STATIC_HEADROOM = 2.0
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants M > 16
 EPS = 1e-12
-
-FORMAT_K_MULTIPLE = {"int8": 8, "fp8_e4m3": 16}
-
-
-def gemm_shape_problem(fmt: str, k: int, n: int) -> str | None:
-    """Why the `fmt` GEMM kernel cannot take a (.., K) x (K, N) product, or None when it can."""
-    multiple = FORMAT_K_MULTIPLE[fmt]
-    kernel = "torch._int_mm" if fmt == "int8" else "torch._scaled_mm"
-    bad = [f"{name}={value}" for name, value in (("K", k), ("N", n)) if value % multiple]
-    if bad:
-        return f"{' and '.join(bad)} not a multiple of {multiple} ({kernel} constraint)"
-    return None
-
 
 # ----------------------------------------------------------------------------------------------- weights
 def quantize_weight_int8(weight: torch.Tensor):

@@ -60,13 +60,8 @@ def warm_up(fn) -> None:
 
 def compiled_cost(quantized, x: torch.Tensor):
     """A call of `quantized` on `x` that costs what the layer costs in a compiled model (see the module docstring)."""
-    from .kernels import quantize_tensor_fp8_static
-    from .modules import Fp8Linear
-
-    if isinstance(quantized, Fp8Linear) and quantized.static_input:
-        xq = quantize_tensor_fp8_static(x.reshape(-1, quantized.in_features), quantized.input_scale)
-        return lambda: quantized.gemm_quantized(xq, x.dtype)
-    return lambda: quantized(x)
+    from . import formats
+    return formats.get(quantized.format).compiled_call(quantized, x)
 
 
 def measured_speedup(module, quantized, input_shape: tuple, dtype: torch.dtype) -> float | None:

@@ -15,7 +15,7 @@ import overdrive.quantization as oq
 from overdrive.quantization import (Calibrator, Fp8Linear, Int8Linear, QuantCache, QuantConfig, QuantConv2d1x1,
                                     QuantReport, apply_modules, plan_quantization, quantize_)
 from overdrive.quantization import calibrate as calibrate_mod
-from overdrive.quantization import config as config_mod
+from overdrive.quantization import formats as formats_mod
 from overdrive.quantization import kernels
 
 ALL = dict(linear_mse_threshold=1e9, conv_mse_threshold=1e9, compute_density_threshold=0)
@@ -104,16 +104,61 @@ def test_config_errors_name_problem_and_fix():
 
 
 def test_fp8_on_a_device_without_fp8_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match=r"fp8_e4m3.*compute capability 8.9.*format='int8'"):
+    with pytest.raises(ValueError, match=r"fp8_e4m3.*compute capability 8.9.*Leave quantization off"):
         QuantConfig(format="fp8_e4m3").resolve_format("meta")
     # A GPU older than Ada (capability 8.6): no fp8, auto falls back to int8.
-    monkeypatch.setattr(config_mod, "cuda_capability", lambda device: (8, 6))
-    monkeypatch.setattr(config_mod, "_probe", lambda kind, device: True)
-    with pytest.raises(ValueError, match=r"fp8_e4m3.*8.9"):
+    monkeypatch.setattr(formats_mod, "cuda_capability", lambda device: (8, 6))
+    monkeypatch.setattr(formats_mod, "_probed", lambda name, device: True)
+    with pytest.raises(ValueError, match=r"fp8_e4m3.*8.9.*format='int8'"):
         QuantConfig(format="fp8_e4m3").resolve_format("cuda")
     assert QuantConfig().resolve_format("cuda") == "int8"
-    monkeypatch.setattr(config_mod, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(formats_mod, "cuda_capability", lambda device: (9, 0))
     assert QuantConfig().resolve_format("cuda") == "fp8_e4m3"
+
+
+class _Int8TensorwiseLinear(oq.modules.QuantizedGemm):
+    """A format written as a plug-in would be: int8 with one scale per tensor, through a plain float matmul."""
+    format = "int8_tensorwise_test"
+    per_channel_scales = False
+
+    def quantize_weight(self, weight):
+        scale = weight.float().abs().amax().clamp(min=1e-12) / 127
+        return torch.round(weight.float() / scale).clamp(-127, 127).to(torch.int8), scale.reshape(1, 1)
+
+    def gemm(self, x2d, out_dtype):
+        bias = None if self.bias is None else self.bias
+        return F.linear(x2d.float(), self.weight_q.float() * self.weight_scale, bias).to(out_dtype)
+
+    reference_gemm = gemm
+
+
+class _Int8Tensorwise(formats_mod.QuantFormat):
+    name, layer, kernel, k_multiple, auto_priority = "int8_tensorwise_test", _Int8TensorwiseLinear, "F.linear", 8, -1
+
+    def probe(self, device):
+        pass
+
+
+def test_a_format_registered_from_outside_runs_through_the_whole_pipeline(tmp_path):
+    """Adding a format is its file and one `register`: config, candidates, calibration, decisions, the module swap
+    and the cache take it with no other change."""
+    formats_mod.register(_Int8Tensorwise())
+    try:
+        assert "int8_tensorwise_test" in oq.format_names()
+        config = QuantConfig(**ALL, format="int8_tensorwise_test")
+        model = make_model()
+        x, t = inputs(5)
+        expected = model(x, t)
+        report = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path)
+        assert report.format == "int8_tensorwise_test" and set(report.quantized) == QUANTIZABLE
+        assert isinstance(model.block.ff1, _Int8TensorwiseLinear) and model.block.ff1.weight_scale.numel() == 1
+        assert 0 < rel(model(x, t), expected) < REL_TOL
+        again = make_model()
+        assert quantize_(again, config, calibration=None, cache=tmp_path).cache_hit
+        torch.testing.assert_close(again(x, t), model(x, t))
+        assert QuantConfig().resolve_format("cpu") == "int8"  # a lower auto priority leaves auto alone
+    finally:
+        formats_mod.REGISTRY.pop("int8_tensorwise_test")
 
 
 # ----------------------------------------------------------------------------------------------- kernels

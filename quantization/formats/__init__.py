@@ -1,0 +1,104 @@
+"""Quantization formats as plug-ins, in torchao's style: one `QuantFormat` per file, registered by name. A format
+brings its quantized linear layer (a `gemm.QuantizedGemm`) and says where it runs, which GEMM shapes its kernel
+takes, and how a calibrated layer is finished and timed. The rest of quantization (calibration, measuring, the
+decisions, the cache, ComfyUI's node and the diffusers API) works through this registry, so a new format (int4
+weight-only, nvfp4) is one file here plus its import line below.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger("overdrive.quantization")
+REGISTRY: dict[str, "QuantFormat"] = {}
+
+
+class QuantFormat:
+    name: str = ""
+    bits: int = 8
+    layer: type = None        # its QuantizedGemm subclass
+    kernel: str = ""          # the GEMM it runs, for messages
+    k_multiple: int = 1       # the kernel's constraint on K and N
+    min_capability = (0, 0)   # NVIDIA compute capability
+    runs_on_cpu = True
+    auto_priority = 0         # format="auto" takes the supported format with the highest
+    auto_on_cpu = False       # ... on the CPU only among these (elsewhere a reference kernel, for tests)
+    hardware = ""             # where it runs, for messages
+
+    def layer_options(self, config) -> dict:
+        """Keyword arguments of `layer(...)` taken from the QuantConfig."""
+        return {}
+
+    def calibrated(self, layer, input_amax, config):
+        """`layer` finished with what calibration measured (e.g. a static activation scale from `input_amax`)."""
+        return layer
+
+    def compiled_call(self, layer, x):
+        """A call of `layer` on `x` costing what the layer costs inside a compiled model (quantization/speed.py)."""
+        return lambda: layer(x)
+
+    def shape_problem(self, k: int, n: int) -> str | None:
+        """Why the kernel cannot take a (.., K) x (K, N) product, or None when it can."""
+        bad = [f"{name}={value}" for name, value in (("K", k), ("N", n)) if value % self.k_multiple]
+        if bad:
+            return f"{' and '.join(bad)} not a multiple of {self.k_multiple} ({self.kernel} constraint)"
+        return None
+
+    def probe(self, device) -> None:
+        """Run the kernel once on `device`; raises where it cannot run."""
+        raise NotImplementedError
+
+    def supported(self, device) -> bool:
+        device = torch.device(device)
+        if device.type == "cuda":
+            if cuda_capability(device) < tuple(self.min_capability):
+                return False
+        elif device.type != "cpu" or not self.runs_on_cpu:
+            return False
+        return _probed(self.name, str(device))
+
+
+def cuda_capability(device) -> tuple:
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _probed(name: str, device: str) -> bool:
+    try:
+        REGISTRY[name].probe(torch.device(device))
+        return True
+    except Exception as error:  # noqa: BLE001 - a probe: any failure means "not supported"
+        log.info("Overdrive quantization: %s matmul unavailable on %s (%s)", name, device, error)
+        return False
+
+
+def register(fmt: QuantFormat) -> QuantFormat:
+    REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def get(name: str) -> QuantFormat:
+    return REGISTRY[name]
+
+
+def names() -> tuple:
+    return tuple(REGISTRY)
+
+
+def bit_widths() -> tuple:
+    return tuple(sorted({fmt.bits for fmt in REGISTRY.values()}))
+
+
+def best_supported(device, bits: int) -> QuantFormat | None:
+    """format="auto": the supported format of `bits` with the highest priority on `device`, or None."""
+    device = torch.device(device)
+    usable = [fmt for fmt in REGISTRY.values() if fmt.bits == bits and fmt.supported(device)
+              and (device.type != "cpu" or fmt.auto_on_cpu)]
+    return max(usable, key=lambda fmt: fmt.auto_priority, default=None)
+
+
+from . import int8, fp8  # noqa: E402,F401,I001  (each registers itself; this order is the node's list)

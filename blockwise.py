@@ -46,6 +46,8 @@ class BlockwiseForward:
     percent_to_sigma: the cache window's sigmas (ComfyUI: model_sampling.percent_to_sigma).
     """
 
+    overdrive_stack = None  # set by stack.build
+
     def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None):
         self.module, self.family, self.options, self.cache_config = module, family, options, cache
         self.blocks = family.blocks(module)

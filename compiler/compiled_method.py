@@ -42,6 +42,8 @@ class CompiledMethod:
     (ComfyUI's adapter shows it on the progress bar).
     """
 
+    overdrive_stack = None  # set by stack.build when this is a diffusion model's forward
+
     def __init__(self, module: torch.nn.Module, method: str = "forward", options: CompileOptions | None = None,
                  reporter=None, variant: str = "", announce: bool = True):
         """`variant`: what the module tree will hold at run time that it does not hold now (e.g. layers a

@@ -36,6 +36,8 @@ class DeepCacheRunner:
         forward the model had before DeepCache was installed if it was already replaced (e.g. a compiled one).
     """
 
+    overdrive_stack = None  # set by stack.build
+
     def __init__(self, paths: UNetPaths, config: DeepCacheConfig | None = None, *, percent_to_sigma=None,
                  native_forward=None):
         self.config = config or DeepCacheConfig()
@@ -96,8 +98,10 @@ class DeepCacheRunner:
         import copy
         paths = copy.deepcopy(self.paths, memo)
         native = None if self.native == self.paths.native_forward else self.native
-        return DeepCacheRunner(paths, self.config, percent_to_sigma=self.schedule.percent_to_sigma,
-                               native_forward=native)
+        copied = DeepCacheRunner(paths, self.config, percent_to_sigma=self.schedule.percent_to_sigma,
+                                 native_forward=native)
+        copied.overdrive_stack = self.overdrive_stack
+        return copied
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     @property

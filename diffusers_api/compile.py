@@ -4,7 +4,8 @@ import torch
 import torch.nn as nn
 
 from ..compiler import CompiledMethod, CompileOptions
-from .installed import compiled_runner_parts, install_runner_parts, runner_of
+from ..stack import Stack
+from .installed import install, installed_stack
 from .targets import is_pipeline, pipeline_unet, pipeline_vae
 
 
@@ -38,26 +39,26 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
         raise TypeError(f"compile_ takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}. "
                         "Nothing was changed.")
 
-    # Build everything first, install after: a failure leaves every module as it was.
-    built = []
+    # Build everything first, install after: a failure leaves every module as it was (a forward is built through its
+    # Stack last, and `install` changes nothing until it is complete).
+    built = [(name, module, method, CompiledMethod(module, method, options))
+             for name, module, method in plan if method != "forward"]
+    compiled = {}
     for name, module, method in plan:
-        runner = runner_of(module) if method == "forward" else None
-        if runner is not None:
-            built.append((name, module, method, runner, compiled_runner_parts(runner, module, options)))
-        else:
-            built.append((name, module, method, None, CompiledMethod(module, method, options)))
+        if method == "forward":
+            stack = (installed_stack(module) or Stack()).with_compile(options)
+            forward = install(module, stack)
+            if stack.cache is not None:  # DeepCache's native forward and both paths
+                compiled.update({f"{name}.forward": forward.native, f"{name}.deepcache.full_forward": forward.full_path,
+                                 f"{name}.deepcache.shallow_forward": forward.shallow_path})
+            else:
+                compiled[f"{name}.forward"] = forward
     if is_pipeline(target):
         for _, module, _ in plan:
             _conv_weights_channels_last(module)
-    compiled = {}
-    for name, module, method, runner, made in built:
-        if runner is not None:
-            install_runner_parts(runner, made)
-            compiled.update({f"{name}.{method}": made["native"], f"{name}.deepcache.full_forward": made["full_path"],
-                             f"{name}.deepcache.shallow_forward": made["shallow_path"]})
-        else:
-            setattr(module, method, made)
-            compiled[f"{name}.{method}"] = made
+    for name, module, method, made in built:
+        setattr(module, method, made)
+        compiled[f"{name}.{method}"] = made
     return compiled
 
 

@@ -1,7 +1,7 @@
 """deepcache_: DeepCache on a diffusers UNet2DConditionModel (a pipeline's, or a bare one)."""
-from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheConfig, DeepCacheRunner
-from .installed import compiled_runner_parts, install_runner_parts, installed, runner_of
+from ..stack import Stack
+from .installed import DiffusersHost, install, installed_stack
 from .targets import is_pipeline, target_unet
 
 
@@ -21,14 +21,7 @@ def deepcache_(target, config: DeepCacheConfig | None = None) -> DeepCacheRunner
     if not isinstance(config, DeepCacheConfig):
         raise TypeError(f"deepcache_: config must be a DeepCacheConfig, not {type(config).__name__}; e.g. "
                         "DeepCacheConfig(cache_interval=3). Nothing was changed.")
-    native = installed(unet)
-    previous = runner_of(unet)
-    if previous is not None:
-        native = None if previous.native == previous.paths.native_forward else previous.native
     scheduler_config = getattr(getattr(target, "scheduler", None), "config", None) if is_pipeline(target) else None
     timesteps = int((scheduler_config or {}).get("num_train_timesteps", 1000))
-    runner = DeepCacheRunner.for_diffusers_unet(unet, config, num_train_timesteps=timesteps, native_forward=native)
-    if isinstance(native, CompiledMethod):
-        install_runner_parts(runner, compiled_runner_parts(runner, unet, native.options))
-    unet.forward = runner
-    return runner
+    stack = (installed_stack(unet) or Stack()).with_cache(config)
+    return install(unet, stack, DiffusersHost(unet, timesteps), keep_runner=False)  # a new run, new statistics

@@ -1,10 +1,30 @@
-"""What Overdrive installed on a module's forward (a CompiledMethod, a DeepCacheRunner, or nothing), and how each API
-function composes with what is already there: compile_ then deepcache_ (or the other way round) compiles DeepCache's
-two paths; quantize_ calibrates on the eager forward and re-fingerprints compiled code for the new layers."""
+"""What Overdrive installed on a diffusers UNet's forward (stack.py), and how each API function extends it: compile_
+then deepcache_ (or the other way round) compiles DeepCache's two paths; quantize_ calibrates on the eager forward and
+rebuilds the same Stack over the new layers, so compiled graphs are keyed by them."""
 import contextlib
 
-from ..compiler import CompiledMethod, CompileOptions
 from ..deepcache import DeepCacheRunner
+from ..stack import Host, Stack, build, stack_of
+
+
+class DiffusersHost(Host):
+    """A diffusers UNet2DConditionModel: steps keyed on the timestep (diffusers passes no sigmas)."""
+
+    def __init__(self, unet, num_train_timesteps: int = 1000):
+        super().__init__(unet)
+        self.num_train_timesteps = num_train_timesteps
+        current = installed(unet)
+        self.foreign = current if current is not None and stack_of(current) is None else None
+
+    def family(self):
+        return None  # diffusers' class layouts of the DiT families have no plug-in yet
+
+    def unet_runner(self, config, native):
+        return DeepCacheRunner.for_diffusers_unet(self.module, config, num_train_timesteps=self.num_train_timesteps,
+                                                  native_forward=native)
+
+    def eager_forward(self):
+        return self.foreign  # someone else's forward (e.g. their own torch.compile) keeps running on full steps
 
 
 def installed(module, method: str = "forward"):
@@ -12,29 +32,19 @@ def installed(module, method: str = "forward"):
     return module.__dict__.get(method)
 
 
-def runner_of(module) -> DeepCacheRunner | None:
-    current = installed(module)
-    return current if isinstance(current, DeepCacheRunner) else None
+def installed_stack(module) -> Stack | None:
+    return stack_of(installed(module))
 
 
-def compile_options_of(module) -> CompileOptions | None:
-    """The options `module.forward` is compiled with (directly, or as a DeepCache runner's native forward)."""
-    current = installed(module)
-    if isinstance(current, DeepCacheRunner):
-        current = current.native
-    return current.options if isinstance(current, CompiledMethod) else None
-
-
-def compiled_runner_parts(runner: DeepCacheRunner, module, options: CompileOptions) -> dict:
-    """New compiled callables for a runner: its native forward and both paths (not installed yet)."""
-    return {"native": CompiledMethod(module, "forward", options),
-            "full_path": CompiledMethod(runner.paths, "full_forward", options),
-            "shallow_path": CompiledMethod(runner.paths, "shallow_forward", options)}
-
-
-def install_runner_parts(runner: DeepCacheRunner, parts: dict) -> None:
-    for attribute, value in parts.items():
-        setattr(runner, attribute, value)
+def install(module, stack: Stack, host: Host | None = None, keep_runner: bool = True):
+    """`stack` built over `module` and set as its forward; returns it. `keep_runner`: a step-cache runner already
+    there with the same settings is updated in place (callers hold it for its statistics)."""
+    forward = build(stack, host or DiffusersHost(module), keep=installed(module) if keep_runner else None)
+    if forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = forward
+    return forward
 
 
 @contextlib.contextmanager
@@ -46,16 +56,3 @@ def eager_forward(module):
     finally:
         if current is not None:
             module.forward = current
-
-
-def recompile_after_swap(module) -> None:
-    """After layers were swapped (quantized), compiled forwards get a fingerprint of the new structure, so graphs
-    are shared only with modules that really have it."""
-    options = compile_options_of(module)
-    if options is None:
-        return
-    runner = runner_of(module)
-    if runner is None:
-        module.forward = CompiledMethod(module, "forward", options)
-    else:
-        install_runner_parts(runner, compiled_runner_parts(runner, module, options))

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..compiler.switch_weights import WeightMismatchError, copy_weights_, read_safetensors_subset, reference_tensors
 from ..quantization.modules import QuantConv2d1x1, QuantizedGemm
-from .installed import runner_of
+from .installed import installed, installed_stack
 from .targets import target_module
 
 DIFFUSERS_FILES = ("diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.safetensors")
@@ -35,9 +35,9 @@ def switch_weights_(target, weights) -> None:
             layer.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"))
 
     copy_weights_(module, state, source, reference, rebuild=requantize)  # validated first: a mismatch writes nothing
-    runner = runner_of(module)
-    if runner is not None:
-        runner.reset()  # features computed with the old weights are never reused
+    stack = installed_stack(module)
+    if stack is not None and stack.cache is not None:
+        installed(module).reset()  # features computed with the old weights are never reused
 
 
 def _quantized_layers(module: nn.Module) -> dict:

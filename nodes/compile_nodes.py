@@ -4,9 +4,10 @@ import copy
 from comfy.patcher_extension import CallbacksMP
 
 from ..compiler import CompiledMethod, CompileOptions
+from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
 from .cache_folder import comfy_cache_dir
-from .forward_patch import FORWARD, compiled_forward
+from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
 
 MODE_TOOLTIP = (
@@ -44,9 +45,9 @@ PRECOMPILE_TOOLTIP = (
 def release_precompiled(patcher, unpatch_all) -> None:
     """ComfyUI unloads the model (a detach that unpatches; it detaches without unpatching before every run): the
     memory its precompiled frames hold goes with it."""
-    forward = patcher.object_patches.get(FORWARD)
-    if unpatch_all and isinstance(forward, CompiledMethod):
-        forward.release_precompiled()
+    release = getattr(patcher.object_patches.get(FORWARD), "release_precompiled", None)  # a compiled whole forward
+    if unpatch_all and release is not None:
+        release()
 
 
 class OverdriveCompileModel:
@@ -79,7 +80,7 @@ class OverdriveCompileModel:
         # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
         # A DeepCache already on the model is kept, with its paths compiled.
-        patched.add_object_patch(FORWARD, compiled_forward(patched, options))
+        install(patched, (installed_stack(patched) or Stack()).with_compile(options))
         if precompile:
             patched.add_callback(CallbacksMP.ON_DETACH, release_precompiled)
         return (patched,)

@@ -1,12 +1,11 @@
 """DeepCache: a thin ComfyUI adapter over overdrive.deepcache (MODEL -> MODEL, through a ModelPatcher object patch)."""
 import logging
 
-from ..blockwise import BlockwiseForward
-from ..compiler import CompiledMethod
-from ..deepcache import DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner, UnsupportedUNetError
+from ..deepcache import DeepCacheConfig, DeepCacheConfigError, UnsupportedUNetError
 from ..deepcache.config import MODES
 from ..families import family_of
-from .forward_patch import FORWARD, blockwise, compile_options, deepcache_runner
+from ..stack import Stack
+from .forward_patch import foreign_forward, install, installed_stack
 
 log = logging.getLogger("overdrive")
 
@@ -32,15 +31,6 @@ START_TOOLTIP = ("Where in the sampling process caching may begin (0 = first ste
                  "the whole UNet: raise it to keep the early steps, which set the composition, exact.")
 END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 = last). Steps after it run the "
                "whole UNet: lower it to keep the final steps, which refine fine detail, exact.")
-
-
-def installable(previous, unet) -> bool:
-    """True for the forward patches DeepCache knows how to wrap: none, this model compiled, or a DeepCache."""
-    if isinstance(previous, BlockwiseForward):
-        return previous.module is unet
-    if isinstance(previous, DeepCacheRunner):
-        previous = previous.native
-    return previous is None or (isinstance(previous, CompiledMethod) and previous.module is unet)
 
 
 class OverdriveDeepCache:
@@ -79,47 +69,33 @@ class OverdriveDeepCache:
                                  threshold=float(threshold))
         patched = model.clone()
         unet = patched.model.diffusion_model
-        previous = patched.object_patches.get(FORWARD)
         family = family_of(unet)
-        if family is not None:
-            return (self._patch_blocks(patched, family, config, previous),)
-        if mode != "fixed":
+        if family is None and mode != "fixed":
             raise DeepCacheConfigError(f"mode={mode!r} applies to DiT models (Flux, Qwen-Image, Wan, Z-Image, SD3.5); "
                                        f"this {type(unet).__name__} takes mode='fixed' (cache_interval sets its "
                                        "schedule).")
-        if not installable(previous, unet):
+        foreign = foreign_forward(patched)
+        if foreign is not None:
             log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
                         "DeepCache cannot wrap without bypassing it; the model is returned unchanged.",
-                        type(previous).__name__)
+                        type(foreign).__name__)
             return (patched,)
-        native = previous.native if isinstance(previous, DeepCacheRunner) else previous
-        options = compile_options(native)
+        previous = installed_stack(patched) or Stack()
         try:
-            runner = deepcache_runner(patched, config, native, options)
+            forward = install(patched, previous.with_cache(config))
         except UnsupportedUNetError as error:
-            log.warning("Overdrive DeepCache: %s; DeepCache supports openaimodel UNets (SD1.5, SD2, SDXL). The model "
-                        "is returned unchanged.", error)
+            log.warning("Overdrive DeepCache: %s; DeepCache supports openaimodel UNets (SD1.5, SD2, SDXL) and the DiT "
+                        "families. The model is returned unchanged.", error)
             return (patched,)
-        patched.add_object_patch(FORWARD, runner)
-        # ComfyUI (before sample_sigmas reached the model) never tells a model that sampling ended: the runner logs a
-        # run's schedule when the next run on this model starts.
-        log.info("Overdrive DeepCache on %s: %s, %d of %d skip branches run on shallow steps%s%s; a run's schedule "
-                 "(full / shallow steps) is logged when the next one starts", type(unet).__name__, config.describe(),
-                 cache_depth, runner.paths.skip_branches, ", paths compiled" if options is not None else "",
-                 ", replacing the DeepCache already on this model" if isinstance(previous, DeepCacheRunner) else "")
+        # ComfyUI (before sample_sigmas reached the model) never tells a model that sampling ended: a run's schedule
+        # is logged when the next run on this model starts.
+        if family is not None:
+            log.info("Overdrive DeepCache on %s (%s): %s; a run's full / reused steps are logged when the next run "
+                     "starts", type(unet).__name__, family.name, forward.describe())
+        else:
+            log.info("Overdrive DeepCache on %s: %s, %d of %d skip branches run on shallow steps%s%s; a run's schedule "
+                     "(full / shallow steps) is logged when the next one starts", type(unet).__name__,
+                     config.describe(), cache_depth, forward.paths.skip_branches,
+                     ", paths compiled" if previous.compile is not None else "",
+                     ", replacing the DeepCache already on this model" if previous.cache is not None else "")
         return (patched,)
-
-    @staticmethod
-    def _patch_blocks(patched, family, config, previous):
-        """A DiT: the step cache over its block stacks, keeping Compile Model's compiled blocks if it came first."""
-        unet = patched.model.diffusion_model
-        if not installable(previous, unet):
-            log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
-                        "the step cache cannot wrap without bypassing it; the model is returned unchanged.",
-                        type(previous).__name__)
-            return patched
-        forward = blockwise(patched, family, compile_options(previous), config)
-        patched.add_object_patch(FORWARD, forward)
-        log.info("Overdrive DeepCache on %s (%s): %s; a run's full / reused steps are logged when the next run starts",
-                 type(unet).__name__, family.name, forward.describe())
-        return patched

@@ -6,14 +6,11 @@ import comfy.model_management
 
 from ..attention.choice import MODES as ATTENTION_MODES
 from ..attention.choice import AttentionConfig
-from ..blockwise import BlockwiseForward
-from ..compiler import CompiledMethod
-from ..deepcache import DeepCacheRunner
 from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization, weights_digest
 from ..quantization.formats import bit_widths
 from .cache_folder import comfy_cache_dir
 from .attention_override import install_attention
-from .forward_patch import FORWARD, forward_for
+from .forward_patch import FORWARD, installed_stack, rebuild
 from .quantize_calibration import MAX_STEPS, CalibrationRun
 from .quantize_patches import bake_weight_patches, install, patches_digest
 
@@ -70,8 +67,8 @@ def eager_clone(model):
     """A clone for calibration: every layer runs eager on every step (the calibration hooks see all the real inputs),
     so Compile Model's and DeepCache's forwards, if they come before this node, are left out of it."""
     calib = model.clone()
-    calib.object_patches = {k: v for k, v in calib.object_patches.items()
-                            if not isinstance(v, (CompiledMethod, DeepCacheRunner, BlockwiseForward))}
+    if installed_stack(calib) is not None:
+        calib.object_patches = {k: v for k, v in calib.object_patches.items() if k != FORWARD}
     return calib
 
 
@@ -88,9 +85,7 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun):
     patched = model.clone()
     baked = bake_weight_patches(patched, plan.modules, model.load_device)
     install(patched, plan.modules)
-    forward = patched.object_patches.get(FORWARD)
-    if forward is not None:  # Compile Model / DeepCache came first: rebuilt, so their graphs are keyed by the 8-bit layers
-        patched.add_object_patch(FORWARD, forward_for(patched, forward))
+    rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
     report = plan.report
     path = cache.decisions_path(report.cache_key)
     if report.cache_hit:

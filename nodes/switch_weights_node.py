@@ -10,7 +10,7 @@ import folder_paths
 from ..compiler import WeightMismatchError, twin_with_weights
 from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors, unreadable
 from .load_state import forget_load_state
-from .forward_patch import FORWARD, compile_options, forward_for
+from .forward_patch import rebuild
 from .quantize_patches import float_view, requantize_onto
 
 log = logging.getLogger("overdrive")
@@ -102,12 +102,10 @@ class OverdriveSwitchWeights:
             state = load_unet_weights(path, reference_tensors(current))
             twin = twin_with_weights(current, state, source=name)
             switched = with_diffusion_model(model, twin)
-            forward = model.object_patches.get(FORWARD)
-            if forward is not None:
-                # The same patch (compiled, DeepCache) over the twin. Same architecture: same graphs, no recompile.
-                switched.add_object_patch(FORWARD, forward_for(switched, forward))
-            compiled = compile_options(forward) is not None
             requantized = requantize_onto(switched, twin)
+            # The same Stack (compiled, step cache) over the twin. Same architecture: same graphs, no recompile.
+            stack = rebuild(switched)
+            compiled = stack is not None and stack.compile is not None
         log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s%s)", name,
                  time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled",
                  f"; {len(requantized)} quantized layers re-quantized from the new weights" if requantized else "")

@@ -1,0 +1,109 @@
+"""One accelerated diffusion-model forward: which of Overdrive's accelerators run it (a `Stack`) and the one place
+that builds the callable from them (`build`).
+
+The ComfyUI nodes and the diffusers API never look at each other's objects: they read the Stack of the forward that
+is installed (`stack_of`), extend it (`with_compile`, `with_cache`) and `build` it over their module through a `Host`,
+the few things a front end supplies (how it compiles a method, its UNet's step-cache runner, its sampling clock).
+Quantization and weight switching change the module's layers or weights; they rebuild the same Stack over the result,
+so compiled graphs are keyed by the new layers and shared again by every checkpoint of the architecture.
+
+Composition order, decided here only:
+- a family with a plug-in (families/: the DiTs) runs one BlockwiseForward holding its compiled blocks and its step
+  cache, so both cache paths reuse the same compiled blocks;
+- a UNet with a step cache runs a DeepCacheRunner whose native forward and both paths are compiled;
+- a UNet without one runs a compiled forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .blockwise import BlockwiseForward
+from .compiler import CompiledMethod, CompileOptions
+from .deepcache import DeepCacheConfig
+from .families import family_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """compile: CompileOptions (None: eager). cache: the step cache's DeepCacheConfig (None: every step full)."""
+
+    compile: CompileOptions | None = None
+    cache: DeepCacheConfig | None = None
+
+    def with_compile(self, options: CompileOptions | None) -> "Stack":
+        return dataclasses.replace(self, compile=options)
+
+    def with_cache(self, config: DeepCacheConfig | None) -> "Stack":
+        return dataclasses.replace(self, cache=config)
+
+    @property
+    def empty(self) -> bool:
+        return self.compile is None and self.cache is None
+
+    def describe(self) -> str:
+        parts = (["compiled"] if self.compile is not None else []) + \
+                ([f"step cache ({self.cache.describe()})"] if self.cache is not None else [])
+        return " + ".join(parts) or "eager"
+
+
+def stack_of(forward) -> Stack | None:
+    """The Stack a forward was built from; None for no forward or another extension's."""
+    return getattr(forward, "overdrive_stack", None)
+
+
+class Host:
+    """What a front end supplies to `build` over `module`. Subclasses: nodes/forward_patch.ComfyHost,
+    diffusers_api/installed.DiffusersHost."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def compiled(self, module, method: str, options: CompileOptions, block_path: str = "") -> CompiledMethod:
+        """`module.<method>` compiled; `block_path` names a block of a blockwise forward."""
+        return CompiledMethod(module, method, options, announce=not block_path)
+
+    def family(self):
+        return family_of(self.module)
+
+    def unet_runner(self, config: DeepCacheConfig, native):
+        """A DeepCacheRunner over this UNet running `native` on full steps (None: the UNet's own forward).
+        Raises deepcache.UnsupportedUNetError for a UNet layout it does not know."""
+        raise NotImplementedError
+
+    def eager_forward(self):
+        """The forward a step cache calls on full steps when nothing is compiled (None: the module's own)."""
+        return None
+
+    def percent_to_sigma(self, percent: float) -> float:
+        raise NotImplementedError
+
+
+def build(stack: Stack, host: Host, keep=None):
+    """The forward that runs `host.module` with `stack` (None for an empty stack). `keep`: a forward built before
+    with the same step-cache settings whose runner object should be updated rather than replaced (the diffusers API
+    hands runners to its callers; their statistics stay live)."""
+    if stack.empty:
+        return None
+    family = host.family()
+    if family is not None:
+        forward = BlockwiseForward(host.module, family, stack.compile, stack.cache,
+                                   lambda block, path, options: host.compiled(block, "forward", options, path),
+                                   percent_to_sigma=host.percent_to_sigma)
+    elif stack.cache is None:
+        forward = host.compiled(host.module, "forward", stack.compile)
+    else:
+        native = host.compiled(host.module, "forward", stack.compile) if stack.compile is not None \
+            else host.eager_forward()
+        previous = stack_of(keep)
+        forward = keep if previous is not None and previous.cache == stack.cache else host.unet_runner(stack.cache,
+                                                                                                      native)
+        if stack.compile is not None:
+            paths = {name: host.compiled(forward.paths, name, stack.compile)
+                     for name in ("full_forward", "shallow_forward")}
+        else:
+            paths = {name: getattr(forward.paths, name) for name in ("full_forward", "shallow_forward")}
+        # Everything is built before the runner changes: a failure above leaves `keep` as it was.
+        forward.native = native if native is not None else forward.paths.native_forward
+        forward.full_path, forward.shallow_path = paths["full_forward"], paths["shallow_forward"]
+    forward.overdrive_stack = stack
+    return forward

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU runs for the DiT families on ComfyUI 0.7.0: eager, ComfyUI's built-in TorchCompileModel, Overdrive CompileModel,
-# + QuantizeModel fp8, side by side in one process per family (full-size configurations, random weights, bf16, caches
-# off so first runs include the whole compile).
+# GPU runs per model family on ComfyUI 0.7.0: eager, ComfyUI's built-in TorchCompileModel, Overdrive CompileModel,
+# + QuantizeModel fp8, side by side in one process per family (full-size configurations, random weights, bf16 for the
+# DiTs and fp16 for the UNets, caches off so first runs include the whole compile).
 # Usage on the GPU machine, from the repository root, with ComfyUI 0.7.0 unpacked in .devcarry/ComfyUI and the wheels
 # it needs beyond the machine's image (torchsde, trampoline) in .devcarry/whl:
-#   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | wan22 | qwen_image | zimage | sd35
+#   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | wan22 | qwen_image | zimage | sd35 | sdxl | sd15
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
@@ -25,5 +25,7 @@ case "$part" in
   qwen_image) run qwen_image_1328 --arch qwen_image --res 1328 --steps 20 --repeats 1 ;;
   zimage) run zimage_1024 --arch zimage --res 1024 --steps 8 --repeats 2 ;;
   sd35) run sd35_1024 --arch sd35 --res 1024 --steps 20 --repeats 2 ;;
+  sdxl) run sdxl_1024 --arch sdxl --res 1024 --steps 20 --repeats 3 ;;
+  sd15) run sd15_512 --arch sd15 --res 512 --steps 20 --repeats 5 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -132,13 +132,6 @@ class _Int8TensorwiseLinear(oq.modules.QuantizedGemm):
     reference_gemm = gemm
 
 
-class _Int8Tensorwise(formats_mod.QuantFormat):
-    name, layer, kernel, k_multiple, auto_priority = "int8_tensorwise_test", _Int8TensorwiseLinear, "F.linear", 8, -1
-
-    def probe(self, device):
-        pass
-
-
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_every_layer_kind_has_a_timed_call(fmt):
     """speed.py times what each format says a layer costs under compile; a 1x1 conv's wrapper included (a missing
@@ -157,7 +150,8 @@ def test_every_layer_kind_has_a_timed_call(fmt):
 def test_a_format_registered_from_outside_runs_through_the_whole_pipeline(tmp_path):
     """Adding a format is its file and one `register`: config, candidates, calibration, decisions, the module swap
     and the cache take it with no other change."""
-    formats_mod.register(_Int8Tensorwise())
+    formats_mod.register(formats_mod.QuantFormat("int8_tensorwise_test", _Int8TensorwiseLinear, kernel="F.linear",
+                                                 k_multiple=8, probe=lambda device: None, auto_priority=-1))
     try:
         assert "int8_tensorwise_test" in oq.format_names()
         config = QuantConfig(**ALL, format="int8_tensorwise_test")

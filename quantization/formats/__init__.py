@@ -16,16 +16,18 @@ REGISTRY: dict[str, "QuantFormat"] = {}
 
 
 class QuantFormat:
-    name: str = ""
-    bits: int = 8
-    layer: type = None        # its QuantizedGemm subclass
-    kernel: str = ""          # the GEMM it runs, for messages
-    k_multiple: int = 1       # the kernel's constraint on K and N
-    min_capability = (0, 0)   # NVIDIA compute capability
-    runs_on_cpu = True
-    auto_priority = 0         # format="auto" takes the supported format with the highest
-    auto_on_cpu = False       # ... on the CPU only among these (elsewhere a reference kernel, for tests)
-    hardware = ""             # where it runs, for messages
+    """name: what QuantConfig.format says. layer: its QuantizedGemm subclass. kernel: the GEMM it runs, and
+    k_multiple: that kernel's constraint on K and N. min_capability: the NVIDIA compute capability it needs, hardware:
+    the same in words. auto_priority: format="auto" takes the supported format with the highest; on the CPU only among
+    those with auto_on_cpu (elsewhere the CPU runs a reference kernel, for tests). probe(device): runs the kernel once
+    (raises where it cannot run). Subclass for the hooks below."""
+
+    def __init__(self, name: str, layer: type, *, kernel: str, k_multiple: int, probe, bits: int = 8,
+                 min_capability=(0, 0), runs_on_cpu: bool = True, auto_priority: int = 0, auto_on_cpu: bool = False,
+                 hardware: str = ""):
+        self.name, self.layer, self.kernel, self.k_multiple, self.bits = name, layer, kernel, k_multiple, bits
+        self.min_capability, self.runs_on_cpu, self.hardware = tuple(min_capability), runs_on_cpu, hardware
+        self.auto_priority, self.auto_on_cpu, self._probe = auto_priority, auto_on_cpu, probe
 
     def layer_options(self, config) -> dict:
         """Keyword arguments of `layer(...)` taken from the QuantConfig."""
@@ -47,8 +49,7 @@ class QuantFormat:
         return None
 
     def probe(self, device) -> None:
-        """Run the kernel once on `device`; raises where it cannot run."""
-        raise NotImplementedError
+        self._probe(torch.device(device))
 
     def supported(self, device) -> bool:
         device = torch.device(device)

@@ -74,13 +74,13 @@ class Fp8Linear(QuantizedGemm):
 
 
 class Fp8E4m3(QuantFormat):
-    name = "fp8_e4m3"
-    layer = Fp8Linear
-    kernel = "torch._scaled_mm"
-    k_multiple = 16
-    min_capability = (8, 9)
-    auto_priority = 2
-    hardware = "an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell)"
+    """Its layers take `fp8_fast_accum` and a static activation scale from calibration, and are timed as they run
+    under compile."""
+
+    def __init__(self):
+        super().__init__("fp8_e4m3", Fp8Linear, kernel="torch._scaled_mm", k_multiple=16, probe=self._run_scaled_mm,
+                         min_capability=(8, 9), auto_priority=2,
+                         hardware="an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell)")
 
     def layer_options(self, config) -> dict:
         return {"fast_accum": config.fp8_fast_accum}
@@ -97,7 +97,8 @@ class Fp8E4m3(QuantFormat):
         xq = kernels.quantize_tensor_fp8_static(x.reshape(-1, layer.in_features), layer.input_scale)
         return lambda: layer.gemm_quantized(xq, x.dtype)
 
-    def probe(self, device):
+    @staticmethod
+    def _run_scaled_mm(device):
         a = torch.zeros(32, 32, device=device).to(torch.float8_e4m3fn)
         b = torch.zeros(32, 32, device=device).to(torch.float8_e4m3fn).t()
         torch._scaled_mm(a, b, torch.ones(32, 1, device=device), torch.ones(1, 32, device=device),

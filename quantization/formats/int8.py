@@ -25,19 +25,11 @@ class Int8Linear(QuantizedGemm):
         return kernels.reference_int8_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype)
 
 
-class Int8(QuantFormat):
-    name = "int8"
-    layer = Int8Linear
-    kernel = "torch._int_mm"
-    k_multiple = 8
-    min_capability = (8, 0)
-    auto_priority = 1
-    auto_on_cpu = True
-    hardware = "an NVIDIA GPU of compute capability 8.0 or newer, or the CPU"
-
-    def probe(self, device):
-        a = torch.zeros(32, 32, dtype=torch.int8, device=device)
-        torch._int_mm(a, a.t())
+def _run_int_mm(device):
+    a = torch.zeros(32, 32, dtype=torch.int8, device=device)
+    torch._int_mm(a, a.t())
 
 
-register(Int8())
+register(QuantFormat("int8", Int8Linear, kernel="torch._int_mm", k_multiple=8, probe=_run_int_mm,
+                     min_capability=(8, 0), auto_priority=1, auto_on_cpu=True,
+                     hardware="an NVIDIA GPU of compute capability 8.0 or newer, or the CPU"))

@@ -24,7 +24,8 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
         * None: only with a cache that already holds the decisions for these weights and settings.
       Calibration always runs the eager forward, even when compile_ or deepcache_ were applied before.
     - cache: None (off), True (~/.cache/overdrive/quantization or $OVERDRIVE_CACHE_DIR), a folder or a QuantCache:
-      decisions and quantized weights, so a later process skips calibration.
+      the decisions, so a later process skips calibration (QuantCache(folder, store_weights=True) also keeps the
+      quantized weights).
     - filter_fn(module, qualified_name) -> bool: False leaves that layer alone. resolution: part of the cache key
       (taken from the calibration dict's height/width when not given).
     All or nothing: if anything fails, the error propagates and the model is unchanged.

@@ -59,7 +59,7 @@ TOOLTIPS = {
 
 
 def quant_cache_dir() -> str:
-    """Decisions and quantized weights: $OVERDRIVE_CACHE_DIR/quantization, else beside ComfyUI's models."""
+    """Decisions: $OVERDRIVE_CACHE_DIR/quantization, else beside ComfyUI's models."""
     return str(comfy_cache_dir("quantization"))
 
 

@@ -84,6 +84,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
                     key)
         return None
     stored = store.load_weights(key, device) if report.quantized else {}
+    amax = {layer.name: layer.input_amax for layer in report.layers}
     modules = {}
     for name in report.quantized:
         candidate = candidates[name]
@@ -99,8 +100,10 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
             except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
                 log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
                 module = None
-        if module is None:
-            module = quantized_module_for(candidate.module, report.format, config, device=device)
+        if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
+            input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
+            module = quantized_module_for(candidate.module, report.format, config, device=device,
+                                          input_amax=input_amax)
         modules[name] = module
     return modules
 

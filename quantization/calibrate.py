@@ -223,6 +223,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
                               f"density {decision.density:.0f} >= {config.compute_density_threshold:g}"
             if decision.speedup is not None:
                 decision.reason += f", measured {decision.speedup:.2f}x faster"
+            decision.input_amax = None if sample.amax is None else float(sample.amax)
             modules[candidate.name] = quantized
     for decision in decisions:
         if decision.decision != QUANTIZE:

@@ -26,6 +26,8 @@ class LayerDecision:
     speedup: float | None = None   # float time / 8-bit time, measured on the GPU at this layer's shape
     rows: int | None = None        # M: rows (tokens / pixels) of the largest call seen
     calls: int = 0                 # calls seen during calibration
+    input_amax: float | None = None  # largest |input| in calibration: a quantized layer rebuilt from the cached
+    #                                  decisions gets the same static activation scale (fp8)
 
     @property
     def quantized(self) -> bool:
@@ -39,7 +41,7 @@ def _num(value):
     return value
 
 
-_NUMERIC = ("density", "error", "threshold", "speedup")
+_NUMERIC = ("density", "error", "threshold", "speedup", "input_amax")
 
 
 def _unnum(value):

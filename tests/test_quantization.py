@@ -446,8 +446,11 @@ def test_failures_leave_the_model_untouched(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- cache
+@pytest.mark.parametrize("store_weights", [False, True])
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
-def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt):
+def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt, store_weights):
+    """The decisions alone (the default) rebuild the same layers, static input scales included; with the weights
+    stored, they are loaded instead."""
     if fmt == "fp8_e4m3" and not oq.fp8_supported("cpu"):
         pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
     measured = []
@@ -461,17 +464,18 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt):
 
     first = make_model()
     calibration = calibration_for(first)
-    report = quantize_(first, config, calibration=lambda: runs.append(1) or calibration(), cache=tmp_path,
+    cache = QuantCache(tmp_path, store_weights=store_weights)
+    report = quantize_(first, config, calibration=lambda: runs.append(1) or calibration(), cache=cache,
                        resolution=(8, 8))
     assert report.calibrated and not report.cache_hit and measured and runs
     assert set(report.quantized) == QUANTIZABLE
     assert (tmp_path / f"{report.cache_key}.decisions").is_file()
-    assert (tmp_path / f"{report.cache_key}.safetensors").is_file()
+    assert (tmp_path / f"{report.cache_key}.safetensors").is_file() == store_weights
     expected = first(x, t)
 
     measured.clear(), runs.clear()
     second = make_model()                            # same weights: same key
-    report2 = quantize_(second, config, calibration=lambda: runs.append(1), cache=tmp_path, resolution=(8, 8))
+    report2 = quantize_(second, config, calibration=lambda: runs.append(1), cache=cache, resolution=(8, 8))
     assert report2.cache_hit and not report2.calibrated and not measured and not runs
     assert report2.quantized == report.quantized and report2.cache_key == report.cache_key
     torch.testing.assert_close(second(x, t), expected)
@@ -480,17 +484,33 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt):
         assert torch.equal(second.block.ff1.input_scale, first.block.ff1.input_scale)
 
     other = make_model(seed=1)                       # other weights: other key, calibrates
-    report3 = quantize_(other, config, calibration=calibration_for(other), cache=tmp_path, resolution=(8, 8))
+    report3 = quantize_(other, config, calibration=calibration_for(other), cache=cache, resolution=(8, 8))
     assert report3.calibrated and report3.cache_key != report.cache_key
     third = make_model()                             # other resolution bucket: calibrates
-    report4 = quantize_(third, config, calibration=calibration_for(third), cache=tmp_path, resolution=(64, 64))
+    report4 = quantize_(third, config, calibration=calibration_for(third), cache=cache, resolution=(64, 64))
     assert report4.calibrated and report4.cache_key != report.cache_key
+
+
+def test_the_weights_digest_sees_one_changed_element_and_nothing_else():
+    from overdrive.quantization.cache import tensor_hash, weights_digest
+    model = make_model()
+    digest = weights_digest(model)
+    assert digest == weights_digest(make_model()) and digest != weights_digest(make_model(seed=1))
+    with torch.no_grad():
+        model.block.ff1.weight[3, 5] += 1e-3
+    assert weights_digest(model) != digest
+    values = torch.randn(3 * (1 << 22) + 5, generator=torch.Generator().manual_seed(0)).bfloat16()  # chunks + a tail
+    values[0], values[1 << 22] = 1.0, 2.0
+    swapped = values.clone()
+    swapped[[0, 1 << 22]] = swapped[[1 << 22, 0]]  # the same elements, in other places
+    assert tensor_hash(values) == tensor_hash(values.clone()) != tensor_hash(swapped)
 
 
 def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
     config = QuantConfig(**ALL)
     model = make_model()
-    key = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path).cache_key
+    cache = QuantCache(tmp_path, store_weights=True)
+    key = quantize_(model, config, calibration=calibration_for(model), cache=cache).cache_key
     decisions = tmp_path / f"{key}.decisions"
 
     # Edited decisions (checksum mismatch), then garbage: logged, ignored, re-calibrated; never a crash.
@@ -503,7 +523,7 @@ def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
         model = make_model()
         with caplog.at_level(logging.WARNING, logger="overdrive.quantization"):
             caplog.clear()
-            report = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path)
+            report = quantize_(model, config, calibration=calibration_for(model), cache=cache)
         assert report.calibrated and not report.cache_hit
         assert "corrupt cache file" in caplog.text and "calibrated and measured again" in caplog.text
         assert set(report.quantized) == QUANTIZABLE
@@ -514,7 +534,7 @@ def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
     model = make_model()
     with caplog.at_level(logging.WARNING, logger="overdrive.quantization"):
         caplog.clear()
-        report = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path)
+        report = quantize_(model, config, calibration=calibration_for(model), cache=cache)
     assert report.cache_hit and not report.calibrated and "corrupt cache file" in caplog.text
     assert "cached decisions stand" in caplog.text and "calibrated" not in caplog.text  # says what happens
     x, t = inputs(3)

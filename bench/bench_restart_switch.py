@@ -1,8 +1,9 @@
 """GPU benchmark of what users wait for besides sampling: the first image cold, the first image after a restart with
-Overdrive's disk cache warm, and SwitchWeights to a second checkpoint of the same architecture (file in the page
-cache), with Dynamo graph counts. Each phase runs in a fresh process; the driver prints a table.
+Overdrive's disk cache warm, and (UNets) SwitchWeights to a second checkpoint of the same architecture (file in the
+page cache), with Dynamo graph counts. Each phase runs in a fresh process; the driver prints a table.
 
   python bench/bench_restart_switch.py --arch sdxl --res 1024 --out bench/results/x.json
+  python bench/bench_restart_switch.py --arch flux --res 1024 --switches 0 --out bench/results/y.json
 """
 import argparse
 import json
@@ -18,7 +19,8 @@ import torch
 
 def phase(args):
     """One fresh process: build the model, compile with Overdrive, time the first image (and optionally a switch)."""
-    from overdrive.runner.inprocess import build_model, conditioning, import_comfy, save_unet_checkpoint
+    from overdrive.builtin_models import dit
+    from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy, save_unet_checkpoint
     comfy = import_comfy(cpu=not torch.cuda.is_available())
     import comfy.sample
     import folder_paths
@@ -27,12 +29,20 @@ def phase(args):
     from overdrive.nodes.switch_weights_node import OverdriveSwitchWeights
     from report import compile_phases
 
-    dtype = torch.float16 if torch.cuda.is_available() else torch.float32
+    is_dit = args.arch in dit.FAMILIES
+    dtype = (torch.bfloat16 if is_dit else torch.float16) if torch.cuda.is_available() else torch.float32
     t0 = time.perf_counter()
-    base = build_model(comfy, args.arch, args.size, dtype)
+    base = build_dit_model(comfy, args.arch, args.size, dtype) if is_dit else build_model(comfy, args.arch, args.size,
+                                                                                         dtype)
     build_s = time.perf_counter() - t0
-    positive, negative = conditioning(args.arch, args.res, args.res, seed=1)
-    latent = torch.zeros(1, 4, args.res // 8, args.res // 8)
+    if is_dit:
+        positive, negative = dit.conditioning(args.arch, 1), dit.conditioning(args.arch, 2)
+        latent = dit.empty_latent(args.arch, args.res, args.res, args.frames)
+        scheduler, cfg = "simple", dit.FAMILIES[args.arch].sampling["cfg"]
+    else:
+        positive, negative = conditioning(args.arch, args.res, args.res, seed=1)
+        latent = torch.zeros(1, 4, args.res // 8, args.res // 8)
+        scheduler, cfg = "normal", 7.0
     noise = comfy.sample.prepare_noise(latent, 42)
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -40,8 +50,8 @@ def phase(args):
     def sample(model, steps=None):
         sync()
         start = time.perf_counter()
-        out = comfy.sample.sample(model, noise, steps or args.steps, 7.0, "euler", "normal", positive, negative, latent, seed=42,
-                                  disable_pbar=True)
+        out = comfy.sample.sample(model, noise, steps or args.steps, cfg, "euler", scheduler, positive, negative, latent,
+                                  seed=42, disable_pbar=True)
         sync()
         return out, time.perf_counter() - start
 
@@ -53,7 +63,7 @@ def phase(args):
     result["graphs_compiled"] = dynamo_graph_count() - graphs
     result["compile_overhead_s"] = round(result["first_image_s"] - result["second_image_s"], 2)
     result["compile_phases_s"] = compile_phases()
-    if args.phase == "warm":
+    if args.phase == "warm" and not is_dit:  # SwitchDiffusionModel's DiT files: not measured here
         folder = pathlib.Path(args.workdir) / "checkpoints"
         folder.mkdir(exist_ok=True)
         other = build_model(comfy, args.arch, args.size, dtype, seed=1)
@@ -102,6 +112,7 @@ def main():
     parser.add_argument("--size", default="full")
     parser.add_argument("--res", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--frames", type=int, default=33, help="video families: frames")
     parser.add_argument("--out")
     parser.add_argument("--phase")
     parser.add_argument("--workdir")
@@ -117,7 +128,7 @@ def main():
         env = dict(os.environ, OVERDRIVE_CACHE_DIR=str(workdir / "overdrive"),
                    TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
-               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps),
+               "--size", args.size, "--res", str(args.res), "--steps", str(args.steps), "--frames", str(args.frames),
                "--switches", str(args.switches)] + (
                   ["--precompile"] if args.precompile else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -56,19 +56,25 @@ def unreadable(path, error: Exception) -> WeightMismatchError:
         f"a checkpoint. Download or copy it again. The running model was left unchanged.")
 
 
-def read_safetensors_subset(path, reference: dict, prefixes=("model.diffusion_model.", "diffusion_model.", "")) -> dict:
+CHECKPOINT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # full checkpoint, diffusion model, bare
+
+
+def module_keys(keys, reference: dict, path, prefixes=CHECKPOINT_PREFIXES) -> dict:
+    """{module key: file key} under the first prefix that holds at least half of the module's keys; raises
+    WeightMismatchError naming the file when none does."""
+    for prefix in prefixes:
+        names = {k[len(prefix):]: k for k in keys if k.startswith(prefix)}
+        if len(set(names) & set(reference)) >= max(1, len(reference) // 2):
+            return names
+    raise WeightMismatchError(f"{path} has no weights for this model under any of the prefixes {list(prefixes)}: it "
+                              "is not a checkpoint of this architecture. The running model was left unchanged.")
+
+
+def read_safetensors_subset(path, reference: dict, prefixes=CHECKPOINT_PREFIXES) -> dict:
     """The tensors of `path` that belong to the module, under the first key prefix that matches it."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            keys = list(f.keys())
-            for prefix in prefixes:
-                names = {k[len(prefix):]: k for k in keys if k.startswith(prefix)}
-                if len(set(names) & set(reference)) >= max(1, len(reference) // 2):
-                    break
-            else:
-                raise WeightMismatchError(
-                    f"{path} has no weights for this model under any of the prefixes {list(prefixes)}: it is not a "
-                    "checkpoint of this architecture. The running model was left unchanged.")
+            names = module_keys(list(f.keys()), reference, path, prefixes)
             return {name: f.get_tensor(key) for name, key in names.items()}
     except WeightMismatchError:
         raise

@@ -6,8 +6,8 @@ import pathlib
 import torch
 import torch.nn as nn
 
-from ..compiler.switch_weights import WeightMismatchError, copy_weights_, read_safetensors_subset, reference_tensors
-from ..quantization.modules import QuantConv2d1x1, QuantizedGemm
+from ..compiler.switch_weights import WeightMismatchError, copy_weights_, read_safetensors_subset
+from ..quantization.modules import float_reference, quantized_layers, requantize
 from .installed import installed, installed_stack
 from .targets import target_module
 
@@ -26,41 +26,15 @@ def switch_weights_(target, weights) -> None:
     WeightMismatchError naming the missing/unexpected keys and wrong shapes; then nothing was written.
     """
     module = target_module(target, "switch_weights_")
-    layers = _quantized_layers(module)
-    reference = _float_reference(module, layers)
+    layers = quantized_layers(module)
+    reference = float_reference(module, layers)
     state, source = _read(weights, module, reference)
-
-    def requantize():
-        for name, layer in layers.items():
-            layer.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"))
-
-    copy_weights_(module, state, source, reference, rebuild=requantize)  # validated first: a mismatch writes nothing
+    # Validated first: a mismatch writes nothing. In place: the pipeline owns its UNet, and compiled graphs read
+    # these very tensors.
+    copy_weights_(module, state, source, reference, rebuild=lambda: requantize(layers, state, copy=False))
     stack = installed_stack(module)
     if stack is not None and stack.cache is not None:
         installed(module).reset()  # features computed with the old weights are never reused
-
-
-def _quantized_layers(module: nn.Module) -> dict:
-    """{name: quantized layer} (a 1x1 conv's wrapper, not its inner GEMM)."""
-    layers = {name: sub for name, sub in module.named_modules() if isinstance(sub, QuantConv2d1x1)}
-    inner = {f"{name}.gemm" for name in layers}
-    layers.update({name: sub for name, sub in module.named_modules()
-                   if isinstance(sub, QuantizedGemm) and name not in inner})
-    return layers
-
-
-def _float_reference(module: nn.Module, layers: dict) -> dict:
-    """name -> tensor of the float checkpoint this module expects; quantized layers as meta tensors of the float
-    weight's shape (they are re-quantized, not copied)."""
-    reference = {k: v for k, v in reference_tensors(module).items()
-                 if not any(k.startswith(f"{name}.") for name in layers)}
-    for name, layer in layers.items():
-        gemm = layer.gemm if isinstance(layer, QuantConv2d1x1) else layer
-        shape = (gemm.out_features, gemm.in_features) + ((1, 1) if isinstance(layer, QuantConv2d1x1) else ())
-        reference[f"{name}.weight"] = torch.empty(shape, device="meta")
-        if gemm.bias is not None:
-            reference[f"{name}.bias"] = torch.empty(gemm.out_features, device="meta")
-    return reference
 
 
 def _read(weights, module: nn.Module, reference: dict):

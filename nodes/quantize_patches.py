@@ -18,6 +18,7 @@ import comfy.lora
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
+from ..quantization.modules import requantize
 from .load_state import forget_load_state
 
 PREFIX = "diffusion_model."
@@ -251,10 +252,7 @@ def requantize_onto(patcher, diffusion_model) -> list:
     old = quantized_modules(patcher)
     if not old:
         return []
-    fresh = {}
-    for name, module in old.items():
-        layer = diffusion_model.get_submodule(name)
-        fresh[name] = copy.deepcopy(module).load_float_weight(layer.weight, layer.bias)
+    fresh = requantize(old, diffusion_model.state_dict(), copy=True)
     patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old layers' follower
     install(patcher, fresh)
     return sorted(fresh)

@@ -7,8 +7,8 @@ import comfy.model_patcher
 import comfy.utils
 import folder_paths
 
-from ..compiler import WeightMismatchError, twin_with_weights
-from ..compiler.switch_weights import SWITCH_LOCK, read_safetensors_subset, reference_tensors, unreadable
+from ..compiler import twin_with_weights
+from ..compiler.switch_weights import SWITCH_LOCK, module_keys, read_safetensors_subset, reference_tensors, unreadable
 from .load_state import forget_load_state
 from .forward_patch import rebuild
 from .quantize_patches import float_view, requantize_onto
@@ -64,11 +64,7 @@ def load_unet_weights(path, reference):
         state = comfy.utils.load_torch_file(path)  # .ckpt/.pt: ComfyUI's own safe loader
     except Exception as error:  # noqa: BLE001 - torch's unpickling errors name neither the file nor the consequence
         raise unreadable(path, error) from error
-    for prefix in ("model.diffusion_model.", "diffusion_model.", ""):
-        picked = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        if len(set(picked) & set(reference)) >= len(reference) // 2:
-            return picked
-    raise WeightMismatchError(f"{path} holds no diffusion-model weights of this architecture; the model was left unchanged.")
+    return {name: state[key] for name, key in module_keys(state, reference, path).items()}
 
 
 class OverdriveSwitchWeights:

@@ -13,7 +13,7 @@ from .formats.int8 import Int8Linear
 from .gemm import QuantizedGemm
 
 __all__ = ["QuantConv2d1x1", "QuantizedGemm", "Int8Linear", "Fp8Linear", "quantized_module_for", "build_empty",
-           "gemm_of"]
+           "gemm_of", "quantized_layers", "float_reference", "requantize"]
 
 
 class QuantConv2d1x1(nn.Module):
@@ -106,3 +106,38 @@ def build_empty(kind: str, fmt: str, in_features: int, out_features: int, bias: 
     plugin = formats.get(fmt)
     gemm = plugin.layer(in_features, out_features, bias=bias, device=device, **plugin.layer_options(config))
     return gemm if kind == "linear" else QuantConv2d1x1(gemm)
+
+
+def quantized_layers(module: nn.Module) -> dict:
+    """{name: quantized layer} in `module`'s tree (a 1x1 conv's wrapper, not its inner GEMM)."""
+    layers = {name: sub for name, sub in module.named_modules() if isinstance(sub, QuantConv2d1x1)}
+    inner = {f"{name}.gemm" for name in layers}
+    layers.update({name: sub for name, sub in module.named_modules()
+                   if isinstance(sub, QuantizedGemm) and name not in inner})
+    return layers
+
+
+def float_reference(module: nn.Module, layers: dict) -> dict:
+    """name -> tensor of the float checkpoint `module` stands for, where `layers` (name -> quantized layer) replace
+    float ones: those as meta tensors of the float weight's shape (they are quantized again, not copied)."""
+    reference = {k: v for k, v in module.state_dict(keep_vars=True).items()
+                 if not any(k.startswith(f"{name}.") for name in layers)}
+    for name, layer in layers.items():
+        gemm = gemm_of(layer)
+        shape = (gemm.out_features, gemm.in_features) + ((1, 1) if isinstance(layer, QuantConv2d1x1) else ())
+        reference[f"{name}.weight"] = torch.empty(shape, device="meta")
+        if gemm.bias is not None:
+            reference[f"{name}.bias"] = torch.empty(gemm.out_features, device="meta")
+    return reference
+
+
+def requantize(layers: dict, state: dict, copy: bool) -> dict:
+    """Weight switching: `layers` (name -> quantized layer) quantized again from a checkpoint's float `state` (name ->
+    tensor, checkpoint key names), keeping each layer's format, scales rule and static input scale (the decisions
+    stand). `copy`: new layers, so a model still running keeps its own (ComfyUI); else in place (a pipeline's)."""
+    import copy as copying
+    fresh = {}
+    for name, layer in layers.items():
+        target = copying.deepcopy(layer) if copy else layer
+        fresh[name] = target.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"))
+    return fresh

@@ -1,7 +1,8 @@
 """Run in a fresh process by test_compile_cache: compile a small module with Overdrive's disk cache, print counters.
 
 argv: cache folder (or "none"); env OVERDRIVE_TEST_PRECOMPILE=1 compiles with CompileOptions(precompile=True),
-OVERDRIVE_TEST_PATCH_GELU=1 replaces torch's gelu first (as a node that patches a function would)."""
+OVERDRIVE_TEST_PATCH_GELU=1 replaces torch's gelu first (as a node that patches a function would),
+OVERDRIVE_TEST_TWO_SHAPES=1 compiles one graph per shape for two shapes (dynamic="static")."""
 import json
 import logging
 import os
@@ -17,8 +18,10 @@ from overdrive.compiler import CompileOptions, compile_module  # noqa: E402
 
 if os.environ.get("OVERDRIVE_TEST_PATCH_GELU") == "1":  # what a custom node patching a torch function does at import
     torch.nn.functional.gelu = lambda x, approximate="none": torch.tanh(x)
+two_shapes = os.environ.get("OVERDRIVE_TEST_TWO_SHAPES") == "1"
 options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") == "1",
-                         cache_dir=None if sys.argv[1] == "none" else sys.argv[1])
+                         cache_dir=None if sys.argv[1] == "none" else sys.argv[1],
+                         dynamic="static" if two_shapes else "auto")
 
 
 def checkpoint(seed):
@@ -33,6 +36,9 @@ compiled = compile_module(module, options)
 out = module(x)
 compile_module(second, options)
 out_second = second(x)  # the same compiled code, the second checkpoint's weights
+if two_shapes:  # a second graph of the same entry point
+    wide = torch.ones(7, 16)
+    assert torch.allclose(module(wide), compiled.eager(wide), atol=1e-5)
 counters = torch._dynamo.utils.counters
 print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
                   "graphs": compiled.graph.graphs_compiled, "failure": compiled.graph.failure,

@@ -35,6 +35,18 @@ def test_restart_loads_compiled_artifacts_from_disk(tmp_path):
     assert warm["max_error"] < 1e-5
 
 
+def test_an_entry_point_with_two_graphs_restarts_with_both(tmp_path):
+    """save_cache_artifacts() returns only what was compiled since its last call: an entry point's second graph is
+    added to its entry, not written over the first (Z-Image on the H200 lowered a block graph again after a restart);
+    a restart that only hit the cache adds nothing."""
+    cold, _ = run_child(tmp_path / "cache", tmp_path / "inductor1", OVERDRIVE_TEST_TWO_SHAPES="1")
+    assert cold["graphs"] == 2 and cold["misses"] == 2, cold
+    entries = {p: p.stat().st_size for p in (tmp_path / "cache").glob("*.bin")}
+    warm, log = run_child(tmp_path / "cache", tmp_path / "inductor2", OVERDRIVE_TEST_TWO_SHAPES="1")
+    assert warm["hits"] == 2 and warm["misses"] == 0, warm
+    assert {p: p.stat().st_size for p in (tmp_path / "cache").glob("*.bin")} == entries
+
+
 def test_precompiled_restart_traces_nothing(tmp_path):
     """With precompile, the restarted process runs the saved frame: Dynamo traces nothing, for both checkpoints."""
     cold, log = run_child(tmp_path / "cache", tmp_path / "inductor1", OVERDRIVE_TEST_PRECOMPILE="1")

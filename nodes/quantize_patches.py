@@ -18,6 +18,7 @@ import comfy.lora
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
+from ..quantization.cache import tensor_hash
 from ..quantization.modules import requantize
 from .load_state import forget_load_state
 
@@ -218,18 +219,24 @@ def install(patcher, modules: dict) -> None:
 
 
 def patches_digest(patches: dict) -> str:
-    """sha256 of a ModelPatcher's weight patches (keys, strengths and tensors): part of the cache key."""
+    """sha256 of a ModelPatcher's weight patches (keys, strengths and tensors): part of the cache key. Equal for the
+    same LoRA loaded twice: ComfyUI's weight adapters (LoRAAdapter, ...) and patch functions are fed by class or name
+    and their tensors, never by repr (which holds the object's address, so no LoRA'd model ever hit the cache)."""
     digest = hashlib.sha256()
 
     def feed(value):
         if isinstance(value, torch.Tensor):
-            digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-            digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            digest.update(f"T{value.dtype}{tuple(value.shape)}{tensor_hash(value)}".encode())
         elif isinstance(value, (list, tuple)):
             digest.update(b"[")
             for item in value:
                 feed(item)
             digest.update(b"]")
+        elif isinstance(getattr(value, "weights", None), (list, tuple)):  # comfy.weight_adapter.WeightAdapterBase
+            digest.update(f"A{type(value).__module__}.{type(value).__qualname__}".encode())
+            feed(value.weights)
+        elif callable(value):
+            digest.update(f"F{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}".encode())
         else:
             digest.update(repr(value).encode())
 

@@ -355,6 +355,25 @@ LORA_LAYERS = ["input_blocks.1.1.proj_in", "input_blocks.1.1.transformer_blocks.
 CONV3X3 = "input_blocks.1.0.in_layers.2"
 
 
+def test_the_same_lora_loaded_twice_keys_the_same_cached_decisions(base, float_layers):
+    """The weight-patch digest (part of the decisions' cache key) follows the LoRA's tensors and strength, not the
+    Python objects ComfyUI's loader makes: a restarted ComfyUI loading the same LoRA hits the cache."""
+    import comfy.sd
+    from overdrive.nodes.quantize_patches import patches_digest
+    lora = lora_for(base, float_layers, LORA_LAYERS)
+
+    def loaded(strength, tensors=lora):
+        return comfy.sd.load_lora_for_models(base, None, {k: v.clone() for k, v in tensors.items()}, strength, 0)[0]
+
+    first = patches_digest(loaded(1.0).patches)
+    assert patches_digest(loaded(1.0).patches) == first
+    assert patches_digest(loaded(0.5).patches) != first
+    other = dict(lora)
+    key = next(k for k in lora if k.endswith("lora_up.weight"))
+    other[key] = lora[key] * 1.01
+    assert patches_digest(loaded(1.0, other).patches) != first
+
+
 def test_a_lora_before_quantize_is_baked_into_the_quantized_weights(quantized_latent, node, base, prompt,
                                                                     float_layers, sample, float_latent):
     import comfy.sd

@@ -40,11 +40,6 @@ class Stack:
     def empty(self) -> bool:
         return self.compile is None and self.cache is None
 
-    def describe(self) -> str:
-        parts = (["compiled"] if self.compile is not None else []) + \
-                ([f"step cache ({self.cache.describe()})"] if self.cache is not None else [])
-        return " + ".join(parts) or "eager"
-
 
 def stack_of(forward) -> Stack | None:
     """The Stack a forward was built from; None for no forward or another extension's."""

@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from ..weights_watch import weights_generation
-from ..storage import read_framed, write_framed
+from ..storage import discard, read_framed, write_framed
 
 log = logging.getLogger("overdrive.compiler")
 
@@ -287,7 +287,7 @@ class PrecompiledFrames:
         except Exception as error:  # noqa: BLE001 - a bad frame costs a compile, never a generation
             log.warning("Overdrive: discarding the precompiled frame %s (%s); compiling instead.", path,
                         str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
-            path.unlink(missing_ok=True)
+            discard(path)
             self.not_on_disk.add(signature)
             return None
         log.info("Overdrive: loaded the precompiled frame %s in %.1f s (no tracing)", path.name,

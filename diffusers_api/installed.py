@@ -47,6 +47,15 @@ def install(module, stack: Stack, host: Host | None = None, keep_runner: bool = 
     return forward
 
 
+def rebuild(module) -> None:
+    """After `module`'s layers changed (quantize_): a compiled Stack built again over them, so its graphs are keyed by
+    the new layers; a step-cache runner stays the same object. An eager Stack depends on no layer and is left as it
+    is (its runner may call someone else's forward on full steps)."""
+    stack = installed_stack(module)
+    if stack is not None and stack.compile is not None:
+        install(module, stack)
+
+
 @contextlib.contextmanager
 def eager_forward(module):
     """Run `module`'s own class forward inside the block (calibration must see every layer, uncompiled)."""

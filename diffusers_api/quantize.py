@@ -3,7 +3,7 @@ import torch
 
 from ..quantization import QuantConfig, QuantReport
 from ..quantization import quantize_ as quantize_module_
-from .installed import eager_forward, install, installed_stack
+from .installed import eager_forward, rebuild
 from .targets import is_pipeline, target_module
 
 CALIBRATION_STEPS = 4  # sampling steps of the default calibration run: spread over the whole noise range
@@ -45,9 +45,7 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
         calibration, resolution = _pipeline_run(target, calibration, resolution)
     with eager_forward(module):
         report = quantize_module_(module, config, calibration, filter_fn, cache=cache, resolution=resolution)
-    stack = installed_stack(module)
-    if stack is not None and stack.compile is not None:  # graphs keyed by the 8-bit layers now in the module
-        install(module, stack)
+    rebuild(module)  # compiled graphs keyed by the 8-bit layers now in the module
     return report
 
 

@@ -30,8 +30,9 @@ OWN_PATCHES = "overdrive_"
 
 def block_options(options):
     """Compile options for one block: no CUDA graph (a recording per block call gains nothing on a GPU-bound block),
-    no nested regions, no whole-call precompile."""
-    return dataclasses.replace(options, cuda_graphs=False, regional=False, precompile=False)
+    no nested regions. Precompile as asked: a block's call is saved whole, so a restart loads each distinct block
+    without tracing it."""
+    return dataclasses.replace(options, cuda_graphs=False, regional=False)
 
 
 class BlockwiseForward:

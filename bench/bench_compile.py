@@ -11,6 +11,7 @@ from ComfyUI's own classes at their full configuration with random weights and f
 are off for the side-by-side variants (`--warm-cache` keeps them on, for the restart measurement).
 """
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -40,6 +41,18 @@ def cprofile_run(run):
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)  # which caller each step's host time sits under
+
+
+def weights_gib_on_gpu(module) -> float:
+    """GiB of the diffusion model's weights on the GPU while it samples: the unique storages of its module tree's
+    parameters and buffers as loaded (a quantized layer's 8-bit weight and scales included, a float copy kept
+    elsewhere not)."""
+    storages = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_cuda:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return round(sum(storages.values()) / 2**30, 3)
 
 
 def bench_vae(comfy, run_node, latent, repeats):
@@ -86,7 +99,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="eager,peer,overdrive",
                         help="comma-separated; each '+'-joined from eager, peer, "
-                             "overdrive[-no-cudagraphs|-autotune|-flat|-precompile], "
+                             "overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile], "
                              "int8, fp8, deepcache, e.g. overdrive+fp8+deepcache")
     parser.add_argument("--cache-interval", type=int, default=3, help="DeepCache interval for '+deepcache' variants")
     parser.add_argument("--cache-threshold", type=float, default=0.1, help="threshold for '+adaptive' variants")
@@ -141,12 +154,12 @@ def main():
 
     compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
                        "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},
-                       "overdrive-precompile": {"precompile": True}}
+                       "overdrive-no-precompile": {"precompile": False}}
 
     def make(variant):
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8, with attn<bound> or
         attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
-        overdrive[-no-cudagraphs|-autotune|-flat|-precompile]), a step cache (deepcache: fixed interval; adaptive;
+        overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile]), a step cache (deepcache: fixed interval; adaptive;
         easycache: ComfyUI's built-in EasyCache with its defaults). 'eager' alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
@@ -230,6 +243,7 @@ def main():
                 out = apply_model(call["input"], call["timestep"], **call["c"])
                 if not first_call:
                     first_call.append(out.float().clone())
+                    first_call.append(weights_gib_on_gpu(patcher.model.diffusion_model))
                 return out
             patcher.model_options = {**options, "model_function_wrapper": record}
         sync()
@@ -269,6 +283,7 @@ def main():
             reference, reference_call = out, first_call[0]
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
+        row["weights_gib_on_gpu"] = first_call[1]
         if ({"deepcache", "easycache"} & set(variant.split("+")) or "adaptive" in variant) and args.arch in dit.FAMILIES:
             row["per_call_rel_err"] = per_step_errors(patcher)
             cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "cache", None)

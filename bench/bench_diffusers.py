@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from report import add_speedups, environment, finish, profile_run, write_report  # noqa: E402
 
-# regions (the default), one flat graph, max-autotune, the saved guard-free frame (CompileOptions.precompile)
-COMPILES = ("overdrive", "overdrive-flat", "overdrive-autotune", "overdrive-precompile")
+# the defaults (regions, the saved guard-free frame), one flat graph, max-autotune, no saved frame (Dynamo's guards)
+COMPILES = ("overdrive", "overdrive-flat", "overdrive-autotune", "overdrive-no-precompile")
 VARIANTS = ("eager", "peer", *COMPILES, *(f"{c}+quant" for c in COMPILES), "overdrive+quant+deepcache",
-            "overdrive-precompile+quant+deepcache")
+            "overdrive-no-precompile+quant+deepcache")
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
@@ -108,12 +108,12 @@ def generate(pipe, args, embeds, output_type="np"):
 def compile_options(variant, args):
     """Overdrive's CompileOptions for `variant` ("overdrive-flat": one graph, no regions; "overdrive-autotune":
     Inductor's max-autotune, which benchmarks Triton GEMM/conv templates against cuBLAS/cuDNN on this GPU;
-    "overdrive-precompile": the UNet call runs a saved frame without Dynamo's guards)."""
+    "overdrive-no-precompile": the UNet call goes through torch.compile and Dynamo's guards, no saved frame)."""
     from overdrive.api import CompileOptions
     parts = variant.split("+")
     return CompileOptions(mode="max-autotune" if "overdrive-autotune" in parts else args.mode,
                           cuda_graphs=args.device == "cuda", backend=args.backend, regional="overdrive-flat" not in parts,
-                          precompile="overdrive-precompile" in parts)
+                          precompile="overdrive-no-precompile" not in parts)
 
 
 def apply_variant(pipe, variant, args, embeds) -> dict:

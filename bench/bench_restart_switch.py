@@ -56,7 +56,7 @@ def phase(args):
         return out, time.perf_counter() - start
 
     result = {"phase": args.phase, "build_model_s": round(build_s, 2)}
-    compiled = OverdriveCompileModel().compile(base, precompile=args.precompile)[0]
+    compiled = OverdriveCompileModel().compile(base, precompile=args.precompile == "on")[0]
     graphs = dynamo_graph_count()
     _, result["first_image_s"] = sample(compiled)
     _, result["second_image_s"] = sample(compiled)
@@ -116,7 +116,8 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--phase")
     parser.add_argument("--workdir")
-    parser.add_argument("--precompile", action="store_true", help="CompileModel's precompile option (saved frames)")
+    parser.add_argument("--precompile", choices=("on", "off"), default="on",
+                        help="CompileModel's precompile option (saved frames; on by default, as in the node)")
     parser.add_argument("--switches", type=int, default=20, help="switches back and forth after the timed one, for "
                         "GPU memory growth (0: none)")
     args = parser.parse_args()
@@ -129,8 +130,7 @@ def main():
                    TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps), "--frames", str(args.frames),
-               "--switches", str(args.switches)] + (
-                  ["--precompile"] if args.precompile else [])
+               "--switches", str(args.switches), "--precompile", args.precompile]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         if out.returncode or not lines:

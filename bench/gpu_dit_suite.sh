@@ -5,6 +5,7 @@
 # Usage on the GPU machine, from the repository root, with ComfyUI 0.7.0 unpacked in .devcarry/ComfyUI and the wheels
 # it needs beyond the machine's image (torchsde, trampoline) in .devcarry/whl:
 #   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | wan22 | qwen_image | zimage | sd35 | sdxl | sd15
+#                                                 or restart-FAMILY (bench_restart_switch.py: cold and warm first image)
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
@@ -27,5 +28,10 @@ case "$part" in
   sd35) run sd35_1024 --arch sd35 --res 1024 --steps 20 --repeats 2 ;;
   sdxl) run sdxl_1024 --arch sdxl --res 1024 --steps 20 --repeats 3 ;;
   sd15) run sd15_512 --arch sd15 --res 512 --steps 20 --repeats 5 ;;
+  restart-*)  # RESTART_ARGS=... adds bench_restart_switch.py arguments (e.g. --steps 8 --precompile off)
+    family="${part#restart-}"
+    python3 bench/bench_restart_switch.py --arch "$family" --switches 0 ${RESTART_ARGS:-} \
+      --out "$out/${day}_${gpu}_${family}_restart.json" > "$out/restart_${family}.log" 2>&1
+    grep -v "^W1\|Warning\|warn(" "$out/restart_${family}.log" | cut -c1-600 | tail -${TAIL:-12} ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

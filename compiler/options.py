@@ -35,9 +35,10 @@ class CompileOptions:
              Still one graph, and one CUDA graph per step.
     precompile: save the first shape's compiled call whole (torch's AOT precompile) so that a restart loads it
              without tracing the model again (SDXL: the ~20 s of a warm restart that Inductor's caches cannot save).
-             The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values, weight
-             devices and the functions the model read from modules instead (compiler/precompiled.py). Opt-in until
-             it has more mileage.
+             The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values and weight
+             devices, and what the traced code read (functions, module-level values, the model's attributes,
+             submodule types, hooks), recorded from Dynamo's guards (compiler/precompiled.py). A call it cannot
+             check goes through torch.compile.
     cache_dir: the folder of compiled artifacts on disk (ComfyUI's nodes: beside its models); None:
              $OVERDRIVE_CACHE_DIR/compiled, else ~/.cache/overdrive/compiled. OVERDRIVE_DISK_CACHE=0 keeps them in
              memory only. Not part of any key: the same graph serves every folder.
@@ -51,7 +52,7 @@ class CompileOptions:
     max_graphs: int = 8
     attention: str = "default"
     regional: bool = True
-    precompile: bool = False
+    precompile: bool = True
     cache_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""Precompiled frames (opt-in): after a restart, run a saved compiled call without tracing the model again.
+"""Precompiled frames: after a restart, run a saved compiled call without tracing the model again.
 
 A restarted process traces the model's Python with Dynamo before Inductor's caches can serve a single kernel: for
 SDXL on the H100 that was 20.8 s of the 34 s a warm restart took (bench/results/archive_2026-11-23_h100.md, run set 6). torch's AOT
@@ -16,18 +16,18 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
   builds new frames);
 - every parameter and buffer on the input's device: a model that ComfyUI's low-VRAM mode left partly on the CPU
   goes through torch.compile.
-- `GlobalsRead`: the functions and classes the traced code read from module globals (what Dynamo's global guards
-  would have checked, recorded while the frame is built): by identity at every call, by name across restarts, so a
-  node that monkey-patches ComfyUI's attention function or torch's SDPA sends calls back to torch.compile.
-What no check sees is a change to a plain value (a module-level flag) that the traced code read; hence still opt-in,
-`CompileOptions(precompile=True)`.
+- what the traced code read besides its arguments (compiler/traced_reads.py), recorded from Dynamo's own guards while
+  the frame is built: the functions and classes reached from modules (a node that monkey-patches ComfyUI's attention
+  function or torch's SDPA sends calls back to torch.compile), module-level values (flags, constants, default
+  arguments), the model's attributes, the types of its submodules and its empty hook dicts. Checked at every call, and
+  against their saved printed forms after a restart.
+That is what Dynamo's guards check, less two things (compiler/traced_reads.py); so a frame is safe to run by default
+(`CompileOptions.precompile`).
 """
 import hashlib
 import inspect
-import json
 import logging
 import re
-import sys
 import time
 import uuid
 import weakref
@@ -36,6 +36,7 @@ import torch
 
 from ..weights_watch import weights_generation
 from ..storage import discard, read_framed, write_framed
+from .traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
 
 log = logging.getLogger("overdrive.compiler")
 
@@ -56,6 +57,11 @@ def _describe(value, parts: list) -> bool:
         parts.append(("T", tuple(value.shape), str(value.dtype), str(value.device), tuple(value.stride())))
     elif value is None or isinstance(value, (bool, int, float, str)):
         parts.append(("V", type(value).__name__, value))
+    elif getattr(value, "precompile_key", None) is not None:
+        # Overdrive's own objects that the forward calls and whose behaviour is their settings (the attention
+        # override): keyed by those settings, which the traced code baked in.
+        parts.append(("S", type(value).__qualname__))
+        return _describe(value.precompile_key, parts)
     elif isinstance(value, uuid.UUID) or getattr(value, "forward_inert", False) is True:
         # Ids (ComfyUI's per-cond uuids) and objects that declare the forward never calls them (Overdrive's own
         # device followers): read by patches only, and a patch is a function, which makes the call unkeyable.
@@ -100,74 +106,6 @@ def code_digest(module: torch.nn.Module) -> str:
     return hashlib.sha256("".join(sorted(files)).encode()).hexdigest()[:16]
 
 
-# Dynamo's guards on code and classes read from globals; a saved frame drops them, GlobalsRead checks them instead.
-_CODE_GUARDS = {"CLOSURE_MATCH", "FUNCTION_MATCH", "ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH"}
-
-
-class _Modules:
-    """The `G` of Dynamo's guard sources, for the names that mean a module: `G['__import_a_dot_b']` is module a.b.
-    Other names (builtins, globals Dynamo installed under ids of this process) raise KeyError: not watched."""
-
-    def __getitem__(self, key):
-        if not key.startswith("__import_"):
-            raise KeyError(key)
-        return sys.modules[key[len("__import_"):].replace("_dot_", ".")]
-
-
-_MODULES = {"G": _Modules()}
-
-
-def _resolve(code):
-    """What a guard source (compiled with `compile(source, ..., "eval")`, or the source itself) names now; _GONE if
-    it cannot be found."""
-    try:
-        return eval(code, _MODULES)  # noqa: S307 - Dynamo's own guard expressions
-    except Exception:  # noqa: BLE001 - a module or attribute that is gone, a name that is not a module's
-        return _GONE
-
-
-def _name_of(value) -> str:
-    """Where a function or class comes from, stable across processes (a patched one has another name or line)."""
-    code = getattr(value, "__code__", None)
-    line = f":{code.co_firstlineno}" if code is not None else ""
-    return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}{line}"
-
-
-class GlobalsRead:
-    """The functions and classes a frame read from modules when it was traced, as (Dynamo guard source, name)
-    pairs: `unchanged()` compares their identities at every call (~1 us each), `renamed()` their names in a new
-    process, before a saved frame is trusted."""
-
-    def __init__(self, entries):
-        self.entries = [tuple(e) for e in entries]
-        self.sources = [compile(source, "<dynamo guard source>", "eval") for source, _ in self.entries]
-        self.values = [_resolve(source) for source in self.sources]
-
-    @classmethod
-    def from_guards(cls, guard_entries):
-        """Kept: code guards on something reached from modules that resolves to the guarded object."""
-        entries = {(e.name, _name_of(e.value)) for e in guard_entries
-                   if e.is_global and e.has_value and e.guard_type in _CODE_GUARDS and _resolve(e.name) is e.value}
-        return cls(sorted(entries))
-
-    def changed(self) -> list[str]:
-        """The sources whose object is no longer the one traced (empty: the frame's code is what runs now)."""
-        return [entry[0] for entry, source, value in zip(self.entries, self.sources, self.values)
-                if _resolve(source) is not value]
-
-    def unchanged(self) -> bool:  # at every call: stops at the first difference
-        return all(_resolve(source) is value for source, value in zip(self.sources, self.values))
-
-    def renamed(self) -> list[str]:
-        """In a new process: "source: saved name -> name now" for each object whose name differs from the saved one."""
-        now = ["(gone)" if value is _GONE else _name_of(value) for value in self.values]
-        return [f"{source}: {name} -> {current}" for (source, name), current in zip(self.entries, now) if current != name]
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(self.entries).encode()
-
-
-_GONE = object()
 
 
 # module -> (weights generation, its submodules). Not the module itself: a value holding its key would keep every model
@@ -234,7 +172,7 @@ class PrecompiledFrames:
         with self._config():  # torch 2.11 gives the wrapper its `aot_compile` only with this set when wrapping
             self.compiled = torch.compile(fn, **kwargs)
         self.f_globals = fn.__globals__
-        self.frames: dict = {}  # signature -> (loaded or built frame, its GlobalsRead)
+        self.frames: dict = {}  # signature -> (loaded or built frame, its GlobalsRead, its ValuesRead)
         self.guards_dropped: list = []  # Dynamo's guards of the frame being built
         self.temporaries: GuardTemporaries | None = None  # while a frame is being built
         self.stale: set = set()  # signatures whose frame's globals changed in this process (logged once)
@@ -248,7 +186,8 @@ class PrecompiledFrames:
         return directory / f"{self.code}-{hashlib.sha256(repr(signature).encode()).hexdigest()[:24]}.bin"
 
     def _drop_guards(self, guard_entries):
-        """No Dynamo guard is saved with a frame (torch cannot serialise ComfyUI's); the code ones become GlobalsRead."""
+        """No Dynamo guard is saved with a frame (torch cannot serialise ComfyUI's); they become its GlobalsRead and
+        ValuesRead."""
         self.guards_dropped = list(guard_entries)
         if self.temporaries is not None:
             self.temporaries.forget()
@@ -261,26 +200,31 @@ class PrecompiledFrames:
         """Inductor's settings of this mode, for loading and running a saved frame."""
         return torch._inductor.config.patch(self.inductor_settings)
 
-    def load(self, signature: tuple, directory, module) -> object | None:
-        """The frame for `signature` from memory or `directory`; None if there is none (or it is unreadable)."""
-        if signature in self.frames:
-            frame, read = self.frames[signature]
-            return frame if self._still_current(signature, read) else None
-        if directory is None or signature in self.not_on_disk:
-            return None
+    def load(self, signature: tuple, directory, call) -> object | None:
+        """The frame for `signature` from memory or `directory`, if what it read when traced still reads the same for
+        `call` (module, method, args, kwargs); None if there is none (or it is unreadable, or stale)."""
+        if signature not in self.frames:
+            if directory is None or signature in self.not_on_disk:
+                return None
+            if not self._load(signature, directory, call[0]):
+                return None
+        frame, code, values = self.frames[signature]
+        return frame if self._still_current(signature, code, values, call) else None
+
+    def _load(self, signature, directory, module) -> bool:
         path = self._path(directory, signature, module)
         if not path.is_file():
             self.not_on_disk.add(signature)
-            return None
+            return False
         start = time.perf_counter()
         try:
-            read, data = _split(read_framed(path))
-            renamed = read.renamed()
+            (code, values), data = _split(read_framed(path))
+            renamed = code.renamed()
             if renamed:  # e.g. a node now patches a function the frame had inlined: trace the code that runs now
                 log.info("Overdrive: not using the precompiled frame %s, code it inlined changed since it was saved "
                          "(%s); compiling a new one.", path.name, renamed[0])
                 self.not_on_disk.add(signature)
-                return None
+                return False
             from torch._dynamo.aot_compile import AOTCompiledFunction
             with self._config(), self.settings():
                 frame = AOTCompiledFunction.deserialize(data, self.f_globals)
@@ -289,20 +233,22 @@ class PrecompiledFrames:
                         str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
             discard(path)
             self.not_on_disk.add(signature)
-            return None
+            return False
         log.info("Overdrive: loaded the precompiled frame %s in %.1f s (no tracing)", path.name,
                  time.perf_counter() - start)
-        self.frames[signature] = (frame, read)
-        return frame
+        self.frames[signature] = (frame, code, values)
+        return True
 
-    def _still_current(self, signature, read) -> bool:
-        """False (once with a warning) if a function or class the frame inlined was replaced since it was traced."""
-        if read.unchanged():
+    def _still_current(self, signature, code, values, call) -> bool:
+        """False (once with a warning) if a function, class or value the frame read was replaced or changed since it
+        was traced: such calls go through torch.compile, whose guards see the change."""
+        if code.unchanged() and values.matches(call):
             return True
         if signature not in self.stale:
             self.stale.add(signature)
-            log.warning("Overdrive: %s was replaced after this model was precompiled (a node patching it?); its "
-                        "calls go through torch.compile, which traces the new code.", read.changed()[0])
+            changed = code.changed() or values.changed(call) or ["(read differently)"]
+            log.warning("Overdrive: %s changed after this model was precompiled (a node patching it?); its calls go "
+                        "through torch.compile, which traces what runs now.", changed[0])
         return False
 
     def build(self, signature: tuple, directory, module, method, args, kwargs) -> object | None:
@@ -312,7 +258,8 @@ class PrecompiledFrames:
         try:
             with self._config():
                 frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
-            read = GlobalsRead.from_guards(self.guards_dropped)
+            code = GlobalsRead.from_guards(self.guards_dropped)
+            values = ValuesRead.from_guards(self.guards_dropped, (module, method, args, kwargs))
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
             self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
@@ -322,12 +269,12 @@ class PrecompiledFrames:
             self.guards_dropped = []
             self.temporaries.forget()
             self.temporaries = None
-        self.frames[signature] = (frame, read)
+        self.frames[signature] = (frame, code, values)
         saved = "not saved: the disk cache is off"
         if directory is not None:
             try:
                 path = self._path(directory, signature, module)
-                write_framed(path, _join(read, type(frame).serialize(frame).serialized_data))
+                write_framed(path, _join(code, values, type(frame).serialize(frame).serialized_data))
                 saved = f"saved to {path}: a restart loads it without tracing"
             except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
                 saved = f"could not be saved ({error})"
@@ -335,16 +282,16 @@ class PrecompiledFrames:
         return frame
 
 
-_FORMAT = b"OVFRAME2"  # then the GlobalsRead's length (8 bytes), the GlobalsRead, the frame
+_FORMAT = b"OVFRAME3"  # then the length of what was read (8 bytes), what was read (traced_reads), the frame
 
 
-def _join(read: GlobalsRead, frame: bytes) -> bytes:
-    header = read.to_bytes()
+def _join(code: GlobalsRead, values: ValuesRead, frame: bytes) -> bytes:
+    header = to_bytes(code, values)
     return _FORMAT + len(header).to_bytes(8, "little") + header + frame
 
 
-def _split(payload: bytes) -> tuple[GlobalsRead, bytes]:
+def _split(payload: bytes) -> tuple[tuple[GlobalsRead, ValuesRead], bytes]:
     if payload[:8] != _FORMAT:
         raise ValueError("a frame file of an older format")
     size = int.from_bytes(payload[8:16], "little")
-    return GlobalsRead(json.loads(payload[16:16 + size])), payload[16 + size:]
+    return from_bytes(payload[16:16 + size]), payload[16 + size:]

@@ -135,7 +135,7 @@ class SharedGraph:
         if signature is None or not precompiled.weights_on(module, _first_device(args, kwargs)):
             return None, False
         directory = disk.frames_dir(key) if disk is not None else None
-        frame = frames.load(signature, directory, module)
+        frame = frames.load(signature, directory, (module, self.method, args, kwargs))
         if frame is None and not self.shapes_seen:  # the first shape; later ones follow the `dynamic` policy
             frame = frames.build(signature, directory, module, self.method, args, kwargs)
             return frame, frame is not None  # built: its kernels go to the disk cache with the frame

@@ -20,6 +20,10 @@ class OverdriveAttention:
             made.config = config
         return made
 
+    @property
+    def precompile_key(self) -> tuple:  # what a precompiled frame that traced this override baked in
+        return (self.config.mode, self.config.max_error)
+
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: keep the one instance
         return self
 

@@ -35,10 +35,11 @@ REGIONAL_TOOLTIP = (
 )
 
 PRECOMPILE_TOOLTIP = (
-    "Save the first resolution's compiled model whole, so that after a restart it loads in seconds instead of "
-    "being traced again (SDXL's first image after a restart on an H100: 35 s -> 4.9 s). The saved code skips "
-    "PyTorch's own checks; Overdrive checks shapes, settings, where the weights are, and that no node has "
-    "replaced a function the model calls. Off by default while it is new."
+    "Save each compiled call whole (a UNet's first resolution, each distinct DiT block), so that after a restart it "
+    "loads in seconds instead of being traced again. The saved code skips PyTorch's own checks; Overdrive makes the "
+    "same ones itself: shapes, settings, where the weights are, and every function, module-level flag, model "
+    "attribute and hook the traced code read. A call that differs runs through the normal compile. Turn off only "
+    "to compare."
 )
 
 
@@ -70,10 +71,10 @@ class OverdriveCompileModel:
             "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
         }, "optional": {
             "regional": ("BOOLEAN", {"default": True, "tooltip": REGIONAL_TOOLTIP}),
-            "precompile": ("BOOLEAN", {"default": False, "tooltip": PRECOMPILE_TOOLTIP}),
+            "precompile": ("BOOLEAN", {"default": True, "tooltip": PRECOMPILE_TOOLTIP}),
         }}
 
-    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=False):
+    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=True):
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
                                  precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
         patched = model.clone()

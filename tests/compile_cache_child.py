@@ -2,7 +2,8 @@
 
 argv: cache folder (or "none"); env OVERDRIVE_TEST_PRECOMPILE=1 compiles with CompileOptions(precompile=True),
 OVERDRIVE_TEST_PATCH_GELU=1 replaces torch's gelu first (as a node that patches a function would),
-OVERDRIVE_TEST_TWO_SHAPES=1 compiles one graph per shape for two shapes (dynamic="static")."""
+OVERDRIVE_TEST_TWO_SHAPES=1 compiles one graph per shape for two shapes (dynamic="static"), OVERDRIVE_TEST_SCALE sets a
+module-level value the model reads (default 1)."""
 import json
 import logging
 import os
@@ -18,6 +19,14 @@ from overdrive.compiler import CompileOptions, compile_module  # noqa: E402
 
 if os.environ.get("OVERDRIVE_TEST_PATCH_GELU") == "1":  # what a custom node patching a torch function does at import
     torch.nn.functional.gelu = lambda x, approximate="none": torch.tanh(x)
+SCALE = float(os.environ.get("OVERDRIVE_TEST_SCALE", "1"))  # a module-level value, as ComfyUI's flags are
+
+
+class Scaled(nn.Module):
+    def forward(self, x):
+        return x * SCALE
+
+
 two_shapes = os.environ.get("OVERDRIVE_TEST_TWO_SHAPES") == "1"
 options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") == "1",
                          cache_dir=None if sys.argv[1] == "none" else sys.argv[1],
@@ -26,7 +35,7 @@ options = CompileOptions(precompile=os.environ.get("OVERDRIVE_TEST_PRECOMPILE") 
 
 def checkpoint(seed):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).eval().requires_grad_(False)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), Scaled(), nn.Linear(32, 16)).eval().requires_grad_(False)
 
 
 module, second = checkpoint(0), checkpoint(1)  # two checkpoints of one architecture

@@ -62,6 +62,12 @@ def test_precompiled_restart_traces_nothing(tmp_path):
     again, log = run_child(tmp_path / "cache", tmp_path / "inductor3", OVERDRIVE_TEST_PRECOMPILE="1")
     assert "discarding the precompiled frame" in log and again["max_error"] < 1e-5, again
     assert list((tmp_path / "cache").glob("*.frames/*.bin"))
+    # A process where a module-level value the frame read differs (a flag set by a command-line option, say): the
+    # saved frame is not used for those calls, torch.compile traces what runs now.
+    scaled, log = run_child(tmp_path / "cache", tmp_path / "inductor5", OVERDRIVE_TEST_PRECOMPILE="1",
+                            OVERDRIVE_TEST_SCALE="2")
+    assert "SCALE: 1.0 -> 2.0 changed after this model was precompiled" in log, log[-2000:]
+    assert scaled["traced"] >= 1 and scaled["max_error"] < 1e-5, scaled
     # A process where a node has patched a function the frame inlined: the saved frame is not used, the new code runs.
     patched, log = run_child(tmp_path / "cache", tmp_path / "inductor4", OVERDRIVE_TEST_PRECOMPILE="1",
                              OVERDRIVE_TEST_PATCH_GELU="1")
@@ -84,7 +90,7 @@ def test_precompiled_frame_steps_aside_when_code_it_inlined_is_patched(tmp_path,
         with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
             out = module(x)
         assert torch.allclose(out, torch.tanh(module[0](x)), atol=1e-5)
-        assert "was replaced after this model was precompiled" in caplog.text
+        assert "changed after this model was precompiled" in caplog.text
     finally:
         torch.nn.functional.gelu = original_gelu
     assert torch.allclose(module(x), original_gelu(module[0](x)), atol=1e-5)  # the frame again, as traced
@@ -96,6 +102,62 @@ def test_precompiled_frame_steps_aside_when_code_it_inlined_is_patched(tmp_path,
     del module
     gc.collect()
     assert gone() is None
+
+
+SCALE = 2.0  # a module-level value the traced code below reads (as ComfyUI's code reads its own flags)
+
+
+class ScaledByModuleValue(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.offset = 1.0
+
+    def forward(self, x):
+        return self.linear(x) * SCALE + self.offset
+
+
+def test_precompiled_frame_steps_aside_when_a_value_it_read_changes(tmp_path, caplog):
+    """A guard-free frame checks the plain values the traced code read, as Dynamo's guards would: a module-level value,
+    an attribute of the model, a forward hook added later. While one differs, calls go through torch.compile (the
+    output follows the change); when it reads as traced again, the frame runs again."""
+    from overdrive.compiler import CompileOptions, compile_module
+
+    global SCALE
+    torch.manual_seed(0)
+    module = ScaledByModuleValue().requires_grad_(False)
+    x = torch.randn(3, 8)
+
+    def eager():
+        return module.linear(x) * SCALE + module.offset
+    compiled = compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path)))
+    assert torch.allclose(module(x), eager(), atol=1e-5)
+    frames = compiled.graph.frames
+    assert len(frames.frames) == 1 and frames.failure is None
+    try:
+        with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+            SCALE = 3.0
+            assert torch.allclose(module(x), eager(), atol=1e-5)
+        assert "SCALE: 2.0 -> 3.0" in caplog.text, caplog.text
+    finally:
+        SCALE = 2.0
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert torch.allclose(module(x), eager(), atol=1e-5)  # the frame again: nothing traced
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == traced
+    module.offset = 5.0  # the model's own attribute
+    assert torch.allclose(module(x), eager(), atol=1e-5)
+    module.offset = 1.0
+    # A hook added after tracing: the frame steps aside. (torch.compile's own guards skip hooks by default,
+    # torch._dynamo.config.skip_nnmodule_hook_guards, so the graph that then runs may not call it either.)
+    _, _, values = next(iter(frames.frames.values()))
+    handle = module.linear.register_forward_hook(lambda mod, inputs, out: out * 0)
+    try:
+        assert values.changed((module, "forward", (x,), {})) == ["module._modules['linear']._forward_hooks: 0 -> 1"]
+        assert not values.matches((module, "forward", (x,), {}))
+    finally:
+        handle.remove()
+    assert values.matches((module, "forward", (x,), {}))
+    assert torch.allclose(module(x), eager(), atol=1e-5)
 
 
 def test_building_a_frame_forgets_the_guard_temporaries_torch_leaks():

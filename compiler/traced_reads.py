@@ -1,0 +1,170 @@
+"""What a traced call read besides its arguments: kept with a guard-free precompiled frame (compiler/precompiled.py)
+and checked in place of Dynamo's guards, which torch cannot save with ComfyUI's models.
+
+Both records are built from the guards Dynamo produced while tracing (handed to the frame's guard_filter_fn):
+- GlobalsRead: the functions and classes reached from modules (ComfyUI's attention function, torch's SDPA), by
+  identity at every call and by name in a new process, so a node that monkey-patches one sends calls back to
+  torch.compile.
+- ValuesRead: the plain values the code read (module-level flags and constants such as ComfyUI's SDP_BATCH_LIMIT or a
+  function's default argument, the model's own attributes), the types of its submodules, and that its hook dicts are
+  empty. One generated function reads them all at every call and one tuple comparison checks them; a new process
+  compares their printed forms with the saved ones before trusting a frame.
+Not recorded: whether an instance attribute shadows its class's (a submodule given its own `forward` after tracing)
+and aliasing between arguments (one tensor passed twice).
+"""
+import json
+import sys
+
+import torch
+
+# Dynamo's guards on code and classes read from globals; a saved frame drops them, GlobalsRead checks them instead.
+_CODE_GUARDS = {"CLOSURE_MATCH", "FUNCTION_MATCH", "ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH"}
+# Dynamo's guards on values, types and hook dicts; ValuesRead checks them instead.
+_VALUE_GUARDS = {"CONSTANT_MATCH", "EQUALS_MATCH"}
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+# The parameters of the traced function (compiler/shared_graph._call_method): what a local guard source starts with.
+_LOCALS = ("module", "method", "args", "kwargs")
+
+
+class _Modules:
+    """The `G` of Dynamo's guard sources, for the names that mean a module: `G['__import_a_dot_b']` is module a.b.
+    Other names (builtins, globals Dynamo installed under ids of this process) raise KeyError: not watched."""
+
+    def __getitem__(self, key):
+        if not key.startswith("__import_"):
+            raise KeyError(key)
+        return sys.modules[key[len("__import_"):].replace("_dot_", ".")]
+
+
+_G = _Modules()
+_MODULES = {"G": _G}
+
+
+def _resolve(code):
+    """What a guard source (compiled with `compile(source, ..., "eval")`, or the source itself) names now; _GONE if
+    it cannot be found."""
+    try:
+        return eval(code, _MODULES)  # noqa: S307 - Dynamo's own guard expressions
+    except Exception:  # noqa: BLE001 - a module or attribute that is gone, a name that is not a module's
+        return _GONE
+
+
+def _name_of(value) -> str:
+    """Where a function or class comes from, stable across processes (a patched one has another name or line)."""
+    code = getattr(value, "__code__", None)
+    line = f":{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}{line}"
+
+
+class GlobalsRead:
+    """The functions and classes a frame read from modules when it was traced, as (Dynamo guard source, name)
+    pairs: `unchanged()` compares their identities at every call (~1 us each), `renamed()` their names in a new
+    process, before a saved frame is trusted."""
+
+    def __init__(self, entries):
+        self.entries = [tuple(e) for e in entries]
+        self.sources = [compile(source, "<dynamo guard source>", "eval") for source, _ in self.entries]
+        self.values = [_resolve(source) for source in self.sources]
+
+    @classmethod
+    def from_guards(cls, guard_entries):
+        """Kept: code guards on something reached from modules that resolves to the guarded object."""
+        entries = {(e.name, _name_of(e.value)) for e in guard_entries
+                   if e.is_global and e.has_value and e.guard_type in _CODE_GUARDS and _resolve(e.name) is e.value}
+        return cls(sorted(entries))
+
+    def changed(self) -> list[str]:
+        """The sources whose object is no longer the one traced (empty: the frame's code is what runs now)."""
+        return [entry[0] for entry, source, value in zip(self.entries, self.sources, self.values)
+                if _resolve(source) is not value]
+
+    def unchanged(self) -> bool:  # at every call: stops at the first difference
+        return all(_resolve(source) is value for source, value in zip(self.sources, self.values))
+
+    def renamed(self) -> list[str]:
+        """In a new process: "source: saved name -> name now" for each object whose name differs from the saved one."""
+        now = ["(gone)" if value is _GONE else _name_of(value) for value in self.values]
+        return [f"{source}: {name} -> {current}" for (source, name), current in zip(self.entries, now) if current != name]
+
+
+_GONE = object()
+
+# How each kind of entry is read from its source, and printed to compare across processes.
+_READ = {"value": "{}", "type": "type({})", "empty": "len({})"}
+
+
+def _printed(kind: str, read) -> str:
+    return _name_of(read) if kind == "type" else repr(read)
+
+
+class ValuesRead:
+    """The plain values, types and empty hook dicts a frame read when it was traced, as (kind, Dynamo guard source,
+    printed form) entries. `matches(call)` reads them all for a call of the frame (module, method, args, kwargs) and
+    compares them with what was read when the frame was built or, after a restart, first checked."""
+
+    def __init__(self, entries):
+        self.entries = [tuple(e) for e in entries]
+        reads = "".join(_READ[kind].format(source) + ", " for kind, source, _ in self.entries)
+        self._read = eval(f"lambda G, {', '.join(_LOCALS)}: ({reads})",  # noqa: S307 - Dynamo's own guard sources
+                          {"type": type, "len": len})
+        self.expected = None  # the values read at the last accepted check
+
+    @classmethod
+    def from_guards(cls, guard_entries, call) -> "ValuesRead":
+        """Kept: value guards on plain values, type guards, and the empty-hooks guards of the traced modules. Raises
+        ValueError if one of them cannot be read back from `call` (the traced call) as Dynamo saw it: such a frame
+        could run while its code no longer applies, so it is not built."""
+        entries = set()
+        for e in guard_entries:
+            if e.guard_type in _VALUE_GUARDS and e.has_value and type(e.value) in _PLAIN:
+                entries.add(("value", e.name, _printed("value", e.value)))
+            elif e.guard_type == "TYPE_MATCH" and e.has_value:
+                entries.add(("type", e.name, _printed("type", type(e.value))))
+            elif e.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":
+                entries.add(("empty", e.name, _printed("empty", 0)))
+        try:
+            read = cls(sorted(entries))
+        except SyntaxError as error:
+            raise ValueError(f"a guard source that is not an expression ({error})") from None
+        differ = read.changed(call)
+        if differ:
+            raise ValueError(f"cannot read back what the traced code read: {differ[0]}")
+        read.expected = read._read(_G, *call)
+        return read
+
+    def matches(self, call) -> bool:
+        """At every call: one generated read and one tuple comparison (the first check after a restart compares
+        printed forms instead)."""
+        try:
+            now = self._read(_G, *call)
+        except Exception:  # noqa: BLE001 - an attribute or module that is gone: not what was traced
+            return False
+        if self.expected is None:
+            if [_printed(kind, value) for (kind, _, _), value in zip(self.entries, now)] != [
+                    printed for _, _, printed in self.entries]:
+                return False
+            self.expected = now
+            return True
+        return now == self.expected
+
+    def changed(self, call) -> list[str]:
+        """"source: traced -> now" for each entry that reads differently for this call (for the log)."""
+        differ = []
+        for kind, source, printed in self.entries:
+            try:
+                now = _printed(kind, eval(_READ[kind].format(source),  # noqa: S307 - as above
+                                          {"G": _G, "type": type, "len": len}, dict(zip(_LOCALS, call))))
+            except Exception as error:  # noqa: BLE001
+                now = f"({type(error).__name__})"
+            if now != printed:
+                differ.append(f"{source}: {printed} -> {now}")
+        return differ
+
+
+def to_bytes(code: GlobalsRead, values: ValuesRead) -> bytes:
+    return json.dumps({"code": code.entries, "values": values.entries}).encode()
+
+
+def from_bytes(data: bytes) -> tuple[GlobalsRead, ValuesRead]:
+    saved = json.loads(data)
+    return GlobalsRead(saved["code"]), ValuesRead(saved["values"])

@@ -30,9 +30,9 @@ OWN_PATCHES = "overdrive_"
 
 def block_options(options):
     """Compile options for one block: no CUDA graph (a recording per block call gains nothing on a GPU-bound block),
-    no nested regions. Precompile as asked: a block's call is saved whole, so a restart loads each distinct block
-    without tracing it."""
-    return dataclasses.replace(options, cuda_graphs=False, regional=False)
+    no nested regions. Precompile as asked: each block call shape is saved whole, up to 4 per graph (the token layouts a
+    step uses, Z-Image's 2 among them), so a restart loads every distinct block without tracing it."""
+    return dataclasses.replace(options, cuda_graphs=False, regional=False, precompiled_shapes=4)
 
 
 class BlockwiseForward:

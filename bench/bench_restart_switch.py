@@ -19,6 +19,9 @@ import torch
 
 def phase(args):
     """One fresh process: build the model, compile with Overdrive, time the first image (and optionally a switch)."""
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, loaded, precompiled, with timings
     from overdrive.builtin_models import dit
     from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy, save_unet_checkpoint
     comfy = import_comfy(cpu=not torch.cuda.is_available())
@@ -137,6 +140,7 @@ def main():
             print(out.stdout[-3000:], out.stderr[-5000:])
             raise SystemExit(f"phase {name} failed")
         rows.append(json.loads(lines[-1][7:]))
+        rows[-1]["log"] = [line[:400] for line in out.stderr.splitlines() if "Overdrive" in line]
         print(json.dumps(rows[-1]), flush=True)
     from report import environment
     report = {"benchmark": "restart_switch", "settings": vars(args), "environment": environment(), "results": rows,

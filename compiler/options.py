@@ -39,6 +39,9 @@ class CompileOptions:
              devices, and what the traced code read (functions, module-level values, the model's attributes,
              submodule types, hooks), recorded from Dynamo's guards (compiler/precompiled.py). A call it cannot
              check goes through torch.compile.
+    precompiled_shapes: how many distinct call shapes get a saved frame (static, each its own compile); later ones
+             follow `dynamic`. 1 for a whole model (its first resolution); a DiT's blocks take more, since one block
+             graph serves several token layouts in every step (Z-Image's refiners and main layers).
     cache_dir: the folder of compiled artifacts on disk (ComfyUI's nodes: beside its models); None:
              $OVERDRIVE_CACHE_DIR/compiled, else ~/.cache/overdrive/compiled. OVERDRIVE_DISK_CACHE=0 keeps them in
              memory only. Not part of any key: the same graph serves every folder.
@@ -53,6 +56,7 @@ class CompileOptions:
     attention: str = "default"
     regional: bool = True
     precompile: bool = True
+    precompiled_shapes: int = 1
     cache_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -64,6 +68,8 @@ class CompileOptions:
             raise ValueError(f"Unknown attention choice {self.attention!r}: choose one of {', '.join(ATTENTION)}.")
         if self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1 (got {self.max_graphs}).")
+        if self.precompiled_shapes < 1:
+            raise ValueError(f"precompiled_shapes must be at least 1 (got {self.precompiled_shapes}).")
 
     def inductor_mode(self) -> str:
         """Inductor's mode name for this mode + CUDA-graph choice."""

@@ -136,7 +136,7 @@ class SharedGraph:
             return None, False
         directory = disk.frames_dir(key) if disk is not None else None
         frame = frames.load(signature, directory, (module, self.method, args, kwargs))
-        if frame is None and not self.shapes_seen:  # the first shape; later ones follow the `dynamic` policy
+        if frame is None and len(self.shapes_seen) < self.options.precompiled_shapes:  # later: the `dynamic` policy
             frame = frames.build(signature, directory, module, self.method, args, kwargs)
             return frame, frame is not None  # built: its kernels go to the disk cache with the frame
         return frame, False

@@ -6,9 +6,10 @@ Both records are built from the guards Dynamo produced while tracing (handed to 
   identity at every call and by name in a new process, so a node that monkey-patches one sends calls back to
   torch.compile.
 - ValuesRead: the plain values the code read (module-level flags and constants such as ComfyUI's SDP_BATCH_LIMIT or a
-  function's default argument, the model's own attributes), the types of its submodules, and that its hook dicts are
-  empty. One generated function reads them all at every call and one tuple comparison checks them; a new process
-  compares their printed forms with the saved ones before trusting a frame.
+  function's default argument, the model's own attributes), the types of its submodules, and (as torch.compile does
+  when `torch._dynamo.config.skip_nnmodule_hook_guards` is off) that its hook dicts are empty. One generated function
+  reads them all at every call and one tuple comparison checks them; a new process compares their printed forms with
+  the saved ones before trusting a frame.
 Not recorded: whether an instance attribute shadows its class's (a submodule given its own `forward` after tracing)
 and aliasing between arguments (one tensor passed twice).
 """
@@ -126,7 +127,7 @@ class ValuesRead:
     printed form) entries. `matches(call)` reads them all for a call of the frame (module, method, args, kwargs) and
     compares them with what was read when the frame was built or, after a restart, first checked.
 
-    Cost: an SD1.5 UNet's frame reads ~2,000 of them (1,200 empty hook dicts, 450 types, 300 values); read through
+    Cost: an SD1.5 UNet's frame reads ~750 of them (450 types, 300 values; 1,200 more with hook guards on); read through
     their whole guard sources (chains of `_modules[...]`) they took ~0.6 ms a call on a 2-core CPU, which made SD1.5
     on the H200 25 % slower per image. So the submodules and Python modules they start from (anchors) are looked up
     once per model and module tree (again when another model calls, or a submodule or Parameter was replaced anywhere:
@@ -172,7 +173,8 @@ class ValuesRead:
                 entries.add(("value", e.name, _printed("value", e.value)))
             elif e.guard_type == "TYPE_MATCH" and e.has_value:
                 entries.add(("type", e.name, _printed("type", type(e.value))))
-            elif e.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":
+            elif e.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT" and not torch._dynamo.config.skip_nnmodule_hook_guards:
+                # torch.compile itself ignores hooks added after compiling unless this is turned off: the same here
                 entries.add(("empty", e.name, _printed("empty", 0)))
         try:
             read = cls(sorted(entries))

@@ -125,6 +125,24 @@ def test_compile_model_compiles_each_distinct_block_once_and_matches_eager_per_c
     assert dynamo_graph_count() == graphs  # warm: no recompile for the same shape
 
 
+def test_a_restart_runs_every_block_from_its_saved_frame_without_tracing(nodes, base, compiled, sample, eager,
+                                                                       caplog):
+    """Precompile (the default): every block call shape is saved whole beside the compile cache, so a process that
+    starts again (here: no shared graph and no frame in memory) runs every block from its frame without Dynamo
+    tracing anything, and matches eager per call."""
+    from overdrive.compiler import clear_shared_graphs
+
+    sample(compiled)  # the frames of every block shape are built and saved
+    clear_shared_graphs()
+    restarted = nodes["OverdriveCompileModel"]().compile(base)[0]
+    graphs = dynamo_graph_count()
+    with caplog.at_level(logging.INFO, logger="overdrive.compiler"):
+        out, calls = sample(restarted)
+    assert dynamo_graph_count() == graphs, caplog.text[-3000:]
+    assert caplog.text.count("loaded the precompiled frame") >= distinct_blocks(restarted)
+    assert_calls_match(calls, eager[1], PER_CALL_TOLERANCE)
+
+
 def test_lora_on_the_compiled_model_applies_without_recompiling(base, compiled, sample):
     sample(compiled)
     graphs = dynamo_graph_count()

@@ -37,7 +37,7 @@ class CompileOptions:
              without tracing the model again (SDXL: the ~20 s of a warm restart that Inductor's caches cannot save).
              The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values and weight
              devices, and what the traced code read (functions, module-level values, the model's attributes,
-             submodule types, hooks), recorded from Dynamo's guards (compiler/precompiled.py). A call it cannot
+             submodule types), recorded from Dynamo's guards (compiler/precompiled.py). A call it cannot
              check goes through torch.compile.
     precompiled_shapes: how many distinct call shapes get a saved frame (static, each its own compile); later ones
              follow `dynamic`. 1 for a whole model (its first resolution); a DiT's blocks take more, since one block

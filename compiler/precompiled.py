@@ -19,8 +19,8 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
 - what the traced code read besides its arguments (compiler/traced_reads.py), recorded from Dynamo's own guards while
   the frame is built: the functions and classes reached from modules (a node that monkey-patches ComfyUI's attention
   function or torch's SDPA sends calls back to torch.compile), module-level values (flags, constants, default
-  arguments), the model's attributes, the types of its submodules and its empty hook dicts. Checked at every call, and
-  against their saved printed forms after a restart.
+  arguments), the model's attributes and the types of its submodules. Checked at every call, and against their saved
+  printed forms after a restart.
 That is what Dynamo's guards check, less two things (compiler/traced_reads.py); so a frame is safe to run by default
 (`CompileOptions.precompile`).
 """
@@ -106,10 +106,8 @@ def code_digest(module: torch.nn.Module) -> str:
     return hashlib.sha256("".join(sorted(files)).encode()).hexdigest()[:16]
 
 
-
-
-# module -> (weights generation, its submodules). Not the module itself: a value holding its key would keep every model
-# ever checked (each UNet a SwitchWeights replaced) alive.
+# module -> (weights generation, the dicts that hold its tensors). Not the module itself: a value holding its key would
+# keep every model ever checked (each UNet a SwitchWeights replaced) alive.
 _submodules = weakref.WeakKeyDictionary()
 
 

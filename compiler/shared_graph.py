@@ -136,7 +136,9 @@ class SharedGraph:
             return None, False
         directory = disk.frames_dir(key) if disk is not None else None
         frame = frames.load(signature, directory, (module, self.method, args, kwargs))
-        if frame is None and len(self.shapes_seen) < self.options.precompiled_shapes:  # later: the `dynamic` policy
+        if frame is None and signature not in frames.frames and len(self.shapes_seen) < self.options.precompiled_shapes:
+            # A new shape among the first ones (later: the `dynamic` policy). A frame that no longer applies (a value
+            # it read changed) is not built again: such calls take torch.compile's path, guards and all.
             frame = frames.build(signature, directory, module, self.method, args, kwargs)
             return frame, frame is not None  # built: its kernels go to the disk cache with the frame
         return frame, False

@@ -130,15 +130,19 @@ def test_precompiled_frame_steps_aside_when_a_value_it_read_changes(tmp_path, ca
 
     def eager():
         return module.linear(x) * SCALE + module.offset
-    compiled = compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path)))
+    # precompiled_shapes as blocks have it: room for more frames, yet a stale one is not built again.
+    compiled = compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path),
+                                                     precompiled_shapes=4))
     assert torch.allclose(module(x), eager(), atol=1e-5)
     frames = compiled.graph.frames
     assert len(frames.frames) == 1 and frames.failure is None
+    built = dict(frames.frames)
     try:
         with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
             SCALE = 3.0
             assert torch.allclose(module(x), eager(), atol=1e-5)
         assert "SCALE: 2.0 -> 3.0" in caplog.text, caplog.text
+        assert frames.frames == built
     finally:
         SCALE = 2.0
     traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -30,9 +30,10 @@ OWN_PATCHES = "overdrive_"
 
 def block_options(options):
     """Compile options for one block: no CUDA graph (a recording per block call gains nothing on a GPU-bound block),
-    no nested regions. Precompile as asked: each block call shape is saved whole, up to 4 per graph (the token layouts a
-    step uses, Z-Image's 2 among them), so a restart loads every distinct block without tracing it."""
-    return dataclasses.replace(options, cuda_graphs=False, regional=False, precompiled_shapes=4)
+    no nested regions. Every shape of the first sampling step specialised and, with precompile, saved whole (the token
+    layouts of a step: Z-Image's refiners and main layers, Wan's cond and uncond context lengths), so a restart loads
+    every block it runs without tracing it; a later resolution follows `dynamic`."""
+    return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step")
 
 
 class BlockwiseForward:
@@ -63,9 +64,13 @@ class BlockwiseForward:
         # Position among the blocks the step cache sees (the cached stacks', in run order).
         self._cached_position = {path: i for i, path in enumerate(p for stack, p, _ in self.blocks if stack.cached)}
         self._warned = set()
+        self._first_step_sigmas = None  # the first sampling step's sigma tensor, until the blocks' shapes are sealed
+        self._shapes_sealed = not self.compiled
 
     # -- the call ----------------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if not self._shapes_sealed:
+            self._seal_shapes_at_a_later_step(kwargs)
         cache = self.cache
         if cache is not None:
             cache.begin(*self._read_call(args, kwargs))
@@ -82,6 +87,22 @@ class BlockwiseForward:
                     block.forward = forward
             if cache is not None:
                 cache.end()
+            if not self._shapes_sealed and self._first_step_sigmas is None:
+                self._seal_shapes()  # a caller without per-step sigmas: its first call's shapes are the specialised ones
+
+    def _seal_shapes_at_a_later_step(self, kwargs):
+        """Blocks specialise every shape of the first sampling step (block_options); at the first call of a later step
+        (another sigma tensor: ComfyUI gives one to every call of a step) their graphs take the `dynamic` policy."""
+        sigmas = (kwargs.get("transformer_options") or {}).get("sigmas")
+        if self._first_step_sigmas is None:
+            self._first_step_sigmas = sigmas
+        elif sigmas is not self._first_step_sigmas:
+            self._seal_shapes()
+
+    def _seal_shapes(self):
+        for compiled in self.compiled.values():
+            compiled.graph.seal_shapes()
+        self._shapes_sealed, self._first_step_sigmas = True, None
 
     def _run_block(self, stack, path, block, *args, **kwargs):
         run = functools.partial(self._block_call, path, block, args, kwargs)

@@ -94,11 +94,6 @@ class CompiledMethod:
     def eager(self, *args, **kwargs):
         return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
 
-    def _static_shapes(self) -> int:
-        """How many shapes compile static under dynamic="auto" before one shape-generic graph takes the rest: the
-        first, or as many as get a precompiled frame."""
-        return self.options.precompiled_shapes if self.options.precompile else 1
-
     def _may_compile(self, signature) -> bool:
         return signature not in self.graph.shapes_seen
 
@@ -115,7 +110,7 @@ class CompiledMethod:
                         "Use dynamic='auto' or 'dynamic' to serve many resolutions with one graph.",
                         graph.description, len(graph.shapes_seen))
             return self.eager(*args, **kwargs)
-        if new_shape and self.options.dynamic == "auto" and len(graph.shapes_seen) >= self._static_shapes():
+        if new_shape and self.options.dynamic == "auto" and graph.shapes_sealed:
             mark_shape_generic(args, kwargs)
         progress = self.reporter(f"compiling {graph.description}") if (new_shape and self.reporter) else contextlib.nullcontext()
         try:
@@ -133,6 +128,8 @@ class CompiledMethod:
                         "continues, only slower). Reason: %s", graph.description, self.method, reason)
             return self.eager(*args, **kwargs)
         graph.shapes_seen.add(signature)
+        if self.options.static_shapes == "first":
+            graph.seal_shapes()
         return out
 
 

@@ -4,6 +4,7 @@ from dataclasses import asdict, dataclass, field, replace
 MODES = ("default", "max-autotune")
 DYNAMIC = ("auto", "static", "dynamic")
 ATTENTION = ("default", "cudnn")
+STATIC_SHAPES = ("first", "first_step")
 
 # Model classes that dynamic="auto" compiles one static graph per shape for, instead of a shape-generic one (measured
 # on ComfyUI 0.7.0, tests/test_dit_families.py): ComfyUI's Flux, Qwen-Image and Wan build their position ids with
@@ -39,9 +40,11 @@ class CompileOptions:
              devices, and what the traced code read (functions, module-level values, the model's attributes,
              submodule types), recorded from Dynamo's guards (compiler/precompiled.py). A call it cannot
              check goes through torch.compile.
-    precompiled_shapes: how many distinct call shapes get a saved frame (static, each its own compile); later ones
-             follow `dynamic`. 1 for a whole model (its first resolution); a DiT's blocks take more, since one block
-             graph serves several token layouts in every step (Z-Image's refiners and main layers).
+    static_shapes: which call shapes compile specialised (and, with `precompile`, get a saved frame) before
+             `dynamic` applies: "first" (a whole model: its first resolution) or "first_step" (a DiT's blocks: every
+             shape its first sampling step uses, since one block graph serves several token layouts in a step, such
+             as Z-Image's refiners and main layers; the caller says when that step is over with
+             `SharedGraph.seal_shapes`).
     cache_dir: the folder of compiled artifacts on disk (ComfyUI's nodes: beside its models); None:
              $OVERDRIVE_CACHE_DIR/compiled, else ~/.cache/overdrive/compiled. OVERDRIVE_DISK_CACHE=0 keeps them in
              memory only. Not part of any key: the same graph serves every folder.
@@ -56,7 +59,7 @@ class CompileOptions:
     attention: str = "default"
     regional: bool = True
     precompile: bool = True
-    precompiled_shapes: int = 1
+    static_shapes: str = "first"
     cache_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -68,8 +71,8 @@ class CompileOptions:
             raise ValueError(f"Unknown attention choice {self.attention!r}: choose one of {', '.join(ATTENTION)}.")
         if self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1 (got {self.max_graphs}).")
-        if self.precompiled_shapes < 1:
-            raise ValueError(f"precompiled_shapes must be at least 1 (got {self.precompiled_shapes}).")
+        if self.static_shapes not in STATIC_SHAPES:
+            raise ValueError(f"Unknown static_shapes {self.static_shapes!r}: choose one of {', '.join(STATIC_SHAPES)}.")
 
     def inductor_mode(self) -> str:
         """Inductor's mode name for this mode + CUDA-graph choice."""

@@ -62,6 +62,7 @@ class SharedGraph:
         self.lock = threading.RLock()
         self.graphs_compiled = 0  # new Dynamo graphs produced by calls through this entry point
         self.shapes_seen: set = set()
+        self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
         self.failure: str | None = None  # set once compiling or running compiled code failed
         self.disk_keys_loaded: set = set()
         self.disk_keys: dict = {}  # device -> disk cache key
@@ -110,6 +111,11 @@ class SharedGraph:
                     log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
         return out
 
+    def seal_shapes(self) -> None:
+        """The shapes compiled so far are the specialised ones (options.static_shapes); a new shape now follows the
+        `dynamic` policy (one shape-generic graph under "auto") and gets no precompiled frame."""
+        self.shapes_sealed = True
+
     def release_precompiled(self) -> None:
         """Forget the precompiled frames held in memory (with CUDA graphs, a frame's recording keeps the inputs of the
         model it last ran: 269 MiB of an SDXL-sized UNet measured). Kept on disk, they load again in seconds."""
@@ -136,7 +142,7 @@ class SharedGraph:
             return None, False
         directory = disk.frames_dir(key) if disk is not None else None
         frame = frames.load(signature, directory, (module, self.method, args, kwargs))
-        if frame is None and signature not in frames.frames and len(self.shapes_seen) < self.options.precompiled_shapes:
+        if frame is None and signature not in frames.frames and not self.shapes_sealed:
             # A new shape among the first ones (later: the `dynamic` policy). A frame that no longer applies (a value
             # it read changed) is not built again: such calls take torch.compile's path, guards and all.
             frame = frames.build(signature, directory, module, self.method, args, kwargs)

@@ -130,9 +130,10 @@ def test_precompiled_frame_steps_aside_when_a_value_it_read_changes(tmp_path, ca
 
     def eager():
         return module.linear(x) * SCALE + module.offset
-    # precompiled_shapes as blocks have it: room for more frames, yet a stale one is not built again.
+    # Shapes left open as blocks have them (static_shapes="first_step"): room for more frames, yet a stale one is not
+    # built again.
     compiled = compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path),
-                                                     precompiled_shapes=4))
+                                                     static_shapes="first_step"))
     assert torch.allclose(module(x), eager(), atol=1e-5)
     frames = compiled.graph.frames
     assert len(frames.frames) == 1 and frames.failure is None

@@ -1,6 +1,8 @@
 """Overdrive's attention in ComfyUI: an `optimized_attention_override` (ComfyUI's own seam, read by every attention
 call of every model family) that sends supported calls to `torch.ops.overdrive.attention` and every other call to
 the attention function ComfyUI would have used."""
+import dataclasses
+
 import torch
 
 from ..attention import op  # noqa: F401 - registers torch.ops.overdrive.attention
@@ -21,8 +23,8 @@ class OverdriveAttention:
         return made
 
     @property
-    def precompile_key(self) -> tuple:  # what a precompiled frame that traced this override baked in
-        return (self.config.mode, self.config.max_error)
+    def precompile_key(self) -> tuple:  # what a precompiled frame that traced this override baked in: every setting
+        return dataclasses.astuple(self.config)
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: keep the one instance
         return self

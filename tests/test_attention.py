@@ -163,3 +163,18 @@ def test_compiled_blocks_get_overdrives_override_alone(comfy_attention):
     assert block_transformer_options({ATTENTION_OVERRIDE: own, "block_index": 3}) == {ATTENTION_OVERRIDE: own}
     assert block_transformer_options({ATTENTION_OVERRIDE: lambda *a, **k: None}) is None
     assert block_transformer_options({ATTENTION_OVERRIDE: own, "patches": {"attn1_patch": [print]}}) is None
+
+
+def test_a_block_call_carrying_overdrives_override_can_be_precompiled_keyed_by_its_settings(comfy_attention):
+    """The override's settings are baked into a traced block: a saved frame is keyed by all of them, while another
+    node's override (a function) leaves the call to torch.compile."""
+    from overdrive.compiler.precompiled import call_signature
+    OverdriveAttention, _ = comfy_attention
+
+    def signature(override):
+        return call_signature("forward", (torch.zeros(2, 3),), {"transformer_options": {ATTENTION_OVERRIDE: override}})
+    auto = signature(OverdriveAttention(AttentionConfig("auto", 0.03)))
+    assert auto is not None and auto == signature(OverdriveAttention(AttentionConfig("auto", 0.03)))
+    assert auto != signature(OverdriveAttention(AttentionConfig("auto", 0.05)))
+    assert auto != signature(OverdriveAttention(AttentionConfig("8bit", 0.03)))
+    assert signature(lambda func, *a, **k: func(*a, **k)) is None

@@ -19,6 +19,7 @@ import torch
 from .compiler import CompiledMethod
 from .compiler.regions import block_transformer_options
 from .deepcache.block_cache import BlockStepCache
+from .deepcache.runner import DeepCacheUnsupportedError
 from .deepcache.schedule import host_floats
 
 log = logging.getLogger("overdrive")
@@ -36,6 +37,30 @@ def block_options(options):
     return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step")
 
 
+def comfy_step(args, kwargs):
+    """(sigma, run key, branch, why the call cannot be cached) from ComfyUI's transformer_options."""
+    options = kwargs.get("transformer_options") or {}
+    x = args[0] if args else kwargs.get("x")
+    sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
+    given = [t for t in (sigmas, sample_sigmas) if isinstance(t, torch.Tensor)]
+    values = host_floats(given) if given else []  # one sync per call
+    step_sigmas = values[0] if isinstance(sigmas, torch.Tensor) else []
+    schedule = tuple(values[-1]) if isinstance(sample_sigmas, torch.Tensor) else ()
+    unsupported = None
+    if not step_sigmas:
+        unsupported = "the call carries no sigma (transformer_options['sigmas'])"
+    elif len(set(step_sigmas)) > 1:
+        unsupported = "per-sample sigmas differ within the batch"
+    elif kwargs.get("control") is not None:
+        unsupported = "ControlNet residuals are added between blocks"
+    elif (options.get("patches_replace") or {}).get("dit") or any(
+            value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
+        unsupported = "a node patches this model's blocks"
+    run_key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")), str(getattr(x, "device", "")), schedule)
+    branch = (tuple(options.get("cond_or_uncond") or ()), tuple(getattr(x, "shape", ())))
+    return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
+
+
 class BlockwiseForward:
     """`diffusion_model.forward` for a model of a known family.
 
@@ -46,12 +71,17 @@ class BlockwiseForward:
     compiled_block: factory (block, path, options) -> CompiledMethod; the ComfyUI adapter passes one that keys each
              block by the layers a load swaps into it.
     percent_to_sigma: the cache window's sigmas (ComfyUI: model_sampling.percent_to_sigma).
+    read_step: (args, kwargs) of a model call -> (sigma, run key, branch, why it cannot be cached or None), for the
+             step cache; default: ComfyUI's transformer_options (`comfy_step`).
+    step_cache: a BlockStepCache of the same config to carry on (its statistics stay live for whoever holds it).
     """
 
     overdrive_stack = None  # set by stack.build
 
-    def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None):
+    def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None,
+                 read_step=None, step_cache=None):
         self.module, self.family, self.options, self.cache_config = module, family, options, cache
+        self.read_step = read_step or comfy_step
         self.blocks = family.blocks(module)
         make = compiled_block or (lambda block, path, opts: CompiledMethod(block, "forward", opts, announce=False))
         if options is not None:
@@ -60,7 +90,7 @@ class BlockwiseForward:
         else:
             self.compiled = {}
         cached = [(stack, len(getattr(module, stack.attribute))) for stack in family.stacks if stack.cached]
-        self.cache = BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None
+        self.cache = step_cache or (BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None)
         # Position among the blocks the step cache sees (the cached stacks', in run order).
         self._cached_position = {path: i for i, path in enumerate(p for stack, p, _ in self.blocks if stack.cached)}
         self._warned = set()
@@ -73,7 +103,14 @@ class BlockwiseForward:
             self._seal_shapes_at_a_later_step(kwargs)
         cache = self.cache
         if cache is not None:
-            cache.begin(*self._read_call(args, kwargs))
+            sigma, run_key, branch, unsupported = self.read_step(args, kwargs)
+            if unsupported is not None and self.cache_config.on_unsupported == "error":
+                raise DeepCacheUnsupportedError(
+                    f"The step cache cannot run this {type(self.module).__name__} call exactly: {unsupported}. Remove "
+                    "the step cache, or set on_unsupported='full' to run such calls with every block.")
+            if unsupported is not None:
+                self._warn_once(f"step cache: {unsupported}; such calls run every block (exact, not accelerated)")
+            cache.begin(sigma, run_key, branch, unsupported)
         saved = [(block, block.__dict__.get("forward")) for _, _, block in self.blocks]
         try:
             for stack, path, block in self.blocks:
@@ -125,36 +162,15 @@ class BlockwiseForward:
         kwargs = {k: v for k, v in kwargs.items() if k != "transformer_options"}
         return compiled(*args, **kwargs, **({"transformer_options": shared} if shared else {}))
 
-    def _read_call(self, args, kwargs):
-        """(sigma, run key, branch, why the call cannot be cached) from ComfyUI's transformer_options."""
-        options = kwargs.get("transformer_options") or {}
-        x = args[0] if args else kwargs.get("x")
-        sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
-        given = [t for t in (sigmas, sample_sigmas) if isinstance(t, torch.Tensor)]
-        values = host_floats(given) if given else []  # one sync per call
-        step_sigmas = values[0] if isinstance(sigmas, torch.Tensor) else []
-        schedule = tuple(values[-1]) if isinstance(sample_sigmas, torch.Tensor) else ()
-        unsupported = None
-        if not step_sigmas:
-            unsupported = "the call carries no sigma (transformer_options['sigmas'])"
-        elif len(set(step_sigmas)) > 1:
-            unsupported = "per-sample sigmas differ within the batch"
-        elif kwargs.get("control") is not None:
-            unsupported = "ControlNet residuals are added between blocks"
-        elif (options.get("patches_replace") or {}).get("dit") or any(
-                value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
-            unsupported = "a node patches this model's blocks"
-        if unsupported is not None:
-            self._warn_once(f"step cache: {unsupported}; such calls run every block (exact, not accelerated)")
-        run_key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")), str(getattr(x, "device", "")),
-                   schedule)
-        branch = (tuple(options.get("cond_or_uncond") or ()), tuple(getattr(x, "shape", ())))
-        return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
-
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             log.warning("Overdrive %s: %s", type(self.module).__name__, message)
+
+    def reset(self) -> None:
+        """End the step cache's run (as a DeepCacheRunner's reset does): no residual is reused after it."""
+        if self.cache is not None:
+            self.cache.reset()
 
     def describe(self) -> str:
         parts = []

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .attention.choice import AttentionConfig
+from .attention.routing import RoutedForward, unwrapped
 from .blockwise import BlockwiseForward
 from .compiler import CompiledMethod, CompileOptions
 from .deepcache import DeepCacheConfig
@@ -25,10 +27,13 @@ from .families import family_of
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """compile: CompileOptions (None: eager). cache: the step cache's DeepCacheConfig (None: every step full)."""
+    """compile: CompileOptions (None: eager). cache: the step cache's DeepCacheConfig (None: every step full).
+    attention: where the forward's SDPA calls go (AttentionConfig; None: torch's SDPA). ComfyUI's nodes route attention
+    through ComfyUI's own override instead (nodes/attention_override.py)."""
 
     compile: CompileOptions | None = None
     cache: DeepCacheConfig | None = None
+    attention: AttentionConfig | None = None
 
     def with_compile(self, options: CompileOptions | None) -> "Stack":
         return dataclasses.replace(self, compile=options)
@@ -36,9 +41,12 @@ class Stack:
     def with_cache(self, config: DeepCacheConfig | None) -> "Stack":
         return dataclasses.replace(self, cache=config)
 
+    def with_attention(self, config: AttentionConfig | None) -> "Stack":
+        return dataclasses.replace(self, attention=config)
+
     @property
     def empty(self) -> bool:
-        return self.compile is None and self.cache is None
+        return self.compile is None and self.cache is None and self.attention is None
 
 
 def stack_of(forward) -> Stack | None:
@@ -72,18 +80,36 @@ class Host:
     def percent_to_sigma(self, percent: float) -> float:
         raise NotImplementedError
 
+    # (args, kwargs) of a model call -> (sigma, run key, branch, why not cacheable) for a DiT's step cache; None:
+    # ComfyUI's transformer_options (blockwise.comfy_step).
+    read_step = None
+
 
 def build(stack: Stack, host: Host, keep=None):
     """The forward that runs `host.module` with `stack` (None for an empty stack). `keep`: a forward built before
     with the same step-cache settings whose runner object should be updated rather than replaced (the diffusers API
-    hands runners to its callers; their statistics stay live)."""
+    hands runners to its callers; their statistics stay live). Attention routing wraps whatever runs the model."""
+    if stack.empty:
+        return None
+    inner = _build(stack.with_attention(None), host, unwrapped(keep))
+    if stack.attention is None:
+        return inner
+    forward = RoutedForward(host.module, inner, stack.attention)
+    forward.overdrive_stack = stack
+    return forward
+
+
+def _build(stack: Stack, host: Host, keep):
     if stack.empty:
         return None
     family = host.family()
     if family is not None:
+        previous = stack_of(keep)
+        kept = keep.cache if previous is not None and previous.cache == stack.cache and stack.cache is not None \
+            and isinstance(keep, BlockwiseForward) else None
         forward = BlockwiseForward(host.module, family, stack.compile, stack.cache,
                                    lambda block, path, options: host.compiled(block, "forward", options, path),
-                                   percent_to_sigma=host.percent_to_sigma)
+                                   percent_to_sigma=host.percent_to_sigma, read_step=host.read_step, step_cache=kept)
     elif stack.cache is None:
         forward = host.compiled(host.module, "forward", stack.compile)
     else:

@@ -40,6 +40,29 @@ class AttentionConfig:
                                        "relative error per call (0.03 = 3 %)")
 
 
+class OnePerConfig:
+    """Overdrive's attention entry points (ComfyUI's override, the SDPA routing mode): one instance per AttentionConfig,
+    shared by every model with those settings, since compiled code guards on the instance; a precompiled frame that
+    traced one is keyed by its settings (`precompile_key`)."""
+
+    def __new__(cls, config: AttentionConfig):
+        instances = cls.__dict__.get("_instances")
+        if instances is None:
+            instances = cls._instances = {}
+        made = instances.get(config)
+        if made is None:
+            made = instances[config] = super().__new__(cls)
+            made.config = config
+        return made
+
+    @property
+    def precompile_key(self) -> tuple:
+        return dataclasses.astuple(self.config)
+
+    def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: keep the one instance
+        return self
+
+
 def sdpa(q, k, v):
     """torch's best 16-bit attention, in the backends' output layout (batch, tokens, heads, head dim)."""
     return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()

@@ -24,3 +24,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, max_
 def _(q, k, v, mode, max_error):
     batch, heads, tokens, dim = q.shape
     return q.new_empty((batch, tokens, heads, v.shape[-1]))
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether (batch, heads, tokens, head dim) q, k, v are a layout the op takes: one batch and head count, as many
+    values as keys, the head dim contiguous."""
+    return (q.ndim == k.ndim == v.ndim == 4 and k.shape[:2] == q.shape[:2] and v.shape[:3] == k.shape[:3]
+            and all(t.stride(-1) == 1 for t in (q, k, v)))

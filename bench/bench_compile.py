@@ -43,6 +43,19 @@ def cprofile_run(run):
     stats.sort_stats("cumulative").print_stats(40)  # which caller each step's host time sits under
 
 
+def live_quantized_gib() -> dict:
+    """GiB of every quantized layer still alive in the process, by device (after a garbage collection)."""
+    import gc
+
+    from overdrive.quantization.gemm import QuantizedGemm
+    gc.collect()
+    sizes: dict = {}
+    for layer in (o for o in gc.get_objects() if isinstance(o, QuantizedGemm)):
+        for buffer in layer.buffers():
+            sizes[str(buffer.device)] = sizes.get(str(buffer.device), 0) + buffer.numel() * buffer.element_size()
+    return {device: round(size / 2**30, 3) for device, size in sizes.items()}
+
+
 def weights_gib_on_gpu(module) -> float:
     """GiB of the diffusion model's weights on the GPU while it samples: the unique storages of its module tree's
     parameters and buffers as loaded (a quantized layer's 8-bit weight and scales included, a float copy kept
@@ -55,10 +68,11 @@ def weights_gib_on_gpu(module) -> float:
     return round(sum(storages.values()) / 2**30, 3)
 
 
-def bench_vae(comfy, run_node, latent, repeats):
-    """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights)."""
-    from overdrive.runner.inprocess import build_vae
-    vae = build_vae(comfy)
+def bench_vae(comfy, run_node, latent, repeats, arch):
+    """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights). A DiT
+    family decodes with its own VAE (Flux's 16-channel autoencoder, Wan's causal video VAE), at full size."""
+    from overdrive.runner.inprocess import build_family_vae, build_vae
+    vae = build_family_vae(comfy, arch) if arch in dit.FAMILIES else build_vae(comfy)
     rows, reference = [], None
     for variant in ("vae-eager", "vae-overdrive"):
         target = vae if variant == "vae-eager" else run_node("OverdriveCompileVAE", vae=vae)
@@ -159,10 +173,16 @@ def main():
     def make(variant):
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8, with attn<bound> or
         attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
-        overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile]), a step cache (deepcache: fixed interval; adaptive;
-        easycache: ComfyUI's built-in EasyCache with its defaults). 'eager' alone is the baseline."""
+        overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile]), a step cache (deepcache[N]: interval N; adaptive;
+        easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
+        percent). 'float-memory-bound': QuantizeModel's weight_only off. 'eager' alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
+        fixed = next((p for p in parts if p.startswith("deepcache")), None)  # "deepcache4": that interval
+        # "window0.1-1.0": the step cache's start/end percent for this variant (else --cache-start/--cache-end)
+        window = next((p for p in parts if p.startswith("window")), None)
+        start_percent, end_percent = (map(float, window[len("window"):].split("-")) if window
+                                      else (args.cache_start, args.cache_end))
         # "attn0.05": QuantizeModel's attention=auto with that error bound; "attn8bit0.05": attention=8bit.
         attn = next((p for p in parts if p.startswith("attn")), None)
         attention = {"attention": "sdpa"}
@@ -170,7 +190,8 @@ def main():
             mode = "8bit" if attn.startswith("attn8bit") else "auto"
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or 0.03)}
-        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", "deepcache", "easycache", adaptive, attn}
+        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
+                                 "float-memory-bound", window}
                    - set(compile_options))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -180,7 +201,8 @@ def main():
                 start = time.perf_counter()
                 patcher = run_node("OverdriveQuantizeModel", model=patcher,
                                    format={"int8": "int8", "fp8": "fp8_e4m3"}[fmt], positive=positive,
-                                   negative=negative, latent={"samples": latent}, **attention)
+                                   negative=negative, latent={"samples": latent}, **attention,
+                                   weight_only="float-memory-bound" not in parts)
                 sync()
                 calibration[variant] = time.perf_counter() - start
         if "peer" in parts:
@@ -193,13 +215,14 @@ def main():
         for name, overrides in compile_options.items():
             if name in parts:
                 patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)
-        if "deepcache" in parts:
-            patcher = run_node("OverdriveDeepCache", model=patcher, cache_interval=args.cache_interval,
-                               start_percent=args.cache_start, end_percent=args.cache_end)
+        if fixed:
+            patcher = run_node("OverdriveDeepCache", model=patcher,
+                               cache_interval=int(fixed[len("deepcache"):] or args.cache_interval),
+                               start_percent=start_percent, end_percent=end_percent)
         if adaptive:
             patcher = run_node("OverdriveDeepCache", model=patcher, mode="adaptive",
                                threshold=float(adaptive[len("adaptive"):] or args.cache_threshold),
-                               start_percent=args.cache_start, end_percent=args.cache_end)
+                               start_percent=start_percent, end_percent=end_percent)
         if "easycache" in parts:
             from comfy_extras.nodes_easycache import EasyCacheNode
             patcher = EasyCacheNode.execute(patcher, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95,
@@ -233,6 +256,16 @@ def main():
                 expected = full.model.apply_model(x, t, **c).float()
                 errors.append(round(float((out - expected).norm() / expected.norm()), 5))
         return errors
+
+    def step_cache_stats(patcher) -> dict:
+        """The last run's full / reused steps and the adaptive rule's measured changes. (A function, so that no name in
+        main's loop holds the cache: it holds its model, and a dropped variant's 8-bit layers stayed alive.)"""
+        cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "cache", None)
+        if cache is None:
+            return {}
+        return {"steps_full_reused": [cache.last_stats.full_steps, cache.last_stats.shallow_steps]
+                if cache.last_stats else None,
+                "adaptive_changes": [None if c is None else round(c, 4) for c in cache.changes]}
 
     def sample(patcher, first_call=None):
         """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
@@ -284,13 +317,10 @@ def main():
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
         row["weights_gib_on_gpu"] = first_call[1]
-        if ({"deepcache", "easycache"} & set(variant.split("+")) or "adaptive" in variant) and args.arch in dit.FAMILIES:
+        step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
+        if step_cache and args.arch in dit.FAMILIES:
             row["per_call_rel_err"] = per_step_errors(patcher)
-            cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "cache", None)
-            if cache is not None:
-                row["steps_full_reused"] = [cache.last_stats.full_steps, cache.last_stats.shallow_steps] \
-                    if cache.last_stats else None
-                row["adaptive_changes"] = [None if c is None else round(c, 4) for c in cache.changes]
+            row.update(step_cache_stats(patcher))
         results.append(row)
         print(json.dumps(row), flush=True)
         write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured
@@ -303,8 +333,12 @@ def main():
         del patcher
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
+        # A dropped variant must not keep its 8-bit layers (a name in this loop that held a step cache kept its model
+        # alive, and peak VRAM grew by a quantized model per step-cache variant): what is still alive, by device.
+        row["live_8bit_gib_after_drop"] = live_quantized_gib()
+        write_report(report, args.out)
 
-    report["vae_decode"] = bench_vae(comfy, run_node, reference, args.repeats) if args.vae else []
+    report["vae_decode"] = bench_vae(comfy, run_node, reference, args.repeats, args.arch) if args.vae else []
     add_speedups(results)
     finish(report, results, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
                              ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),

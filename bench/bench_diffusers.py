@@ -15,9 +15,7 @@ times only between variants run first, in separate processes), warm compile (aft
 torch._dynamo.reset(), with Inductor's and Overdrive's disk caches filled: what a restarted process pays), peak VRAM,
 relative error of the final latent (and image) vs eager, Dynamo graphs; plus GPU and torch/triton versions.
 """
-import argparse
 import gc
-import json
 import os
 import pathlib
 import statistics
@@ -28,7 +26,8 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from report import add_speedups, environment, finish, profile_run, write_report  # noqa: E402
+from diffusers_runs import parser_for, run_variants, settle  # noqa: E402
+from report import environment, finish, profile_run  # noqa: E402
 
 # the defaults (regions, the saved guard-free frame), one flat graph, max-autotune, no saved frame (Dynamo's guards)
 COMPILES = ("overdrive", "overdrive-flat", "overdrive-autotune", "overdrive-no-precompile")
@@ -202,18 +201,8 @@ def run_variant(pipe, variant, args, embeds, reference) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--res", type=int, default=None, help="image side in pixels (default 1024; --tiny: 64)")
-    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default 20; --tiny: 4)")
+    parser = parser_for(__doc__, VARIANTS, "SDXL-shaped UNet/VAE", tiny_res=64)
     parser.add_argument("--guidance", type=float, default=5.0, help="CFG scale (> 1: cond and uncond, batch 2)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 3; --tiny: 1)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a tiny SDXL-shaped UNet/VAE: smoke test of the script")
-    parser.add_argument("--backend", default=None, help="torch.compile backend for the peer and Overdrive (default "
-                        "inductor; --tiny on the CPU: eager, i.e. Dynamo without Inductor's slow C++ compiles)")
     parser.add_argument("--mode", default="default", choices=["default", "max-autotune"], help="Overdrive's mode")
     parser.add_argument("--peer-mode", default=None, help="the peer's torch.compile mode (default max-autotune)")
     parser.add_argument("--quant-format", default="auto", choices=["auto", "int8", "fp8_e4m3"])
@@ -225,23 +214,13 @@ def parse_args(argv=None):
                         "measured (default: every compiled variant)")
     parser.add_argument("--profile", action="store_true", help="per variant, GPU kernel time by family and the GPU's "
                         "idle share of one image (torch.profiler)")
-    parser.add_argument("--out", default=None, help="JSON report path, e.g. bench/results/DATE_h100_diffusers.json")
     args = parser.parse_args(argv)
-    tiny = {"res": 64, "steps": 4, "repeats": 1} if args.tiny else {"res": 1024, "steps": 20, "repeats": 3}
-    for name, value in tiny.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.backend is None:
-        args.backend = "eager" if args.tiny and args.device == "cpu" else "inductor"
+    args.warm_variants = args.warm_variants.split(",") if args.warm_variants else None
+    settle(parser, args, VARIANTS, tiny_res=64, repeats=3, named=("warm_variants",))
     args.peer_mode = args.peer_mode or "max-autotune"
     if args.density is None and args.tiny:
         args.density = 0.0
     args.dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
-    args.variants = args.variants.split(",")
-    args.warm_variants = args.warm_variants.split(",") if args.warm_variants else None
-    unknown = sorted(set(args.variants + (args.warm_variants or [])) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     return args
 
 
@@ -261,14 +240,9 @@ def main(argv=None):
               "weights": "fixed-seed random (diffusers' default init), SDXL base 1.0 config values",
               "peer": f"torch.compile(unet and vae.decode, mode={args.peer_mode!r}, fullgraph=True), channels_last",
               "results": []}
-    rows, reference = report["results"], None
-    for variant in args.variants:  # in the order given: a run stopped at a time limit keeps what it measured
-        row, reference = run_variant(pipe, variant, args, embeds, reference)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        add_speedups(rows)
-        write_report(report, args.out)
-        reset_pipeline(pipe, args)
+    rows = run_variants(report, args.variants,
+                        lambda variant, reference: run_variant(pipe, variant, args, embeds, reference),
+                        lambda: reset_pipeline(pipe, args), args.out)
     finish(report, rows, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
                           ("speedup", lambda r: r["speedup_vs_eager"]), ("first run (s)", lambda r: r["first_run_s"]),
                           ("warm compile (s)", lambda r: r.get("warm_compile_s_est", "-")),

@@ -6,6 +6,9 @@
 # it needs beyond the machine's image (torchsde, trampoline) in .devcarry/whl:
 #   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | wan22 | qwen_image | zimage | sd35 | sdxl | sd15
 #                                                 or restart-FAMILY (bench_restart_switch.py: cold and warm first image)
+#                                                 or diffusers-flux (bench_diffusers_flux.py: overdrive.api against
+#                                                 diffusers' recipes; carry diffusers and torchao wheels in
+#                                                 .devcarry/whl_diffusers, ComfyUI not needed)
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
@@ -33,5 +36,9 @@ case "$part" in
     python3 bench/bench_restart_switch.py --arch "$family" --switches 0 ${RESTART_ARGS:-} \
       --out "$out/${day}_${gpu}_${family}_restart.json" > "$out/restart_${family}.log" 2>&1
     grep -v "^W1\|Warning\|warn(" "$out/restart_${family}.log" | cut -c1-600 | tail -${TAIL:-12} ;;
+  diffusers-flux)  # VARIANTS=... picks bench_diffusers_flux.py's variants (default: all)
+    python3 bench/bench_diffusers_flux.py ${VARIANTS:+--variants "$VARIANTS"} ${BENCH_ARGS:-} \
+      --out "$out/${day}_${gpu}_diffusers_flux1024.json" > "$out/diffusers_flux.log" 2>&1
+    grep -v "^W1\|Warning\|warn(\|float32: \[\]" "$out/diffusers_flux.log" | cut -c1-600 | tail -${TAIL:-24} ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -33,7 +33,8 @@ GENERATOR_VERSION = 2
 # scale their gates come out ~N(0, 1), and Flux's 57 blocks amplify any rounding difference into a 40 % error of one
 # model call (H200, bf16, compiled vs eager: bench/results/2026-11-25_h200_flux_1024.json); trained DiTs keep gates
 # small (adaLN-Zero starts them at 0), so these weights are drawn 10x smaller.
-MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|time_projection|norm_out)(\.|$)")
+MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|time_projection|norm_out)(\.|$)"
+                        r"|(^|\.)(norm1|norm1_context|norm)\.linear\.")  # the last: diffusers' Flux adaLN layers
 MODULATION_GAIN = SMALL_GAIN
 
 
@@ -43,7 +44,8 @@ class Family(NamedTuple):
     tiny: dict           # what "tiny" overrides
     vae: str             # key of VAES
     cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance
-    latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis
+    latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis, and
+                         # whether that axis holds a video's frames (Qwen-Image's has one image frame)
     sampling: dict       # CFG and steps as the family is usually sampled (Flux.1-dev and Z-Image Turbo are
                          # guidance-distilled: CFG 1, one model call a step)
 
@@ -60,7 +62,7 @@ FAMILIES: Dict[str, Family] = {
         dict(cfg=1.0, steps=20)),
     "qwen_image": Family(
         "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=2),
-        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True),  # Wan 2.1 VAE latents
+        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True, video=False),  # Wan 2.1 VAE
         dict(cfg=2.5, steps=20)),
     "wan22": Family(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
         "WAN22_T2V",
@@ -68,7 +70,7 @@ FAMILIES: Dict[str, Family] = {
              num_layers=30, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
              cross_attn_norm=True, eps=1e-6),
         dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
-        "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True),
+        "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True, video=True),
         dict(cfg=5.0, steps=20)),
     "zimage": Family(
         "ZImage",
@@ -215,6 +217,11 @@ def _name(kind: str, what: str, size: str, seed: int, dtype: torch.dtype, specs:
     return f"overdrive-{what}-{kind}-{size}-s{seed}-{digest}.safetensors"
 
 
+def diffusion_model_name(family: str, size: str, seed: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The file name ensure_diffusion_model gives these arguments."""
+    return _name("dit", family, size, seed, dtype, model_layout(family, size))
+
+
 def ensure_diffusion_model(family: str, size: str, seed: int, directory: pathlib.Path,
                            dtype: torch.dtype = torch.bfloat16) -> pathlib.Path:
     """A diffusion-model file (UNETLoader's `models/diffusion_models`), generated once; same arguments, same bytes."""
@@ -245,10 +252,12 @@ def conditioning(family: str, seed: int, tokens: int = 0) -> list:
 
 
 def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: int = 1) -> torch.Tensor:
-    """Zeros of the family's latent shape: (batch, channels, height/s, width/s), with a time axis for the video
-    and Wan-VAE families ((frames - 1) / 4 + 1 latent frames, as ComfyUI's Wan latent nodes make)."""
+    """Zeros of the family's latent shape: (batch, channels, height/s, width/s), with a time axis for the Wan-VAE
+    families: (frames - 1) / 4 + 1 latent frames for a video family, as ComfyUI's Wan latent nodes make, and one for
+    an image family (Qwen-Image: what ComfyUI's fix_empty_latent_channels makes of an empty image latent)."""
     latent = FAMILIES[family].latent
     s = latent["spatial"]
     if latent["frames"]:
-        return torch.zeros(batch, latent["channels"], (frames - 1) // 4 + 1, height // s, width // s)
+        time = (frames - 1) // 4 + 1 if latent["video"] else 1
+        return torch.zeros(batch, latent["channels"], time, height // s, width // s)
     return torch.zeros(batch, latent["channels"], height // s, width // s)

@@ -88,7 +88,10 @@ def call_signature(method: str, args, kwargs) -> tuple | None:
     """Everything about a call that a guard-free frame is specialised on, as a hashable tuple (looked up in memory
     at every call; hashed into a file name only when a frame is loaded or saved); None if not keyable."""
     parts = [method, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
-    if not _describe((args, kwargs), parts):
+    # A TorchFunctionMode around the call (attention routing: attention/routing.py) is traced into the frame; one
+    # without a precompile_key (torch.device(...) as a context) makes the call unkeyable.
+    modes = tuple(torch.overrides._get_current_function_mode_stack())
+    if not _describe((args, kwargs, modes), parts):
         return None
     return tuple(parts)
 

@@ -10,6 +10,7 @@ guards there).
 """
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -27,8 +28,27 @@ log = logging.getLogger("overdrive.compiler")
 
 
 def _call_method(module, method, args, kwargs):
-    # The class's method, not `module.<method>`: the instance attribute may be our own forwarder.
-    return getattr(type(module), method)(module, *args, **kwargs)
+    # The class's method, not `module.<method>`: the instance attribute may be our own forwarder. `method` is its
+    # name, or the function itself for a class Dynamo cannot look methods up on (see _method_argument).
+    function = getattr(type(module), method) if isinstance(method, str) else method
+    return function(module, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _allowed_in_graph(cls) -> bool:
+    """Whether `cls` is registered with torch.compiler.allow_in_graph (diffusers' transformer blocks are): Dynamo
+    then treats the class as one opaque op and cannot trace `cls.<method>`, so its calls would graph-break and run
+    eager."""
+    try:
+        from torch._dynamo.trace_rules import is_callable_allowed
+        return bool(is_callable_allowed(cls))
+    except Exception:  # noqa: BLE001 - a torch without this helper: look methods up by name as before
+        return False
+
+
+def _method_argument(module, method: str):
+    """The `method` argument of the traced function for `module`: the name, or the class's function itself."""
+    return getattr(type(module), method) if _allowed_in_graph(type(module)) else method
 
 
 def _fresh_function(name: str):
@@ -87,13 +107,16 @@ class SharedGraph:
                 disk.load(key)
         before = dynamo_graph_count()
         start = time.perf_counter()
+        method = _method_argument(module, self.method)
         with self._recompile_limit(), attention_preference(self.options):
-            frame, built = self._precompiled_frame(module, args, kwargs, disk, key)
+            # Precompiled frames key the method by name: a class passed by function takes torch.compile's path.
+            frame, built = self._precompiled_frame(module, args, kwargs, disk, key) if method is self.method \
+                else (None, False)
             if self.options.cuda_graphs:
                 _mark_step_begin()  # each call is a new inference step, not a continuation
             out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
             if out is _NOT_RUN:
-                out = self.compiled(module, self.method, args, kwargs)
+                out = self.compiled(module, method, args, kwargs)
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before

@@ -11,7 +11,7 @@ Steps and runs follow `DeepCacheSchedule` (every call at one sigma shares its st
 new run key starts a new run and drops every residual). Residuals and the adaptive reference are kept per branch
 (ComfyUI's cond_or_uncond and the streams' shapes), so batched and separate cond/uncond calls each reuse their own.
 
-Adaptive mode: after block `cache_depth - 1` the first stream's mean absolute change since the last full step,
+Adaptive mode: after block `cache_depth - 1` the image stream's mean absolute change since the last full step,
 relative to its mean magnitude, is compared with `threshold`. Reading that number is one GPU->host sync per step:
 the GPU finishes the first blocks while the host waits, then the host queues the rest (one block's launch time).
 """
@@ -73,6 +73,11 @@ class BlockStepCache:
     def last_stats(self):
         return self.schedule.last_stats
 
+    def reset(self) -> None:
+        """End the current run (logging its summary) and drop every residual; the next call starts a new run."""
+        self.schedule.reset()
+        self._drop()
+
     def _drop(self) -> None:
         self._residuals.clear()
         self._entries.clear()
@@ -99,7 +104,7 @@ class BlockStepCache:
         if not role.skippable:
             out = run()
             if position == self.config.cache_depth - 1:
-                self._probe(call, role.stack.named(out))
+                self._probe(call, role.stack.named(out)[role.stack.probed])
             return out
         if call["reuse"]:
             carried = role.stack.carried(args, kwargs)
@@ -107,8 +112,9 @@ class BlockStepCache:
                 return role.stack.output({name: carried.get(name) for name in role.stack.returns})
             residual = self._residuals[slot]
             return role.stack.output({name: None if r is None else carried[name] + r for name, r in residual.items()})
-        if role.first_skipped:
-            self._entries[slot] = role.stack.carried(args, kwargs)
+        if role.first_skipped:  # copies: Flux's blocks add to their inputs in place (`img += ...`)
+            self._entries[slot] = {name: None if value is None else value.clone()
+                                   for name, value in role.stack.carried(args, kwargs).items()}
         out = run()
         if role.last:
             entry = self._entries.pop(slot)
@@ -120,11 +126,11 @@ class BlockStepCache:
         """Whether the last full step left a residual for every stack that has skipped blocks."""
         return all((branch, role.stack_index) in self._residuals for role in self.roles if role.last and role.skippable)
 
-    def _probe(self, call, outputs: dict) -> None:
-        """Adaptive mode: the first blocks' output decides the step (and, on full steps, becomes the reference)."""
+    def _probe(self, call, probe: torch.Tensor) -> None:
+        """Adaptive mode: the first blocks' output (its image stream) decides the step (and, on full steps, becomes
+        the reference)."""
         if self.config.mode != "adaptive":
             return
-        probe = next(v for v in outputs.values() if v is not None)
         branch = call["branch"]
         if call["pending"]:
             reference = self._references.get(branch)

@@ -3,17 +3,19 @@ cached on disk exactly as for the ComfyUI nodes (same CompiledMethod, same finge
 import torch
 import torch.nn as nn
 
+from ..attention.routing import unwrapped
+from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from .installed import install, installed_stack
-from .targets import is_pipeline, pipeline_unet, pipeline_vae
+from .targets import is_pipeline, pipeline_denoiser, pipeline_vae
 
 
 def compile_(target, options: CompileOptions | None = None, *, methods=("forward",)) -> dict:
     """Compile in place; returns {"unet.forward": CompiledMethod, ...} (their `.graph` has the compile stats).
 
-    - a diffusers pipeline: its UNet's forward and its VAE's decode; their conv weights are converted to channels-last
-      (see `_conv_weights_channels_last`);
+    - a diffusers pipeline: its UNet's forward (a Flux pipeline: its transformer's, one graph per distinct block) and
+      its VAE's decode; their conv weights are converted to channels-last (see `_conv_weights_channels_last`);
     - a torch.nn.Module: `methods` of it (default: forward).
     Compiling happens at the first call of each; if compiling or running compiled code ever fails, that model runs
     eager from then on with a warning. With DeepCache on the UNet (deepcache_), its two paths are compiled too.
@@ -24,7 +26,7 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
         raise TypeError(f"compile_: options must be a CompileOptions, not {type(options).__name__}; e.g. "
                         "CompileOptions(mode='max-autotune'). Nothing was changed.")
     if is_pipeline(target):
-        plan = [("unet", pipeline_unet(target, "compile_"), "forward")]
+        plan = [(*pipeline_denoiser(target, "compile_"), "forward")]
         vae = pipeline_vae(target)
         if vae is not None:
             plan.append(("vae", vae, "decode"))
@@ -48,9 +50,10 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
         if method == "forward":
             stack = (installed_stack(module) or Stack()).with_compile(options)
             forward = install(module, stack)
-            if stack.cache is not None:  # DeepCache's native forward and both paths
-                compiled.update({f"{name}.forward": forward.native, f"{name}.deepcache.full_forward": forward.full_path,
-                                 f"{name}.deepcache.shallow_forward": forward.shallow_path})
+            runner = unwrapped(forward)
+            if stack.cache is not None and not isinstance(runner, BlockwiseForward):  # DeepCache's forward, paths
+                compiled.update({f"{name}.forward": runner.native, f"{name}.deepcache.full_forward": runner.full_path,
+                                 f"{name}.deepcache.shallow_forward": runner.shallow_path})
             else:
                 compiled[f"{name}.forward"] = forward
     if is_pipeline(target):
@@ -66,5 +69,8 @@ def _conv_weights_channels_last(module: nn.Module) -> None:
     """Inductor runs a conv-heavy graph channels-last and, since weights are graph inputs (so that switched or patched
     weights need no recompile), copies every NCHW conv weight into that layout on every call (its own TODO in
     torch/_inductor/kernel/conv.py). Converting them once, in place, saves those copies: ~0.8 GB of traffic per SDXL
-    UNet call. diffusers' torch.compile guide does the same. switch_weights_ copies into these tensors, keeping it."""
-    module.to(memory_format=torch.channels_last)
+    UNet call. diffusers' torch.compile guide does the same. switch_weights_ copies into these tensors, keeping it.
+    2-D convolutions only: Wan's patch embedding and video VAE are 3-D, which `module.to(channels_last)` refuses."""
+    for conv in module.modules():
+        if isinstance(conv, nn.Conv2d):
+            conv.weight.data = conv.weight.data.to(memory_format=torch.channels_last)  # as Module.to does

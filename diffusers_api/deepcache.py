@@ -1,27 +1,42 @@
-"""deepcache_: DeepCache on a diffusers UNet2DConditionModel (a pipeline's, or a bare one)."""
+"""deepcache_: DeepCache on a diffusers UNet2DConditionModel, or the DiT step cache on a family transformer (Flux,
+Wan, Qwen-Image, SD3, Z-Image; a pipeline's, or a bare one)."""
+from ..attention.routing import unwrapped
 from ..deepcache import DeepCacheConfig, DeepCacheRunner
+from ..families import family_of
 from ..stack import Stack
 from .installed import DiffusersHost, install, installed_stack
-from .targets import is_pipeline, target_unet
+from .targets import SUPPORTED, is_diffusers_unet, is_pipeline, target_module
 
 
-def deepcache_(target, config: DeepCacheConfig | None = None) -> DeepCacheRunner:
-    """Install DeepCache on the UNet's forward; returns the runner (`.stats`/`.last_stats`: full and shallow steps
-    and calls of the current/last run; `.reset()` ends a run).
+def deepcache_(target, config: DeepCacheConfig | None = None):
+    """Install the step cache on the UNet's or transformer's forward; returns what counts its steps (`.stats` /
+    `.last_stats`: full and shallow steps of the current / last run; `.reset()` ends a run).
 
     Steps are keyed on the timestep the pipeline passes, so the schedule follows the scheduler's steps however
     classifier-free guidance batches its calls; a run starts when the timestep goes up (a new pipeline call).
-    `start_percent`/`end_percent` are fractions of the scheduler's training timesteps (0 = the noisiest).
-    If the UNet's forward was compiled (compile_), DeepCache's full and shallow paths are compiled with the same
-    options. Calling deepcache_ again replaces the configuration. Full steps are exactly the model's own forward
-    (verified on the first full call); shallow steps reuse the deep feature of the last full step.
+    `start_percent`/`end_percent` are fractions of the timestep range (0 = the noisiest): the scheduler's training
+    timesteps for a UNet, the range the transformer takes for a DiT.
+    - UNet: DeepCache (a DeepCacheRunner). Full steps are exactly the model's own forward (verified on the first full
+      call); shallow steps reuse the deep feature of the last full step.
+    - DiT transformer: on reused steps only the first `cache_depth` blocks run and the rest add the residual of the
+      last full step (a BlockStepCache; `mode="adaptive"` decides per step from the first blocks' change, with
+      `threshold`). A true-CFG pipeline's cond and uncond calls each keep their own residuals.
+    If the forward was compiled (compile_), both paths run the compiled code. Calling deepcache_ again replaces the
+    configuration.
     """
-    unet = target_unet(target, "deepcache_")
+    module = target_module(target, "deepcache_")
     config = DeepCacheConfig() if config is None else config
     if not isinstance(config, DeepCacheConfig):
         raise TypeError(f"deepcache_: config must be a DeepCacheConfig, not {type(config).__name__}; e.g. "
                         "DeepCacheConfig(cache_interval=3). Nothing was changed.")
+    stack = (installed_stack(module) or Stack()).with_cache(config)
+    if not is_diffusers_unet(module) and family_of(module) is not None:
+        return unwrapped(install(module, stack, DiffusersHost(module), keep_runner=False)).cache
+    if not is_diffusers_unet(module):
+        raise TypeError(f"deepcache_ needs a diffusers UNet2DConditionModel or a DiT transformer of a known family "
+                        f"(or a pipeline with one), not {type(module).__name__}. Supported pipelines: {SUPPORTED}. "
+                        "Nothing was changed.")
     scheduler_config = getattr(getattr(target, "scheduler", None), "config", None) if is_pipeline(target) else None
     timesteps = int((scheduler_config or {}).get("num_train_timesteps", 1000))
-    stack = (installed_stack(unet) or Stack()).with_cache(config)
-    return install(unet, stack, DiffusersHost(unet, timesteps), keep_runner=False)  # a new run, new statistics
+    runner: DeepCacheRunner = unwrapped(install(module, stack, DiffusersHost(module, timesteps), keep_runner=False))
+    return runner  # a new run, new statistics

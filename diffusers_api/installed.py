@@ -5,19 +5,26 @@ import contextlib
 
 from ..deepcache import DeepCacheRunner
 from ..stack import Host, Stack, build, stack_of
+from .steps import DiffusersSteps
 
 
 class DiffusersHost(Host):
-    """A diffusers UNet2DConditionModel: steps keyed on the timestep (diffusers passes no sigmas)."""
+    """A diffusers UNet2DConditionModel (steps keyed on the timestep: diffusers passes no sigmas), or a DiT transformer
+    of a family with a diffusers plug-in (families/: Flux, Wan, Qwen-Image, SD3, Z-Image), compiled block by block,
+    with the step cache reading its steps from the timestep too (steps.py)."""
 
     def __init__(self, unet, num_train_timesteps: int = 1000):
         super().__init__(unet)
         self.num_train_timesteps = num_train_timesteps
         current = installed(unet)
         self.foreign = current if current is not None and stack_of(current) is None else None
+        family = self.family()
+        self.read_step = DiffusersSteps(unet, family) if family is not None else None
 
-    def family(self):
-        return None  # diffusers' class layouts of the DiT families have no plug-in yet
+    def percent_to_sigma(self, percent: float) -> float:
+        """A DiT's window: a fraction of the timestep range its forward takes (0 = pure noise), as for the UNet; the
+        reader hands the cache noise levels from 1 to 0."""
+        return 1.0 - percent
 
     def unet_runner(self, config, native):
         return DeepCacheRunner.for_diffusers_unet(self.module, config, num_train_timesteps=self.num_train_timesteps,

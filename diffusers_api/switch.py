@@ -11,19 +11,22 @@ from ..quantization.modules import float_reference, quantized_layers, requantize
 from .installed import installed, installed_stack
 from .targets import target_module
 
-DIFFUSERS_FILES = ("diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.safetensors")
+DIFFUSERS_FILES = ("diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.safetensors",
+                   "transformer/diffusion_pytorch_model.safetensors")
 LDM_PREFIX = "model.diffusion_model."
 
 
 def switch_weights_(target, weights) -> None:
-    """Load `weights` into the UNet of a pipeline (or into a module) in place; compiled graphs are reused as they are.
+    """Load `weights` into the UNet or DiT transformer of a pipeline (or into a module) in place; compiled graphs are
+    reused as they are.
 
     weights: a state dict (diffusers key names), a module of the same architecture, a diffusers model folder (or a
-    pipeline folder with unet/), or a .safetensors file in diffusers layout (keys optionally prefixed "unet.") or a
-    single-file SD/SDXL checkpoint (LDM layout, converted with diffusers' own converter). Values are cast to the
-    running dtypes and devices. Quantized layers are re-quantized from the new float weights (the per-layer
-    decisions measured on the old weights are kept). A checkpoint of another architecture raises
-    WeightMismatchError naming the missing/unexpected keys and wrong shapes; then nothing was written.
+    pipeline folder with unet/ or, for a DiT pipeline, transformer/), or a .safetensors file in diffusers layout (keys
+    optionally prefixed "unet.") or a single-file SD/SDXL checkpoint (LDM layout, converted with diffusers' own
+    converter). Values are cast to the running dtypes and devices. Quantized layers are re-quantized from the new
+    float weights (the per-layer decisions measured on the old weights are kept). A checkpoint of another architecture
+    raises WeightMismatchError naming the missing/unexpected keys and wrong shapes; then nothing was written.
+    A step cache's run ends: nothing computed with the old weights is reused.
     """
     module = target_module(target, "switch_weights_")
     layers = quantized_layers(module)

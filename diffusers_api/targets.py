@@ -8,7 +8,9 @@ import sys
 import torch.nn as nn
 
 SUPPORTED = ("diffusers pipelines with a UNet2DConditionModel `unet` (Stable Diffusion 1.x/2.x, SDXL and their "
-             "img2img/inpaint variants)")
+             "img2img/inpaint variants), and those with a `transformer` of a known DiT family: "
+             "FluxTransformer2DModel (Flux.1), WanTransformer3DModel (Wan 2.1/2.2), QwenImageTransformer2DModel "
+             "(Qwen-Image), SD3Transformer2DModel (SD3/3.5), ZImageTransformer2DModel (Z-Image)")
 
 
 def is_pipeline(target) -> bool:
@@ -24,6 +26,17 @@ def _components(pipe) -> str:
     return ", ".join(f"{k}={type(v).__name__}" for k, v in getattr(pipe, "components", {}).items()) or "none"
 
 
+def pipeline_denoiser(pipe, feature: str) -> tuple:
+    """(component name, module): the pipeline's UNet, or its DiT transformer where a family plug-in knows it."""
+    from ..families import family_of
+
+    transformer = getattr(pipe, "transformer", None)
+    if not is_diffusers_unet(getattr(pipe, "unet", None)) and isinstance(transformer, nn.Module) \
+            and family_of(transformer) is not None:
+        return "transformer", transformer
+    return "unet", pipeline_unet(pipe, feature)
+
+
 def pipeline_unet(pipe, feature: str) -> nn.Module:
     unet = getattr(pipe, "unet", None)
     if not is_diffusers_unet(unet):
@@ -35,22 +48,13 @@ def pipeline_unet(pipe, feature: str) -> nn.Module:
 
 
 def target_module(target, feature: str) -> nn.Module:
-    """The module to act on: a pipeline's UNet, or the module itself."""
+    """The module to act on: a pipeline's UNet or DiT transformer, or the module itself."""
     if is_pipeline(target):
-        return pipeline_unet(target, feature)
+        return pipeline_denoiser(target, feature)[1]
     if isinstance(target, nn.Module):
         return target
     raise TypeError(f"{feature} takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}. "
                     f"Supported pipelines: {SUPPORTED}. Nothing was changed.")
-
-
-def target_unet(target, feature: str) -> nn.Module:
-    """A pipeline's UNet, or a bare UNet2DConditionModel; anything else is refused."""
-    module = target_module(target, feature)
-    if not is_diffusers_unet(module):
-        raise TypeError(f"{feature} needs a diffusers UNet2DConditionModel (or a pipeline with one), not "
-                        f"{type(module).__name__}. Supported pipelines: {SUPPORTED}. Nothing was changed.")
-    return module
 
 
 def pipeline_vae(pipe):

@@ -3,7 +3,9 @@
 One small module per family declares its block stacks (the `nn.ModuleList`s of identical blocks, in the order the
 model runs them) and, per stack, which block arguments carry the hidden states and in what order a block returns
 them. Compile Model compiles each distinct block once from this (regional compilation), and the step cache cuts
-between blocks with it. Adding a family is one file here plus its fixture in builtin_models.
+between blocks with it. Adding a family is one file here plus its fixture in builtin_models; a diffusers class of
+the family is one more Family in that file (`DIFFUSERS` in flux, wan, sd3, zimage), registered below, unless
+ComfyUI's class has diffusers' name and layout (Qwen-Image's).
 """
 from dataclasses import dataclass
 
@@ -20,11 +22,19 @@ class Stack:
     returns:   the block's outputs, by stream name, in the order it returns them (one name: a lone tensor).
     cached:    whether the step cache may skip these blocks (False for small refiner stacks that run before the
                main ones: they are compiled, never skipped).
+    probe:     the stream whose change the adaptive step cache measures: the image tokens (default: the first
+               returned stream). The text tokens change little from step to step, so measured on them nearly every
+               step looked reusable.
     """
     attribute: str
     streams: tuple
     returns: tuple
     cached: bool = True
+    probe: str = ""
+
+    @property
+    def probed(self) -> str:
+        return self.probe or self.returns[0]
 
     def carried(self, args: tuple, kwargs: dict) -> dict:
         """The streams of one block call, by name."""
@@ -45,6 +55,11 @@ class Family:
     name: str
     classes: frozenset  # the diffusion model's class names (ComfyUI's; diffusers' where the layout matches)
     stacks: tuple
+    # diffusers: the timestep the model's forward takes at pure noise and at a clean image (its pipelines pass Flux
+    # and Qwen-Image t / 1000, Wan and SD3 t itself, Z-Image (1000 - t) / 1000); the step cache reads its steps and
+    # window in that range (diffusers_api/steps.py). ComfyUI passes sigmas and ignores these.
+    noise_timestep: float = 1.0
+    clean_timestep: float = 0.0
 
     def blocks(self, model: torch.nn.Module) -> list:
         """[(stack, path, block)] of every block in run order."""
@@ -54,7 +69,8 @@ class Family:
 
 def _registered() -> tuple:
     from . import flux, qwen_image, sd3, wan, zimage
-    return tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage))
+    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage))
+            + (flux.DIFFUSERS, wan.DIFFUSERS, sd3.DIFFUSERS, zimage.DIFFUSERS))
 
 
 def family_of(model: torch.nn.Module) -> Family | None:

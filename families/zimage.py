@@ -1,5 +1,6 @@
-"""Z-Image (ComfyUI's `NextDiT`, Lumina 2's class): two small refiner stacks (image tokens, caption tokens) run
-before the main layers over both; the refiners are compiled, never skipped."""
+"""Z-Image (ComfyUI's `NextDiT`, Lumina 2's class; diffusers' `ZImageTransformer2DModel`): two small refiner stacks
+(image tokens, caption tokens) run before the main layers over both; the refiners are compiled, never skipped.
+diffusers' pipeline passes the timestep rising, (1000 - t) / 1000: 0 at pure noise."""
 from . import Family, Stack
 
 FAMILY = Family("zimage", frozenset({"NextDiT"}), (
@@ -7,3 +8,6 @@ FAMILY = Family("zimage", frozenset({"NextDiT"}), (
     Stack("context_refiner", streams=(("x", 0),), returns=("x",), cached=False),
     Stack("layers", streams=(("x", 0),), returns=("x",)),
 ))
+
+DIFFUSERS = Family("zimage", frozenset({"ZImageTransformer2DModel"}), FAMILY.stacks, noise_timestep=0.0,
+                   clean_timestep=1.0)

@@ -1,33 +1,16 @@
 """Overdrive's attention in ComfyUI: an `optimized_attention_override` (ComfyUI's own seam, read by every attention
 call of every model family) that sends supported calls to `torch.ops.overdrive.attention` and every other call to
 the attention function ComfyUI would have used."""
-import dataclasses
-
 import torch
 
-from ..attention import op  # noqa: F401 - registers torch.ops.overdrive.attention
-from ..attention.choice import AttentionConfig
+from ..attention.choice import AttentionConfig, OnePerConfig
+from ..attention.op import fits  # registers torch.ops.overdrive.attention
 from ..compiler.regions import ATTENTION_OVERRIDE
 
 
-class OverdriveAttention:
-    """The override; one instance per settings, shared by every model (compiled blocks guard on its identity)."""
+class OverdriveAttention(OnePerConfig):
+    """The override (ComfyUI calls it as `func, q, k, v, heads, ...`)."""
     overdrive_attention = True
-    _instances: dict = {}
-
-    def __new__(cls, config: AttentionConfig):
-        made = cls._instances.get(config)
-        if made is None:
-            made = cls._instances[config] = super().__new__(cls)
-            made.config = config
-        return made
-
-    @property
-    def precompile_key(self) -> tuple:  # what a precompiled frame that traced this override baked in: every setting
-        return dataclasses.astuple(self.config)
-
-    def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: keep the one instance
-        return self
 
     def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
@@ -42,8 +25,7 @@ class OverdriveAttention:
         else:
             dim = q.shape[-1] // heads
             q4, k4, v4 = (t.view(t.shape[0], -1, heads, dim).transpose(1, 2) for t in (q, k, v))
-        if q4.ndim != 4 or k4.shape[:2] != q4.shape[:2] or v4.shape[:3] != k4.shape[:3] \
-                or any(t.stride(-1) != 1 for t in (q4, k4, v4)):
+        if not fits(q4, k4, v4):
             return fallback()
         out = torch.ops.overdrive.attention(q4, k4, v4, self.config.mode, self.config.max_error)
         if skip_output_reshape:

@@ -24,9 +24,9 @@ MODE_TOOLTIP = (
     "runs the first blocks, measures how much their output changed since the last full step, and reuses the cache "
     "only while that change is below threshold: few reuses early, many late. Costs one GPU->CPU sync per step.")
 THRESHOLD_TOOLTIP = (
-    "adaptive mode: the largest relative change of the first blocks' output (mean absolute change / mean magnitude, "
-    "since the last full step) at which a step still reuses the cache. Higher is faster and drifts more; 0 never "
-    "reuses. Ignored in fixed mode.")
+    "adaptive mode: the largest relative change of the first blocks' output on the image tokens (mean absolute "
+    "change / mean magnitude, since the last full step) at which a step still reuses the cache. Higher is faster and "
+    "drifts more; 0 never reuses. Ignored in fixed mode.")
 START_TOOLTIP = ("Where in the sampling process caching may begin (0 = first step, 1 = last). Steps before it run "
                  "the whole UNet: raise it to keep the early steps, which set the composition, exact.")
 END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 = last). Steps after it run the "

@@ -39,6 +39,11 @@ TOOLTIPS = {
                    "8-bit, and quantized only if it runs at least this many times faster (1.1 = 10 % faster). fp8 "
                    "layers are timed as they run under Compile Model (their input cast fused into the layer before). "
                    "0 turns the timing off (density alone decides). Not used on the CPU.",
+    "weight_only": "Layers below compute_density_threshold (memory-bound, e.g. a DiT's modulation layers, about a "
+                   "quarter of Flux's weights) keep their weights in int8, one scale per output channel, and compute "
+                   "in the model's precision: half their VRAM, and under Compile Model half the bytes to read. Only "
+                   "where their measured error is below linear_mse_threshold / conv_mse_threshold. Off: they stay in "
+                   "float.",
     "calibration_steps": "Sampling steps of the calibration run (euler, fixed seed) that records each layer's real "
                          "inputs. 2-3 are enough. Skipped when the decisions for this model and settings are cached.",
     "positive": "Optional: your positive prompt, so calibration measures the activations of your prompt. Without "
@@ -130,6 +135,7 @@ class OverdriveQuantizeModel:
         }
         optional = {"min_speedup": ("FLOAT", {"default": DEFAULTS.min_speedup, "min": 0.0, "max": 10.0,
                                               "step": 0.05}),
+                    "weight_only": ("BOOLEAN", {"default": DEFAULTS.weight_only}),
                     "attention": (list(ATTENTION_MODES), {"default": ATTENTION_DEFAULTS.mode}),
                     "attention_max_error": ("FLOAT", {"default": ATTENTION_DEFAULTS.max_error, "min": 0.001,
                                                       "max": 1.0, "step": 0.001}),
@@ -142,11 +148,13 @@ class OverdriveQuantizeModel:
                  linear_mse_threshold=DEFAULTS.linear_mse_threshold,
                  compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=3,
                  positive=None, negative=None, latent=None, min_speedup=DEFAULTS.min_speedup,
-                 attention=ATTENTION_DEFAULTS.mode, attention_max_error=ATTENTION_DEFAULTS.max_error):
+                 attention=ATTENTION_DEFAULTS.mode, attention_max_error=ATTENTION_DEFAULTS.max_error,
+                 weight_only=DEFAULTS.weight_only):
         # Bad settings are the user's to fix: clear errors, before any work.
         config = QuantConfig(bits=bits, format=format, quantize_conv=quantize_conv, quantize_linear=quantize_linear,
                              conv_mse_threshold=conv_mse_threshold, linear_mse_threshold=linear_mse_threshold,
-                             compute_density_threshold=compute_density_threshold, min_speedup=min_speedup)
+                             compute_density_threshold=compute_density_threshold, min_speedup=min_speedup,
+                             weight_only=weight_only)
         config.resolve_format(model.load_device)
         attention_config = AttentionConfig(attention, attention_max_error)
         run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)

@@ -17,10 +17,12 @@ from .formats import QuantFormat, register
 from .metrics import conv2d_density, linear_density, normalised_mse, sqnr_db
 from .modules import Fp8Linear, Int8Linear, QuantConv2d1x1, quantized_module_for
 from .report import LayerDecision, QuantReport
+from .weight_only import Int8WeightOnlyLinear
 
 __all__ = [
     "QuantConfig", "format_names", "QuantFormat", "register", "quantize_", "plan_quantization", "QuantPlan", "apply_modules", "restore_modules",
     "Calibrator", "measure_layer", "QuantCache", "weights_digest", "resolution_bucket", "QuantReport",
-    "LayerDecision", "Int8Linear", "Fp8Linear", "QuantConv2d1x1", "quantized_module_for", "normalised_mse",
+    "LayerDecision", "Int8Linear", "Fp8Linear", "Int8WeightOnlyLinear", "QuantConv2d1x1", "quantized_module_for",
+    "normalised_mse",
     "sqnr_db", "linear_density", "conv2d_density", "fp8_supported", "int8_supported",
 ]

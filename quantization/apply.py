@@ -19,7 +19,7 @@ from . import cache as cache_mod
 from .calibrate import Calibrator, decide
 from .candidates import FilterFn, find_candidates
 from .config import QuantConfig
-from .modules import build_empty, quantized_module_for
+from .modules import build_empty, quantized_module_for, weight_only_module_for
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
@@ -85,9 +85,13 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
         return None
     stored = store.load_weights(key, device) if report.quantized else {}
     amax = {layer.name: layer.input_amax for layer in report.layers}
+    weight_only = set(report.weight_only)
     modules = {}
     for name in report.quantized:
         candidate = candidates[name]
+        if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
+            modules[name] = weight_only_module_for(candidate.module, device=device)
+            continue
         tensors = (stored or {}).get(name)
         module = None
         if tensors is not None:

@@ -24,7 +24,7 @@ from ..interrupts import raise_if_interrupt
 from . import formats, metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
-from .modules import gemm_of, quantized_module_for
+from .modules import gemm_of, quantized_module_for, weight_only_module_for
 from .report import QUANTIZE, SKIP, LayerDecision
 
 log = logging.getLogger("overdrive.quantization")
@@ -146,6 +146,11 @@ def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: Quant
     """Quantize `module` to `fmt` and measure its normalised MSE on `rows`: returns (quantized module, error).
     `input_amax` finishes the layer where its format uses it (fp8's static activation scale)."""
     quantized = quantized_module_for(module, fmt, config, device=rows.device, input_amax=input_amax)
+    return quantized, measured_error(module, quantized, rows)
+
+
+def measured_error(module: nn.Module, quantized: nn.Module, rows: torch.Tensor) -> float:
+    """Normalised MSE of `quantized` (the replacement of `module`) on `rows`, against float32."""
     gemm = gemm_of(quantized)
     weight = module.weight.detach().to(rows.device)
     weight = weight.reshape(weight.shape[0], -1).float()
@@ -153,7 +158,7 @@ def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: Quant
     with torch.no_grad():
         reference = F.linear(rows.float(), weight, bias)
         output = gemm.gemm(rows, rows.dtype)
-    return quantized, metrics.normalised_mse(output, reference)
+    return metrics.normalised_mse(output, reference)
 
 
 def layer_density(candidate: Candidate, sample: LayerSample | None) -> float | None:
@@ -184,6 +189,22 @@ def _too_slow(decision: LayerDecision, candidate: Candidate, sample: LayerSample
             f"{'x'.join(map(str, sample.input_shape))} (< min_speedup {config.min_speedup:g})")
 
 
+def _stored_in_int8(decision: LayerDecision, candidate: Candidate, sample: LayerSample,
+                    config: QuantConfig) -> nn.Module | None:
+    """A memory-bound layer: its weight-only int8 replacement where the error passes (the decision says so), or
+    None (it stays in float; the reason says why)."""
+    stored = weight_only_module_for(candidate.module, device=sample.rows.device)
+    decision.error = measured_error(candidate.module, stored, sample.rows)
+    if not decision.error < decision.threshold:
+        decision.reason += f"; weight-only int8 error {decision.error:.2e} >= threshold {decision.threshold:g}"
+        return None
+    decision.decision, decision.weight_only = QUANTIZE, True
+    decision.reason = (f"weight-only int8 (memory-bound: density {decision.density:.0f} < "
+                       f"{config.compute_density_threshold:g} FLOP/byte, so half the bytes instead of an 8-bit GEMM): "
+                       f"error {decision.error:.2e} < {decision.threshold:g}")
+    return stored
+
+
 def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
     """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision."""
     decisions, modules = [], {}
@@ -209,11 +230,18 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
         if sample.rows is None:
             decision.reason = "not called during calibration (no inputs to measure)"
             continue
-        quantized, decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)
         if not decision.density >= config.compute_density_threshold:
             decision.reason = (f"density {decision.density:.0f} < {config.compute_density_threshold:g} FLOP/byte "
                                f"(memory-bound: low precision would not speed it up)")
-        elif not decision.error < decision.threshold:
+            if config.weight_only:
+                stored = _stored_in_int8(decision, candidate, sample, config)
+                if stored is not None:
+                    modules[candidate.name] = stored
+            else:  # the report still shows what the 8-bit GEMM would cost in error
+                decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)[1]
+            continue
+        quantized, decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)
+        if not decision.error < decision.threshold:
             decision.reason = f"error {decision.error:.2e} >= threshold {decision.threshold:g}"
         elif (slow := _too_slow(decision, candidate, sample, quantized, config, fmt)) is not None:
             decision.reason = slow

@@ -39,6 +39,9 @@ class QuantConfig:
     - fp8_static_activations: fp8 layers scale their inputs by a static scale from the calibration amax (with 2x
       headroom, `kernels.STATIC_HEADROOM`), so under torch.compile the cast fuses into the producing kernel; False:
       a dynamic scale per input (a reduction over every input first; no saturation possible).
+    - weight_only: a memory-bound layer (below `compute_density_threshold`) whose error passes keeps its weight in
+      int8 with a scale per output channel and computes in the model's precision (quantization/weight_only.py):
+      half its memory, and under Compile Model half the bytes to read. False leaves such layers in float.
     """
 
     bits: int = 8
@@ -52,6 +55,7 @@ class QuantConfig:
     calibration_tokens: int = 256
     fp8_fast_accum: bool = True
     fp8_static_activations: bool = True
+    weight_only: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -67,7 +71,7 @@ class QuantConfig:
         if self.format != "auto" and formats.get(self.format).bits != self.bits:
             raise ValueError(f"QuantConfig.format={self.format!r} is a {formats.get(self.format).bits}-bit format, "
                              f"but bits={self.bits}. Use bits={formats.get(self.format).bits} or format='auto'.")
-        for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum", "fp8_static_activations"):
+        for name in ("quantize_conv", "quantize_linear", "fp8_fast_accum", "fp8_static_activations", "weight_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantConfig.{name}={getattr(self, name)!r} must be True or False.")
         for name in ("conv_mse_threshold", "linear_mse_threshold", "compute_density_threshold", "min_speedup"):

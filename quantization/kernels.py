@@ -161,6 +161,29 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_sca
     return y
 
 
+# A compiled call with at most this many rows runs a weight-only layer as one fused reduction that reads the int8
+# weight once (a matrix-vector product is bound by reading the weight); more rows make it a GEMM again.
+WEIGHT_ONLY_REDUCTION_ROWS = 8
+
+
+def weight_only_linear(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x @ (W_int8 * scale)^T + b, computed in float. x2d: (M, K); w_int8: (N, K); w_scale: (1, N) float32.
+
+    Under torch.compile with few rows: products summed in float32 as one Inductor reduction, output channels
+    outermost so a weight row is read once for all of x's rows. Otherwise (eager, or many rows): the weight is
+    dequantized to x's dtype and multiplied by the float GEMM (one more pass over the weight than the float layer,
+    eager only)."""
+    if torch.compiler.is_compiling() and x2d.shape[0] <= WEIGHT_ONLY_REDUCTION_ROWS:
+        products = x2d.float().unsqueeze(0) * w_int8.float().unsqueeze(1)  # (N, M, K), fused, never stored
+        y = products.sum(-1).t() * w_scale
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)
+    weight = w_int8.to(x2d.dtype) * w_scale.t().to(x2d.dtype)
+    return F.linear(x2d, weight, None if bias is None else bias.to(x2d.dtype)).to(out_dtype)
+
+
 # ----------------------------------------------------------------------------------------------- references
 def reference_int8_linear(x2d, w_int8, w_scale, bias, out_dtype):
     """Dequantize-then-matmul oracle for `int8_linear` (tests, CPU). Exact integer products in float64."""
@@ -179,6 +202,14 @@ def reference_fp8_linear(x2d, w_fp8, w_scale, bias, out_dtype, x_scale=None):
     else:
         xq = quantize_tensor_fp8_static(x2d, x_scale)
     y = (xq.double() @ w_fp8.double().t()) * (x_scale.double() * w_scale.double())
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype)
+
+
+def reference_weight_only_linear(x2d, w_int8, w_scale, bias, out_dtype):
+    """Dequantize-then-matmul oracle for `weight_only_linear` (tests, CPU), in float64."""
+    y = (x2d.double() @ w_int8.double().t()) * w_scale.double()
     if bias is not None:
         y = y + bias.double()
     return y.to(out_dtype)

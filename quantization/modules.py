@@ -11,8 +11,10 @@ from . import formats
 from .formats.fp8 import Fp8Linear
 from .formats.int8 import Int8Linear
 from .gemm import QuantizedGemm
+from .weight_only import Int8WeightOnlyLinear
 
-__all__ = ["QuantConv2d1x1", "QuantizedGemm", "Int8Linear", "Fp8Linear", "quantized_module_for", "build_empty",
+__all__ = ["QuantConv2d1x1", "QuantizedGemm", "Int8Linear", "Fp8Linear", "quantized_module_for", "replacement_for",
+           "weight_only_module_for", "build_empty",
            "gemm_of", "quantized_layers", "float_reference", "requantize"]
 
 
@@ -81,23 +83,37 @@ def gemm_of(layer: nn.Module) -> QuantizedGemm:
     return layer.gemm if isinstance(layer, QuantConv2d1x1) else layer
 
 
+def replacement_for(module: nn.Module, build, device=None) -> nn.Module:
+    """An nn.Linear or 1x1 nn.Conv2d replaced by the quantized linear `build(weight, bias)` makes from its weights
+    (moved to `device` first, default: where they are); a conv gets its GEMM wrapper."""
+    weight, bias = module.weight, module.bias
+    if device is not None:
+        weight = weight.to(device)
+        bias = None if bias is None else bias.to(device)
+    gemm = build(weight, bias)
+    if isinstance(module, nn.Linear):
+        return gemm
+    if isinstance(module, nn.Conv2d):
+        return QuantConv2d1x1(gemm)
+    raise TypeError(f"no quantized replacement for {type(module).__name__}")
+
+
 def quantized_module_for(module: nn.Module, fmt: str, config, device=None,
                          input_amax: torch.Tensor | None = None) -> nn.Module:
     """The quantized replacement of an nn.Linear or 1x1 nn.Conv2d in format `fmt` with `config`'s (a QuantConfig)
     format options, on `device` (default: the weight's device), finished with the calibration's `input_amax` (the
     inputs' largest magnitude) where the format uses it."""
     plugin = formats.get(fmt)
-    weight, bias = module.weight, module.bias
-    if device is not None:
-        weight = weight.to(device)
-        bias = None if bias is None else bias.to(device)
-    gemm = plugin.layer.from_float(weight, bias, **plugin.layer_options(config))
-    plugin.calibrated(gemm, input_amax, config)
-    if isinstance(module, nn.Linear):
-        return gemm
-    if isinstance(module, nn.Conv2d):
-        return QuantConv2d1x1(gemm)
-    raise TypeError(f"no quantized replacement for {type(module).__name__}")
+
+    def build(weight, bias):
+        return plugin.calibrated(plugin.layer.from_float(weight, bias, **plugin.layer_options(config)), input_amax,
+                                 config)
+    return replacement_for(module, build, device)
+
+
+def weight_only_module_for(module: nn.Module, device=None) -> nn.Module:
+    """The weight-only int8 replacement of an nn.Linear or 1x1 nn.Conv2d (quantization/weight_only.py)."""
+    return replacement_for(module, Int8WeightOnlyLinear.from_float, device)
 
 
 def build_empty(kind: str, fmt: str, in_features: int, out_features: int, bias: bool, config,

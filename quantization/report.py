@@ -28,6 +28,7 @@ class LayerDecision:
     calls: int = 0                 # calls seen during calibration
     input_amax: float | None = None  # largest |input| in calibration: a quantized layer rebuilt from the cached
     #                                  decisions gets the same static activation scale (fp8)
+    weight_only: bool = False      # quantized as weight-only int8 storage (memory-bound), not as an 8-bit GEMM
 
     @property
     def quantized(self) -> bool:
@@ -79,6 +80,10 @@ class QuantReport:
         return [layer.name for layer in self.layers if layer.quantized]
 
     @property
+    def weight_only(self) -> list:
+        return [layer.name for layer in self.layers if layer.quantized and layer.weight_only]
+
+    @property
     def skipped(self) -> list:
         return [layer.name for layer in self.layers if not layer.quantized]
 
@@ -92,8 +97,10 @@ class QuantReport:
         reasons = collections.Counter(_category(layer.reason) for layer in self.layers if not layer.quantized)
         why = "; ".join(f"{count} {reason}" for reason, count in reasons.most_common())
         source = "cached decisions" if self.cache_hit else "calibrated" if self.calibrated else "no calibration"
+        stored = len(self.weight_only)
         text = (f"Overdrive quantization ({self.format} on {self.device}, {source}): "
-                f"{len(self.quantized)} of {len(self.layers)} layers quantized")
+                f"{len(self.quantized) - stored} of {len(self.layers)} layers quantized"
+                + (f", {stored} memory-bound layer(s) stored in int8 (weight-only)" if stored else ""))
         return text + (f"; skipped: {why}" if why else "")
 
     def table(self) -> str:

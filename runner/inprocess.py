@@ -76,6 +76,17 @@ def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
     return patcher
 
 
+def build_family_vae(comfy, family: str, seed: int = 0):
+    """ComfyUI's own VAE class as VAELoader builds it from the family's built-in VAE file (builtin_models.dit),
+    the same fixed-seed weights made in memory: no file."""
+    import comfy.sd
+
+    from ..builtin_models.dit import FAMILIES, vae_layout
+    from ..builtin_models.weights import make_tensor
+    state = {s.key: make_tensor(s, seed, torch.float32) for s in vae_layout(FAMILIES[family].vae, "full")}
+    return comfy.sd.VAE(sd=state)
+
+
 def build_dit_model(comfy, family: str, size: str, dtype: torch.dtype, seed: int = 0):
     """A ModelPatcher around ComfyUI's own model class of a DiT family (builtin_models.dit), built and initialised
     on the device it runs on: no file, no copy of 12-20 B weights through host memory."""

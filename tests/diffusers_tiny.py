@@ -66,3 +66,125 @@ def tiny_sd_pipeline(tokenizer_folder, unet_seed: int = 0, seed: int = 0):
                                    requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def tiny_flux_pipeline(seed: int = 0):
+    """A FluxPipeline of a tiny FluxTransformer2DModel (1 double block, 2 single blocks) and VAE, fixed-seed random,
+    without text encoders: it is run with `flux_prompt()`'s embeddings, as a caller with cached embeddings does."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=16, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=None,
+                        tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer.eval())
+
+
+def flux_prompt() -> dict:
+    """Fixed-seed T5 and CLIP embeddings of the tiny Flux pipeline's widths."""
+    g = torch.Generator().manual_seed(0)
+    return {"prompt_embeds": torch.randn(1, 8, 32, generator=g), "pooled_prompt_embeds": torch.randn(1, 16, generator=g)}
+
+
+def tiny_wan_pipeline(seed: int = 0):
+    """A WanPipeline of a tiny WanTransformer3DModel (3 blocks) and Wan VAE, fixed-seed random, without a text
+    encoder: it is run with `dit_prompt()`'s embeddings."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                                        num_layers=3, rope_max_seq_len=64)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer.eval(), vae=vae.eval(),
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_qwen_image_pipeline(seed: int = 0):
+    """A QwenImagePipeline of a tiny QwenImageTransformer2DModel (3 blocks) and Qwen-Image VAE, fixed-seed random,
+    without a text encoder: it is run with `dit_prompt()`'s embeddings and their masks."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                              axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                 latents_std=[1.0] * 4)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=None,
+                             tokenizer=None, transformer=transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sd3_pipeline(seed: int = 0):
+    """A StableDiffusion3Pipeline of a tiny SD3Transformer2DModel (3 joint blocks, the last "pre-only") and VAE,
+    fixed-seed random, without its three text encoders: it is run with `dit_prompt()`'s embeddings."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=3,
+                                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                        caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+                                        pos_embed_max_size=16)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    pipe = StableDiffusion3Pipeline(transformer=transformer.eval(), vae=vae.eval(),
+                                    scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=None,
+                                    tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None,
+                                    tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_zimage_pipeline(seed: int = 0):
+    """A ZImagePipeline of a tiny ZImageTransformer2DModel (one refiner block of each kind, 3 main layers) and VAE,
+    fixed-seed random, without a text encoder: it is run with `dit_prompt()`'s embeddings."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    torch.manual_seed(seed)
+    transformer = ZImageTransformer2DModel(in_channels=4, dim=32, n_layers=3, n_refiner_layers=1, n_heads=2,
+                                           n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32])
+    # Gates small, as trained DiTs keep them (and the built-in fixtures draw them: builtin_models.dit.MODULATION): at
+    # diffusers' default init they are tanh(O(1)), and a reused step measured 21-25 % from the full one, 0.1-0.6 % here.
+    with torch.no_grad():
+        for name, parameter in transformer.named_parameters():
+            if "adaLN_modulation" in name or name.startswith("t_embedder"):
+                parameter.mul_(0.1)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae.eval(), text_encoder=None,
+                          tokenizer=None, transformer=transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def dit_prompt(family: str) -> dict:
+    """Fixed-seed prompt and negative-prompt embeddings (8 tokens of width 32) in the arguments each tiny pipeline
+    takes, with classifier-free guidance on: every step calls the transformer twice, cond then uncond (SD3 and
+    Z-Image: once, on both as a batch of 2)."""
+    g = torch.Generator().manual_seed(0)
+    positive, negative = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 32, generator=g)
+    if family == "zimage":  # one caption tensor per image, width 16
+        return {"prompt_embeds": [positive[0, :, :16]], "negative_prompt_embeds": [negative[0, :, :16]],
+                "guidance_scale": 3.0}
+    if family == "sd3":
+        pooled = torch.randn(2, 16, generator=g)
+        return {"prompt_embeds": positive, "negative_prompt_embeds": negative, "pooled_prompt_embeds": pooled[:1],
+                "negative_pooled_prompt_embeds": pooled[1:], "guidance_scale": 3.0}
+    if family == "wan":
+        return {"prompt_embeds": positive, "negative_prompt_embeds": negative, "guidance_scale": 3.0,
+                "num_frames": 5}
+    mask = torch.ones(1, 8, dtype=torch.long)
+    return {"prompt_embeds": positive, "prompt_embeds_mask": mask, "negative_prompt_embeds": negative,
+            "negative_prompt_embeds_mask": mask, "true_cfg_scale": 3.0}

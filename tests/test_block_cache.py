@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from overdrive.blockwise import BlockwiseForward
-from overdrive.deepcache import DeepCacheConfig, DeepCacheConfigError
+from overdrive.deepcache import DeepCacheConfig, DeepCacheConfigError, DeepCacheUnsupportedError
+from overdrive.deepcache.block_cache import relative_change
 from overdrive.families import Family, Stack
 
 
@@ -47,7 +48,7 @@ class Toy(torch.nn.Module):
 
 
 TOY = Family("toy", frozenset({"Toy"}), (
-    Stack("pairs", streams=(("img", 0), ("txt", 1)), returns=("txt", "img")),
+    Stack("pairs", streams=(("img", 0), ("txt", 1)), returns=("txt", "img"), probe="img"),
     Stack("singles", streams=(("x", 0),), returns=("x",)),
 ))
 
@@ -100,6 +101,32 @@ def test_a_reused_step_runs_the_first_blocks_and_adds_each_stack_s_recorded_resi
     assert forward.cache.stats.shallow_steps == 1 and forward.cache.stats.full_steps == 1
 
 
+class InPlaceSingle(Single):
+    """Adds to its input in place, as Flux's blocks do (`x += ...`)."""
+
+    def forward(self, x, transformer_options=None):
+        x += torch.tanh(self.mix(x))
+        return x
+
+
+def test_blocks_that_add_to_their_input_in_place_leave_the_same_residual(toy):
+    """The residual is taken against a copy of the skipped blocks' input: an in-place block (Flux's) would otherwise
+    leave a residual of zero, and a reused step would skip the blocks' contribution altogether."""
+    in_place = Toy()
+    in_place.singles = torch.nn.ModuleList(InPlaceSingle(8) for _ in range(2))
+    in_place.singles.load_state_dict(toy.singles.state_dict())
+    img, txt = inputs(1)
+    assert torch.allclose(in_place(img.clone(), txt.clone()), toy(img, txt))
+    steps = [(1.0, inputs(1)), (0.5, inputs(2))]
+    out_of_place, forward = cached(toy, cache_interval=2), cached(in_place, cache_interval=2)
+    expected = [call(out_of_place, *x, sigma) for sigma, x in steps]
+    outs = [call(forward, *x, sigma) for sigma, x in steps]
+    assert forward.cache.stats.shallow_steps == out_of_place.cache.stats.shallow_steps == 1
+    residual = forward.cache._residuals[((0,), (1, 6, 8)), 1]["x"]
+    assert residual.abs().max() > 0.1
+    assert torch.allclose(outs[-1], expected[-1], atol=1e-6)
+
+
 def test_a_new_run_never_reuses_the_last_run_s_residuals(toy):
     forward = cached(toy, cache_interval=2)
     img, txt = inputs(1)
@@ -137,6 +164,18 @@ def test_adaptive_reuses_only_while_the_first_blocks_changed_less_than_the_thres
     assert len(always.cache.changes) == 2 and all(0 < c < 0.01 for c in always.cache.changes)
 
 
+def test_adaptive_measures_the_image_stream_the_family_names_not_the_first_returned(toy):
+    """Qwen-Image's and SD3's blocks return the text stream first; the text tokens change little between steps."""
+    forward = cached(toy, mode="adaptive", threshold=1e9)
+    img, txt = inputs(1)
+    later = img * 1.05 + 0.1
+    call(forward, img, txt, 1.0)
+    call(forward, later, txt, 0.8)
+    with torch.no_grad():
+        (_, before), (_, after) = toy.pairs[0](img, txt), toy.pairs[0](later, txt)
+    assert forward.cache.changes == [pytest.approx(relative_change(after, before))]
+
+
 def test_a_cache_depth_the_model_does_not_have_is_refused_with_the_range(toy):
     with pytest.raises(DeepCacheConfigError, match=r"cache_depth must be in 1\.\.4"):
         cached(toy, cache_depth=5)
@@ -151,3 +190,12 @@ def test_the_model_s_own_forward_is_back_after_each_call_even_when_it_fails(toy)
     assert all("forward" not in block.__dict__ for block in list(toy.pairs) + list(toy.singles))
     img, txt = inputs(1)
     assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))
+
+
+def test_a_call_it_cannot_serve_raises_when_asked_to_and_leaves_the_model_as_it_was(toy):
+    forward = cached(toy, cache_interval=2, on_unsupported="error")
+    img, txt = inputs(1)
+    with pytest.raises(DeepCacheUnsupportedError, match="the call carries no sigma.*on_unsupported='full'"):
+        forward(img, txt, transformer_options={})
+    assert all("forward" not in block.__dict__ for block in list(toy.pairs) + list(toy.singles))
+    assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))  # a call it can serve still runs

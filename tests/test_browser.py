@@ -37,6 +37,7 @@ SET_WIDGETS = """(changes) => {
 }"""
 QUEUED = "async () => (await app.graphToPrompt()).output"  # what "Queue Prompt" sends
 QUEUE_BUTTON = re.compile(r"^\s*(Queue Prompt|Run)\s*$")  # older frontends' label; ComfyUI 0.7's says "Run"
+NOT_BLOCKED = "document.querySelector('.p-blockui-mask:not(.p-overlay-mask-leave)') === null"
 # An error dialog, or every Save Image node showing its loaded images on the canvas.
 OUTCOME = """() => {
     const dialog = app.ui.dialog.element;
@@ -100,10 +101,12 @@ def test_dropped_workflow_loads_and_queues_to_an_image(path, page, server, tmp_p
     runnable = prefix_images(cpu_sized(copy.deepcopy(api)), prefix)
     page.evaluate(SET_WIDGETS, edits(api, runnable))
     assert without_meta(page.evaluate(QUEUED)) == without_meta(runnable)
-    # The frontend blocks the page with a mask while it is busy; on a loaded 2-core machine its fade-out outlasted the
-    # click's 30 s wait (CI, compile_qwen_image). A person waits for it too.
-    page.wait_for_selector(".p-blockui-mask", state="detached", timeout=300_000)
-    page.get_by_role("button", name=QUEUE_BUTTON).first.click()
+    # The frontend blocks the page with a mask while it is busy (a person waits for it too). Once unblocked, the mask
+    # plays a fade-out and is removed when that animation ends; on a loaded 2-core machine that removal outlasted a 30 s
+    # wait (CI, compile_qwen_image) and once a 300 s one (compile_wan22), so a mask that is leaving does not block the
+    # click, which goes to the button itself.
+    page.wait_for_function(NOT_BLOCKED, timeout=300_000, polling=500)
+    page.get_by_role("button", name=QUEUE_BUTTON).first.dispatch_event("click")
     outcome = page.wait_for_function(OUTCOME, timeout=900_000, polling=500).json_value()
     page.screenshot(path=str(tmp_path / f"{path.stem}.png"))
     assert "dialog" not in outcome, outcome.get("dialog")

@@ -49,19 +49,15 @@ def root_log_records():
         root.setLevel(level)
 
 
+# The default folder (the test run's cache, tests/conftest.py): the files the server's fixtures use too, one copy.
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("checkpoints")
-
-
-@pytest.fixture(scope="session")
-def sd15_path(checkpoint_dir):
-    return ensure_checkpoint("sd15", "tiny", seed=0, directory=checkpoint_dir)
+def sd15_path():
+    return ensure_checkpoint("sd15", "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
-def sdxl_path(checkpoint_dir):
-    return ensure_checkpoint("sdxl", "tiny", seed=0, directory=checkpoint_dir)  # 2.4 GB, mostly bigG: made once
+def sdxl_path():
+    return ensure_checkpoint("sdxl", "tiny", seed=0)  # 2.4 GB, mostly bigG: made once
 
 
 def load(comfy, path):

@@ -6,7 +6,8 @@ import logging
 import pytest
 import torch
 
-from overdrive.builtin_models.dit import FAMILIES, conditioning, empty_latent, ensure_diffusion_model
+from overdrive.builtin_models.dit import (FAMILIES, conditioning, default_directory, diffusion_model_name, empty_latent,
+                                          ensure_diffusion_model)
 from overdrive.compiler import WeightMismatchError, dynamo_graph_count
 
 RES = 64  # pixels: 8x8 latents (4x4 for Wan 2.2's 16x VAE) keep CPU compiles short
@@ -27,11 +28,12 @@ def nodes(comfy):
 
 
 @pytest.fixture(scope="module")
-def models_folder(comfy, tmp_path_factory):
-    """A diffusion_models folder ComfyUI searches (as Load Diffusion Model and Switch Diffusion Model list it)."""
+def models_folder(comfy):
+    """The built-in files' folder (the test run's cache, where the server's fixtures put them: one copy on disk),
+    searched by ComfyUI as Load Diffusion Model and Switch Diffusion Model list it."""
     import folder_paths
 
-    folder = tmp_path_factory.mktemp("diffusion_models")
+    folder = default_directory()
     folder_paths.add_model_folder_path("diffusion_models", str(folder))
     return folder
 
@@ -43,8 +45,13 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def files(family, models_folder):
-    """Seeds 0 and 1 of the family: one architecture, two sets of weights."""
-    return [ensure_diffusion_model(family, "tiny", seed, models_folder) for seed in (0, 1)]
+    """Seeds 0 and 1 of the family: one architecture, two sets of weights. Seed 1 is this module's alone and goes
+    when the family's tests end (Z-Image's is 2 GB)."""
+    other = models_folder / diffusion_model_name(family, "tiny", 1)
+    made_here = not other.exists()
+    yield [ensure_diffusion_model(family, "tiny", seed, models_folder) for seed in (0, 1)]
+    if made_here:
+        other.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +116,19 @@ def distinct_blocks(model) -> int:
     forward = model.object_patches["diffusion_model.forward"]
     assert isinstance(forward, BlockwiseForward) and forward.compiled
     return len({c.fingerprint for c in forward.compiled.values()})
+
+
+def test_an_image_familys_latent_is_the_one_comfyui_samples(comfy, base, family):
+    """An image family's latent has ComfyUI's shape for an empty image (Qwen-Image's Wan-VAE latent gains a time
+    axis of one frame, not a video's frames): the bench once ran Qwen-Image as a 9-frame video."""
+    import comfy.sample
+
+    latent = FAMILIES[family].latent
+    if latent.get("video"):
+        pytest.skip("a video family's frames are the caller's choice")
+    empty_image = torch.zeros(1, latent["channels"], RES // latent["spatial"], RES // latent["spatial"])
+    expected = comfy.sample.fix_empty_latent_channels(base, empty_image).shape
+    assert empty_latent(family, RES, RES, FRAMES).shape == expected
 
 
 def test_compile_model_compiles_each_distinct_block_once_and_matches_eager_per_call(compiled, sample, eager, family):

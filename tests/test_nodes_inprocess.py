@@ -1,6 +1,7 @@
 """Overdrive's nodes called on ComfyUI's real ModelPatcher and sampler, in-process on the CPU."""
 import gc
 import logging
+import shutil
 import threading
 
 import pytest
@@ -165,7 +166,8 @@ def test_unloading_a_precompiled_model_releases_its_frames_which_load_again_from
 
 @pytest.fixture(scope="module")
 def checkpoints(comfy, tmp_path_factory):
-    """Two SD1.5-shaped checkpoints (other seeds) and one SDXL-shaped, in a folder ComfyUI searches."""
+    """Two SD1.5-shaped checkpoints (other seeds) and one SDXL-shaped, in a folder ComfyUI searches (1.1 GB, removed
+    when this module ends)."""
     import folder_paths
 
     folder = tmp_path_factory.mktemp("checkpoints")
@@ -175,7 +177,8 @@ def checkpoints(comfy, tmp_path_factory):
         save_unet_checkpoint(model, folder / name)
         del model
     folder_paths.add_model_folder_path("checkpoints", str(folder))
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_switch_weights_reuses_the_compiled_graph_and_matches_eager(comfy, nodes, compiled, sample, checkpoints):

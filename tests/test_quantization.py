@@ -356,10 +356,69 @@ def test_density_threshold_steers():
     density = {layer.name: layer.density for layer in plan.report.layers if layer.name in QUANTIZABLE}
     assert density["temb"] < 5 < density["block.ff1"]        # M = 2 vs M = 128 rows
     cut = sorted(density.values())[3]
-    plan = plan_quantization(model, QuantConfig(**{**ALL, "compute_density_threshold": cut}),
+    plan = plan_quantization(model, QuantConfig(**{**ALL, "compute_density_threshold": cut, "weight_only": False}),
                              calibration=calibration_for(model))
     assert set(plan.report.quantized) == {n for n, d in density.items() if d >= cut}
     assert "memory-bound" in plan.report["temb"].reason
+
+
+def test_memory_bound_layers_keep_their_weights_in_int8(tmp_path):
+    """Below the density threshold a layer is not an 8-bit GEMM but stores its weight in int8 (one scale per output
+    channel, half the bytes of fp16) where its measured error passes; the cache rebuilds the same layers."""
+    from overdrive.quantization.modules import gemm_of
+    from overdrive.quantization.weight_only import Int8WeightOnlyLinear
+
+    model = make_model()
+    density = {layer.name: layer.density
+               for layer in plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model)).report.layers
+               if layer.name in QUANTIZABLE}
+    cut = sorted(density.values())[3]
+    memory_bound = {n for n, d in density.items() if d < cut}
+    config = QuantConfig(format="int8", compute_density_threshold=cut, linear_mse_threshold=1e-3,
+                         conv_mse_threshold=1e-3)
+    plan = plan_quantization(model, config, calibration=calibration_for(model))
+    assert set(plan.report.weight_only) == memory_bound and "temb" in memory_bound
+    for name in memory_bound:
+        layer = plan.report[name]
+        assert layer.quantized and layer.error < 1e-3 and layer.reason.startswith("weight-only int8")
+        assert type(gemm_of(plan.modules[name])) is Int8WeightOnlyLinear
+        assert gemm_of(plan.modules[name]).weight_q.dtype == torch.int8
+    assert f"{len(memory_bound)} memory-bound layer(s) stored in int8" in plan.report.summary()
+    first = plan_quantization(model, config, calibration=calibration_for(model), cache=tmp_path)
+    again = plan_quantization(model, config, cache=tmp_path)
+    assert again.report.cache_hit and set(again.report.weight_only) == memory_bound
+    for name in memory_bound:
+        assert torch.equal(gemm_of(again.modules[name]).weight_q, gemm_of(first.modules[name]).weight_q)
+    x, t = inputs(5)
+    expected = model(x, t)
+    quantize_(model, config, calibration=calibration_for(model))
+    assert rel(model(x, t), expected) < REL_TOL
+
+    # Too much error: the layer stays in float and the reason says both why.
+    fresh = make_model()
+    strict = plan_quantization(fresh, QuantConfig(**{**config.to_dict(), "linear_mse_threshold": 1e-12}),
+                               calibration=calibration_for(fresh))
+    assert not strict.report["temb"].quantized
+    assert "memory-bound" in strict.report["temb"].reason and "weight-only int8 error" in strict.report["temb"].reason
+
+
+def test_weight_only_compiled_call_is_one_reduction_that_matches_the_reference():
+    """Under torch.compile a call with a few rows is one fused reduction over the int8 weight (no dequantized copy of
+    the weight: Inductor's code reads weight_q once), with a per-call error against the float64 oracle of float32
+    rounding; more rows take the dequantize-and-GEMM path."""
+    from torch._inductor.utils import run_and_get_code
+
+    from overdrive.quantization.weight_only import Int8WeightOnlyLinear
+
+    torch.manual_seed(0)
+    layer = Int8WeightOnlyLinear.from_float(nn.Linear(256, 512))
+    for rows in (1, 2, kernels.WEIGHT_ONLY_REDUCTION_ROWS + 9):
+        x = torch.randn(rows, 256)
+        torch._dynamo.reset()
+        y, code = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+        assert rel(y, layer.reference_forward(x)) < 1e-5
+        fused = "extern_kernels.mm" not in "".join(code) and "addmm" not in "".join(code)
+        assert fused == (rows <= kernels.WEIGHT_ONLY_REDUCTION_ROWS), rows
 
 
 def test_filter_fn_and_error_threshold_between_layers():

@@ -1,0 +1,24 @@
+"""attention_: a pipeline's (or a module's) SDPA calls through Overdrive's 8-bit attention, chosen per shape."""
+from ..attention.choice import AttentionConfig
+from ..stack import Stack
+from .installed import install, installed_stack
+from .targets import target_module
+
+
+def attention_(target, config: AttentionConfig | None = None) -> None:
+    """Route the attention of a pipeline's UNet or DiT transformer (or of any module) through Overdrive's attention.
+
+    Every SDPA call the model makes without a mask, dropout or causal flag goes to `torch.ops.overdrive.attention`:
+    at each new shape the first call measures the 8-bit backends (Triton int8/fp8, cuDNN fp8 where
+    nvidia-cudnn-frontend is installed) against SDPA on its own inputs and keeps the fastest within
+    `config.max_error` (mode "auto": only if at least 3 % faster than SDPA; "8bit": even if slower); the choice and its
+    figures are logged. Other calls, and GPUs before Hopper, run SDPA. `AttentionConfig(mode="sdpa")` turns it off.
+    Composes with compile_ (the custom op is traced into the compiled code), quantize_ and deepcache_, in any order.
+    """
+    config = AttentionConfig() if config is None else config
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(f"attention_: config must be an AttentionConfig, not {type(config).__name__}; e.g. "
+                        "AttentionConfig(mode='auto', max_error=0.03). Nothing was changed.")
+    module = target_module(target, "attention_")
+    stack = (installed_stack(module) or Stack()).with_attention(None if config.mode == "sdpa" else config)
+    install(module, stack)

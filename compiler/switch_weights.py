@@ -5,6 +5,7 @@ the running dtypes): it runs through the same shared compiled graphs (its weight
 model it came from is never touched. `copy_weights_` is the in-place variant for owners of a module
 (diffusers pipelines), under a lock so no call ever sees half-swapped weights.
 """
+import contextlib
 import copy
 import threading
 
@@ -72,14 +73,21 @@ def module_keys(keys, reference: dict, path, prefixes=CHECKPOINT_PREFIXES) -> di
 
 def read_safetensors_subset(path, reference: dict, prefixes=CHECKPOINT_PREFIXES) -> dict:
     """The tensors of `path` that belong to the module, under the first key prefix that matches it."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            names = module_keys(list(f.keys()), reference, path, prefixes)
-            return {name: f.get_tensor(key) for name, key in names.items()}
-    except WeightMismatchError:
-        raise
-    except Exception as error:  # noqa: BLE001 - safetensors' own errors name neither the file nor the consequence
-        raise unreadable(path, error) from error
+    return read_safetensors_files([path], reference, prefixes, name=path)
+
+
+def read_safetensors_files(paths, reference: dict, prefixes=CHECKPOINT_PREFIXES, name=None) -> dict:
+    """The same from one checkpoint stored in several files (a diffusers model's shards); `name` names it in errors."""
+    with contextlib.ExitStack() as opened:
+        try:
+            files = {path: opened.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in paths}
+            where = {key: f for f in files.values() for key in f.keys()}
+            names = module_keys(list(where), reference, name or paths[0], prefixes)
+            return {module_key: where[key].get_tensor(key) for module_key, key in names.items()}
+        except WeightMismatchError:
+            raise
+        except Exception as error:  # noqa: BLE001 - safetensors' own errors name neither the file nor the consequence
+            raise unreadable(name or paths[0], error) from error
 
 
 def _cast_like(state: dict, reference: dict) -> dict:

@@ -1,12 +1,12 @@
 """attention_: a pipeline's (or a module's) SDPA calls through Overdrive's 8-bit attention, chosen per shape."""
 from ..attention.choice import AttentionConfig
 from ..stack import Stack
-from .installed import install, installed_stack
-from .targets import target_module
+from .installed import install_each, installed_stack
+from .targets import target_modules
 
 
 def attention_(target, config: AttentionConfig | None = None) -> None:
-    """Route the attention of a pipeline's UNet or DiT transformer (or of any module) through Overdrive's attention.
+    """Route the attention of a pipeline's UNet or DiT transformer(s) (or of any module) through Overdrive's attention.
 
     Every SDPA call the model makes without a mask, dropout or causal flag goes to `torch.ops.overdrive.attention`:
     at each new shape the first call measures the 8-bit backends (Triton int8/fp8, cuDNN fp8 where
@@ -19,6 +19,6 @@ def attention_(target, config: AttentionConfig | None = None) -> None:
     if not isinstance(config, AttentionConfig):
         raise TypeError(f"attention_: config must be an AttentionConfig, not {type(config).__name__}; e.g. "
                         "AttentionConfig(mode='auto', max_error=0.03). Nothing was changed.")
-    module = target_module(target, "attention_")
-    stack = (installed_stack(module) or Stack()).with_attention(None if config.mode == "sdpa" else config)
-    install(module, stack)
+    routed = None if config.mode == "sdpa" else config
+    install_each([(module, (installed_stack(module) or Stack()).with_attention(routed))
+                  for _, module in target_modules(target, "attention_")])

@@ -7,15 +7,16 @@ from ..attention.routing import unwrapped
 from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
-from .installed import install, installed_stack
-from .targets import is_pipeline, pipeline_denoiser, pipeline_vae
+from .installed import install_each, installed_stack
+from .targets import is_pipeline, pipeline_denoisers, pipeline_vae
 
 
 def compile_(target, options: CompileOptions | None = None, *, methods=("forward",)) -> dict:
     """Compile in place; returns {"unet.forward": CompiledMethod, ...} (their `.graph` has the compile stats).
 
-    - a diffusers pipeline: its UNet's forward (a Flux pipeline: its transformer's, one graph per distinct block) and
-      its VAE's decode; their conv weights are converted to channels-last (see `_conv_weights_channels_last`);
+    - a diffusers pipeline: its UNet's forward (a DiT pipeline: its transformer's, one graph per distinct block; Wan
+      2.2 A14B's two experts share them) and its VAE's decode; their conv weights are converted to channels-last (see
+      `_conv_weights_channels_last`);
     - a torch.nn.Module: `methods` of it (default: forward).
     Compiling happens at the first call of each; if compiling or running compiled code ever fails, that model runs
     eager from then on with a warning. With DeepCache on the UNet (deepcache_), its two paths are compiled too.
@@ -26,7 +27,7 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
         raise TypeError(f"compile_: options must be a CompileOptions, not {type(options).__name__}; e.g. "
                         "CompileOptions(mode='max-autotune'). Nothing was changed.")
     if is_pipeline(target):
-        plan = [(*pipeline_denoiser(target, "compile_"), "forward")]
+        plan = [(name, module, "forward") for name, module in pipeline_denoisers(target, "compile_")]
         vae = pipeline_vae(target)
         if vae is not None:
             plan.append(("vae", vae, "decode"))
@@ -41,21 +42,21 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
         raise TypeError(f"compile_ takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}. "
                         "Nothing was changed.")
 
-    # Build everything first, install after: a failure leaves every module as it was (a forward is built through its
-    # Stack last, and `install` changes nothing until it is complete).
+    # Build everything first, install after: a failure leaves every module as it was (the forwards are built through
+    # their Stacks last, and `install_each` sets none until all are built).
     built = [(name, module, method, CompiledMethod(module, method, options))
              for name, module, method in plan if method != "forward"]
     compiled = {}
-    for name, module, method in plan:
-        if method == "forward":
-            stack = (installed_stack(module) or Stack()).with_compile(options)
-            forward = install(module, stack)
-            runner = unwrapped(forward)
-            if stack.cache is not None and not isinstance(runner, BlockwiseForward):  # DeepCache's forward, paths
-                compiled.update({f"{name}.forward": runner.native, f"{name}.deepcache.full_forward": runner.full_path,
-                                 f"{name}.deepcache.shallow_forward": runner.shallow_path})
-            else:
-                compiled[f"{name}.forward"] = forward
+    denoisers = [(name, module) for name, module, method in plan if method == "forward"]
+    stacks = [(module, (installed_stack(module) or Stack()).with_compile(options)) for _, module in denoisers]
+    forwards = install_each(stacks)
+    for (name, _), (_, stack), forward in zip(denoisers, stacks, forwards):
+        runner = unwrapped(forward)
+        if stack.cache is not None and not isinstance(runner, BlockwiseForward):  # DeepCache's forward, paths
+            compiled.update({f"{name}.forward": runner.native, f"{name}.deepcache.full_forward": runner.full_path,
+                             f"{name}.deepcache.shallow_forward": runner.shallow_path})
+        else:
+            compiled[f"{name}.forward"] = forward
     if is_pipeline(target):
         for _, module, _ in plan:
             _conv_weights_channels_last(module)

@@ -4,13 +4,14 @@ from ..attention.routing import unwrapped
 from ..deepcache import DeepCacheConfig, DeepCacheRunner
 from ..families import family_of
 from ..stack import Stack
-from .installed import DiffusersHost, install, installed_stack
-from .targets import SUPPORTED, is_diffusers_unet, is_pipeline, target_module
+from .installed import DiffusersHost, install, install_each, installed_stack
+from .targets import SUPPORTED, is_diffusers_unet, is_pipeline, target_modules
 
 
 def deepcache_(target, config: DeepCacheConfig | None = None):
     """Install the step cache on the UNet's or transformer's forward; returns what counts its steps (`.stats` /
-    `.last_stats`: full and shallow steps of the current / last run; `.reset()` ends a run).
+    `.last_stats`: full and shallow steps of the current / last run; `.reset()` ends a run). A Wan 2.2 A14B pipeline's
+    two experts each get their own cache over the steps they run: {"transformer": ..., "transformer_2": ...}.
 
     Steps are keyed on the timestep the pipeline passes, so the schedule follows the scheduler's steps however
     classifier-free guidance batches its calls; a run starts when the timestep goes up (a new pipeline call).
@@ -24,19 +25,23 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
     If the forward was compiled (compile_), both paths run the compiled code. Calling deepcache_ again replaces the
     configuration.
     """
-    module = target_module(target, "deepcache_")
+    denoisers = target_modules(target, "deepcache_")
     config = DeepCacheConfig() if config is None else config
     if not isinstance(config, DeepCacheConfig):
         raise TypeError(f"deepcache_: config must be a DeepCacheConfig, not {type(config).__name__}; e.g. "
                         "DeepCacheConfig(cache_interval=3). Nothing was changed.")
-    stack = (installed_stack(module) or Stack()).with_cache(config)
-    if not is_diffusers_unet(module) and family_of(module) is not None:
-        return unwrapped(install(module, stack, DiffusersHost(module), keep_runner=False)).cache
+    stacks = [(module, (installed_stack(module) or Stack()).with_cache(config)) for _, module in denoisers]
+    module = denoisers[0][1]
+    if not is_diffusers_unet(module) and family_of(module) is not None:  # a pipeline's DiTs are all of a family
+        forwards = install_each(stacks, host_for=DiffusersHost, keep_runner=False)
+        caches = {name: unwrapped(forward).cache for (name, _), forward in zip(denoisers, forwards)}
+        return caches if len(caches) > 1 else caches[denoisers[0][0]]
     if not is_diffusers_unet(module):
         raise TypeError(f"deepcache_ needs a diffusers UNet2DConditionModel or a DiT transformer of a known family "
                         f"(or a pipeline with one), not {type(module).__name__}. Supported pipelines: {SUPPORTED}. "
                         "Nothing was changed.")
     scheduler_config = getattr(getattr(target, "scheduler", None), "config", None) if is_pipeline(target) else None
     timesteps = int((scheduler_config or {}).get("num_train_timesteps", 1000))
-    runner: DeepCacheRunner = unwrapped(install(module, stack, DiffusersHost(module, timesteps), keep_runner=False))
+    runner: DeepCacheRunner = unwrapped(install(module, stacks[0][1], DiffusersHost(module, timesteps),
+                                                keep_runner=False))
     return runner  # a new run, new statistics

@@ -46,12 +46,20 @@ def installed_stack(module) -> Stack | None:
 def install(module, stack: Stack, host: Host | None = None, keep_runner: bool = True):
     """`stack` built over `module` and set as its forward; returns it. `keep_runner`: a step-cache runner already
     there with the same settings is updated in place (callers hold it for its statistics)."""
-    forward = build(stack, host or DiffusersHost(module), keep=installed(module) if keep_runner else None)
-    if forward is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = forward
-    return forward
+    return install_each([(module, stack)], host_for=lambda _: host, keep_runner=keep_runner)[0]
+
+
+def install_each(stacks, host_for=None, keep_runner: bool = True) -> list:
+    """Each (module, stack)'s forward built first, then all set: a failure changes none of the modules (a pipeline's
+    two transformers are accelerated together or not at all). Returns the forwards."""
+    forwards = [build(stack, (host_for(module) if host_for else None) or DiffusersHost(module),
+                      keep=installed(module) if keep_runner else None) for module, stack in stacks]
+    for (module, _), forward in zip(stacks, forwards):
+        if forward is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = forward
+    return forwards
 
 
 def rebuild(module) -> None:

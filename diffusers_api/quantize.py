@@ -1,10 +1,14 @@
 """quantize_: Overdrive's measured int8/fp8 quantization (overdrive.quantization) on a pipeline's UNet or a module."""
-import torch
+import contextlib
 
+import torch
+import torch.nn as nn
+
+from ..families import family_of
 from ..quantization import QuantConfig, QuantReport
 from ..quantization import quantize_ as quantize_module_
 from .installed import eager_forward, rebuild
-from .targets import is_pipeline, target_module
+from .targets import is_pipeline, target_modules
 
 CALIBRATION_STEPS = 4  # sampling steps of the default calibration run: spread over the whole noise range
 
@@ -13,7 +17,8 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
               resolution=None) -> QuantReport:
     """Quantize in place, layer by layer where it is measured to be accurate and worth it; returns the report.
 
-    - target: a diffusers pipeline (its UNet is quantized; text encoders and VAE stay as they are) or a module.
+    - target: a diffusers pipeline (its UNet or DiT transformer(s) are quantized; text encoders and VAE stay as they
+      are) or a module.
     - calibration: what runs the model so the layers' real inputs can be measured:
         * for a pipeline, a dict of pipeline arguments with your prompt and resolution, e.g.
           {"prompt": "a photo of a cat", "height": 1024, "width": 1024}: the pipeline runs once with them
@@ -26,11 +31,14 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
     - cache: None (off), True (~/.cache/overdrive/quantization or $OVERDRIVE_CACHE_DIR), a folder or a QuantCache:
       the decisions, so a later process skips calibration (QuantCache(folder, store_weights=True) also keeps the
       quantized weights).
-    - filter_fn(module, qualified_name) -> bool: False leaves that layer alone. resolution: part of the cache key
-      (taken from the calibration dict's height/width when not given).
+    - filter_fn(module, qualified_name) -> bool: False (or a string, the report's reason) leaves that layer alone.
+    - resolution: part of the cache key (taken from the calibration dict's height/width when not given).
     All or nothing: if anything fails, the error propagates and the model is unchanged.
     """
-    module = target_module(target, "quantize_")
+    denoisers = target_modules(target, "quantize_")
+    # Wan 2.2 A14B's two experts are quantized as one model: one calibration run measures both (each on its own
+    # steps); the report and filter_fn name their layers "transformer.…" and "transformer_2.…".
+    module = denoisers[0][1] if len(denoisers) == 1 else nn.ModuleDict(dict(denoisers))
     if config is not None and not isinstance(config, QuantConfig):
         raise TypeError(f"quantize_: config must be a QuantConfig, not {type(config).__name__}; e.g. "
                         "QuantConfig(format='int8'). Nothing was changed.")
@@ -43,10 +51,28 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
             raise TypeError("quantize_: a dict of pipeline arguments calibrates a pipeline; for a module pass a "
                             "callable that runs it. Nothing was changed.")
         calibration, resolution = _pipeline_run(target, calibration, resolution)
-    with eager_forward(module):
-        report = quantize_module_(module, config, calibration, filter_fn, cache=cache, resolution=resolution)
-    rebuild(module)  # compiled graphs keyed by the 8-bit layers now in the module
+    prefix = "" if len(denoisers) == 1 else "{}."
+    float_layers = {prefix.format(name) + layer: why for name, denoiser in denoisers
+                    for layer, why in getattr(family_of(denoiser), "float_layers", ())}
+    with contextlib.ExitStack() as eager:
+        for _, denoiser in denoisers:
+            eager.enter_context(eager_forward(denoiser))
+        report = quantize_module_(module, config, calibration, _keeping(float_layers, filter_fn), cache=cache,
+                                  resolution=resolution)
+    for _, denoiser in denoisers:
+        rebuild(denoiser)  # compiled graphs keyed by the 8-bit layers now in the module
     return report
+
+
+def _keeping(float_layers: dict, filter_fn):
+    """filter_fn, with a family's float layers left alone and their reason reported."""
+    if not float_layers:
+        return filter_fn
+
+    def keep(module, name):
+        why = next((why for layer, why in float_layers.items() if name.startswith(layer)), None)
+        return why if why is not None else (filter_fn is None or filter_fn(module, name))
+    return keep
 
 
 def _pipeline_run(pipe, arguments: dict, resolution):

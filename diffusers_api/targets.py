@@ -9,8 +9,9 @@ import torch.nn as nn
 
 SUPPORTED = ("diffusers pipelines with a UNet2DConditionModel `unet` (Stable Diffusion 1.x/2.x, SDXL and their "
              "img2img/inpaint variants), and those with a `transformer` of a known DiT family: "
-             "FluxTransformer2DModel (Flux.1), WanTransformer3DModel (Wan 2.1/2.2), QwenImageTransformer2DModel "
-             "(Qwen-Image), SD3Transformer2DModel (SD3/3.5), ZImageTransformer2DModel (Z-Image)")
+             "FluxTransformer2DModel (Flux.1), WanTransformer3DModel (Wan 2.1/2.2, both experts of A14B), "
+             "QwenImageTransformer2DModel (Qwen-Image), SD3Transformer2DModel (SD3/3.5), "
+             "ZImageTransformer2DModel (Z-Image)")
 
 
 def is_pipeline(target) -> bool:
@@ -26,15 +27,21 @@ def _components(pipe) -> str:
     return ", ".join(f"{k}={type(v).__name__}" for k, v in getattr(pipe, "components", {}).items()) or "none"
 
 
-def pipeline_denoiser(pipe, feature: str) -> tuple:
-    """(component name, module): the pipeline's UNet, or its DiT transformer where a family plug-in knows it."""
+# A DiT pipeline's denoisers. Wan 2.2 A14B has two experts of one architecture: `transformer` for the high-noise steps
+# and `transformer_2` for the low-noise ones; each is accelerated, and they share compiled graphs.
+DIT_COMPONENTS = ("transformer", "transformer_2")
+
+
+def pipeline_denoisers(pipe, feature: str) -> list:
+    """[(component name, module)]: the pipeline's UNet, or its DiT transformers that a family plug-in knows."""
     from ..families import family_of
 
-    transformer = getattr(pipe, "transformer", None)
-    if not is_diffusers_unet(getattr(pipe, "unet", None)) and isinstance(transformer, nn.Module) \
-            and family_of(transformer) is not None:
-        return "transformer", transformer
-    return "unet", pipeline_unet(pipe, feature)
+    if not is_diffusers_unet(getattr(pipe, "unet", None)):
+        transformers = [(name, getattr(pipe, name, None)) for name in DIT_COMPONENTS]
+        found = [(name, m) for name, m in transformers if isinstance(m, nn.Module) and family_of(m) is not None]
+        if found:
+            return found
+    return [("unet", pipeline_unet(pipe, feature))]
 
 
 def pipeline_unet(pipe, feature: str) -> nn.Module:
@@ -47,12 +54,12 @@ def pipeline_unet(pipe, feature: str) -> nn.Module:
     return unet
 
 
-def target_module(target, feature: str) -> nn.Module:
-    """The module to act on: a pipeline's UNet or DiT transformer, or the module itself."""
+def target_modules(target, feature: str) -> list:
+    """[(name, module)] to act on: a pipeline's UNet or DiT transformer(s), or the module itself."""
     if is_pipeline(target):
-        return pipeline_denoiser(target, feature)[1]
+        return pipeline_denoisers(target, feature)
     if isinstance(target, nn.Module):
-        return target
+        return [(type(target).__name__, target)]
     raise TypeError(f"{feature} takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}. "
                     f"Supported pipelines: {SUPPORTED}. Nothing was changed.")
 

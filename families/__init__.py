@@ -60,6 +60,9 @@ class Family:
     # window in that range (diffusers_api/steps.py). ComfyUI passes sigmas and ignores these.
     noise_timestep: float = 1.0
     clean_timestep: float = 0.0
+    # ((qualified-name prefix, why)): layers that quantization leaves in float because the model's own code needs
+    # them as they are.
+    float_layers: tuple = ()
 
     def blocks(self, model: torch.nn.Module) -> list:
         """[(stack, path, block)] of every block in run order."""

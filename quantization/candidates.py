@@ -9,7 +9,9 @@ import torch.nn as nn
 from . import formats
 from .config import QuantConfig
 
-FilterFn = Callable[[nn.Module, str], bool]  # torchao style: filter_fn(module, qualified_name) -> keep?
+# torchao style: filter_fn(module, qualified_name) -> keep? A string instead of False leaves the layer alone and is the
+# report's reason for it (a family's layers that must stay float say why).
+FilterFn = Callable[[nn.Module, str], "bool | str"]
 
 
 @dataclasses.dataclass
@@ -69,8 +71,9 @@ def find_candidates(model: nn.Module, config: QuantConfig, fmt: str | None,
             continue
         reason = None
         record = False
-        if filter_fn is not None and not filter_fn(module, name):
-            reason = "excluded by filter_fn"
+        verdict = True if filter_fn is None else filter_fn(module, name)
+        if isinstance(verdict, str) or not verdict:
+            reason = verdict if isinstance(verdict, str) and verdict else "excluded by filter_fn"
         elif kind == "linear" and not config.quantize_linear:
             reason = "linear quantization off (quantize_linear=False)"
         elif kind != "linear" and not config.quantize_conv:

@@ -90,18 +90,27 @@ def flux_prompt() -> dict:
     return {"prompt_embeds": torch.randn(1, 8, 32, generator=g), "pooled_prompt_embeds": torch.randn(1, 16, generator=g)}
 
 
-def tiny_wan_pipeline(seed: int = 0):
-    """A WanPipeline of a tiny WanTransformer3DModel (3 blocks) and Wan VAE, fixed-seed random, without a text
-    encoder: it is run with `dit_prompt()`'s embeddings."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+def tiny_wan_transformer(seed: int = 0):
+    """A tiny WanTransformer3DModel (3 blocks), fixed-seed random."""
+    from diffusers import WanTransformer3DModel
     torch.manual_seed(seed)
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
-                                        num_layers=3, rope_max_seq_len=64)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=3,
+                                 rope_max_seq_len=64).eval()
+
+
+def tiny_wan_pipeline(seed: int = 0, experts: bool = False):
+    """A WanPipeline of a tiny Wan transformer and VAE, fixed-seed random, without a text encoder: it is run with
+    `dit_prompt()`'s embeddings. experts: Wan 2.2 A14B's layout, a second transformer (seed + 100) for the low-noise
+    half of the steps (boundary_ratio 0.5)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    transformer = tiny_wan_transformer(seed)  # the VAE's weights follow from the same stream
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer.eval(), vae=vae.eval(),
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae.eval(),
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                       transformer_2=tiny_wan_transformer(seed + 100) if experts else None,
+                       boundary_ratio=0.5 if experts else None)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -2,19 +2,15 @@
 # GPU runs per model family on ComfyUI 0.7.0: eager, ComfyUI's built-in TorchCompileModel, Overdrive CompileModel,
 # + QuantizeModel fp8, side by side in one process per family (full-size configurations, random weights, bf16 for the
 # DiTs and fp16 for the UNets, caches off so first runs include the whole compile).
-# Usage on the GPU machine, from the repository root, with ComfyUI 0.7.0 unpacked in .devcarry/ComfyUI and the wheels
-# it needs beyond the machine's image (torchsde, trampoline) in .devcarry/whl:
+# Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.7.0.tar.gz, whl and whl_av carried
+# (bench/device_carry.sh makes them):
 #   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | wan22 | qwen_image | zimage | sd35 | sdxl | sd15
 #                                                 or restart-FAMILY (bench_restart_switch.py: cold and warm first image)
 #                                                 or diffusers-flux (bench_diffusers_flux.py: overdrive.api against
-#                                                 diffusers' recipes; carry diffusers and torchao wheels in
-#                                                 .devcarry/whl_diffusers, ComfyUI not needed)
+#                                                 diffusers' recipes; carry .devcarry/whl_diffusers instead)
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
-gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl*/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
-export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH="$PWD/.devcarry/ComfyUI" PYTHONUNBUFFERED=1
+source bench/device_env.sh
 #   VARIANTS=... overrides the variants; BENCH_ARGS=... adds bench_compile.py arguments (e.g. --profile)
 variants="${VARIANTS:-eager,builtin,overdrive,overdrive+fp8}"
 run() {  # name, then bench_compile.py arguments

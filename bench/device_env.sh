@@ -1,0 +1,10 @@
+# Sourced by the GPU bench scripts, from the repository root on the GPU machine: installs the carried wheels
+# (.devcarry/whl*/, see device_carry.sh), unpacks the carried ComfyUI archive, and points Python at this checkout as the
+# package `overdrive` and at that ComfyUI.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl*/*.whl || exit 1
+if [ -f .devcarry/ComfyUI-0.7.0.tar.gz ] && [ ! -f /tmp/ComfyUI/main.py ]; then
+  tar -xzf .devcarry/ComfyUI-0.7.0.tar.gz -C /tmp && rm -rf /tmp/ComfyUI && mv /tmp/ComfyUI-0.7.0 /tmp/ComfyUI || exit 1
+fi
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
+export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH=/tmp/ComfyUI PYTHONUNBUFFERED=1
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)

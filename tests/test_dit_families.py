@@ -277,3 +277,40 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, 
         sample(cached)  # the first run's counts are logged when the next starts
     assert_calls_match(calls[:1], quantized_calls[:1], 1e-6)
     assert "1 full / 1 shallow" in caplog.text and "ran full in shallow steps" not in caplog.text
+
+
+def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, nodes, family, files, compiled, sample):
+    """Wan 2.2 A14B's workflow: a high-noise and a low-noise model of one architecture, each through Compile Model and
+    DeepCache, sampled by two KSamplerAdvanced over the two parts of one schedule. The second expert compiles
+    nothing, and its first step is a full step of its own weights: nothing of the first expert's cache is reused."""
+    import comfy.sample
+    import comfy.sd
+
+    if family != "wan22":
+        pytest.skip("two experts of one schedule: Wan 2.2 A14B's layout")
+    steps, split = 4, 1
+    low_base = comfy.sd.load_diffusion_model(str(files[1]))
+    positive, negative = conditioning(family, 1), conditioning(family, 2)
+    latent = empty_latent(family, RES, RES, FRAMES)
+    noise = comfy.sample.prepare_noise(latent, 7)
+
+    def two_experts(high, low):
+        (high, high_calls), (low, low_calls) = record_calls(high), record_calls(low)
+        part = comfy.sample.sample(high, noise, steps, CFG, "euler", "simple", positive, negative, latent,
+                                   last_step=split, seed=7, disable_pbar=True)  # leftover noise returned
+        comfy.sample.sample(low, torch.zeros_like(noise), steps, CFG, "euler", "simple", positive, negative, part,
+                            disable_noise=True, start_step=split, seed=7, disable_pbar=True)
+        return high_calls, low_calls
+
+    plain_high, plain_low = two_experts(compiled.clone(), low_base.clone())  # without the step cache
+    sample(compiled)
+    low_compiled = nodes["OverdriveCompileModel"]().compile(low_base)[0]
+    cache = nodes["OverdriveDeepCache"]()
+    graphs = dynamo_graph_count()
+    high_calls, low_calls = two_experts(cache.patch(compiled, cache_interval=2)[0],
+                                        cache.patch(low_compiled, cache_interval=2)[0])
+    assert dynamo_graph_count() == graphs  # the second expert runs the first's block graphs
+    assert len(high_calls) == split and len(low_calls) == steps - split
+    assert_calls_match(high_calls, plain_high, PER_CALL_TOLERANCE)
+    assert_calls_match(low_calls[:1], plain_low[:1], PER_CALL_TOLERANCE)  # a full step: the low expert's own
+    assert relative_error(low_calls[1][2], plain_low[1][2]) > PER_CALL_TOLERANCE  # then a reused one

@@ -50,8 +50,7 @@ def switch_weights_(target, weights) -> None:
         switches.append((module, layers, reference, state, source))
     for module, layers, reference, state, source in switches:
         # In place: the pipeline owns its denoiser, and compiled graphs read these very tensors.
-        copy_weights_(module, state, source, reference,
-                      rebuild=lambda layers=layers, state=state: requantize(layers, state, copy=False))
+        copy_weights_(module, state, source, reference, rebuild=lambda: requantize(layers, state, copy=False))
         stack = installed_stack(module)
         if stack is not None and stack.cache is not None:
             installed(module).reset()  # features computed with the old weights are never reused

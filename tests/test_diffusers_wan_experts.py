@@ -160,3 +160,19 @@ def test_a_switch_that_does_not_fit_one_expert_changes_neither(tmp_path):
     with pytest.raises(TypeError, match="two transformers"):
         switch_weights_(pipe, other.transformer.state_dict())
     assert unchanged(pipe, before)
+
+
+def test_switching_quantized_experts_requantizes_each_from_its_own_new_weights(tmp_path):
+    other = experts_pipeline(seed=1)
+    for name in EXPERTS:
+        getattr(other, name).save_pretrained(tmp_path / name)
+    pipe = experts_pipeline()
+    quantize_(pipe, QuantConfig(format="int8", compute_density_threshold=0),
+              calibration={**dit_prompt("wan"), "height": 32, "width": 32, "num_inference_steps": 4})
+    switch_weights_(pipe, tmp_path)
+    for name in EXPERTS:
+        layers, new = quantized_layers(getattr(pipe, name)), getattr(other, name).state_dict()
+        assert layers
+        for layer_name, layer in layers.items():
+            weight = layer.weight_q.float() * layer.weight_scale.t()  # int8 rows times their scales
+            assert relative_error(weight, new[f"{layer_name}.weight"]) < 0.01, (name, layer_name)

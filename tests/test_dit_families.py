@@ -314,3 +314,29 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
     assert_calls_match(high_calls, plain_high, PER_CALL_TOLERANCE)
     assert_calls_match(low_calls[:1], plain_low[:1], PER_CALL_TOLERANCE)  # a full step: the low expert's own
     assert relative_error(low_calls[1][2], plain_low[1][2]) > PER_CALL_TOLERANCE  # then a reused one
+
+
+def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afresh(comfy, nodes, base, family):
+    """A stop (ComfyUI raises it from the step callback) after a reused step is not a failure: the next prompt's
+    result is exactly that of a step-cached run that was never stopped."""
+    import comfy.sample
+    from comfy.model_management import InterruptProcessingException
+
+    if family != "flux":
+        pytest.skip("the step cache is the same for every family")
+    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
+    positive, negative = conditioning(family, 1), conditioning(family, 2)
+    latent = empty_latent(family, RES, RES, FRAMES)
+
+    def run(callback=None):
+        return comfy.sample.sample(cached, comfy.sample.prepare_noise(latent, 7), 4, CFG, "euler", "simple", positive,
+                                   negative, latent, seed=7, disable_pbar=True, callback=callback)
+
+    expected = run()
+
+    def stop_after_the_reused_step(step, *_):
+        if step == 1:
+            raise InterruptProcessingException()
+    with pytest.raises(InterruptProcessingException):
+        run(stop_after_the_reused_step)
+    assert torch.equal(run(), expected)

@@ -11,11 +11,11 @@ from ..compiler.switch_weights import (WeightMismatchError, check_compatible, co
                                        unreadable)
 from ..quantization.modules import float_reference, quantized_layers, requantize
 from .installed import installed, installed_stack
-from .targets import target_modules
+from .targets import is_pipeline, target_modules
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 SHARD_INDEX = WEIGHTS_FILE + ".index.json"  # a large model's weights in several files (Flux, Wan, Qwen-Image)
-MODEL_FOLDERS = ("", "unet", "transformer")  # a model folder, or a pipeline folder's denoiser
+MODEL_FOLDERS = ("", "unet", "transformer")  # for a bare module: a model folder, or a pipeline folder's denoiser
 LDM_PREFIX = "model.diffusion_model."
 
 
@@ -45,7 +45,10 @@ def switch_weights_(target, weights) -> None:
     for name, module in denoisers:
         layers = quantized_layers(module)
         reference = float_reference(module, layers)
-        state, source = _read(weights, module, reference, component=name if experts else None)
+        # A pipeline's denoiser reads its own folder of a pipeline folder (a lone transformer_2 too), or, where it is
+        # the only one, a model folder; a bare module either.
+        subfolders = ((name,) if experts else ("", name)) if is_pipeline(target) else MODEL_FOLDERS
+        state, source = _read(weights, module, reference, subfolders)
         check_compatible(reference, state, source)
         switches.append((module, layers, reference, state, source))
     for module, layers, reference, state, source in switches:
@@ -56,7 +59,7 @@ def switch_weights_(target, weights) -> None:
             installed(module).reset()  # features computed with the old weights are never reused
 
 
-def _read(weights, module: nn.Module, reference: dict, component: str | None):
+def _read(weights, module: nn.Module, reference: dict, subfolders: tuple):
     if isinstance(weights, nn.Module):
         return weights.state_dict(), f"{type(weights).__name__} module"
     if isinstance(weights, dict):
@@ -67,20 +70,19 @@ def _read(weights, module: nn.Module, reference: dict, component: str | None):
         return weights, "state dict"
     if isinstance(weights, (str, os.PathLike)):
         path = pathlib.Path(weights)
-        return _read_path(path, module, reference, component), str(path / component if component else path)
+        return _read_path(path, module, reference, subfolders), str(path / subfolders[0])
     raise TypeError(f"switch_weights_ takes a state dict, a module, or a path to a .safetensors file or diffusers "
                     f"folder, not {type(weights).__name__}. Nothing was changed.")
 
 
-def _read_path(path: pathlib.Path, module: nn.Module, reference: dict, component: str | None) -> dict:
+def _read_path(path: pathlib.Path, module: nn.Module, reference: dict, subfolders: tuple) -> dict:
     if path.is_dir():
-        folders = [path / component] if component else [path / name for name in MODEL_FOLDERS]
-        files = next((found for folder in folders if (found := _model_files(folder))), None)
+        files = next((found for sub in subfolders if (found := _model_files(path / sub))), None)
         if not files:
+            where = " or ".join(f"{sub}/" if sub else "itself" for sub in subfolders)
             raise FileNotFoundError(
-                f"switch_weights_: {path} holds no {WEIGHTS_FILE} (or {SHARD_INDEX} and its shards) "
-                + (f"in {component}/" if component else "in itself, unet/ or transformer/")
-                + "; pass a diffusers model or pipeline folder, or a .safetensors file. Nothing was changed.")
+                f"switch_weights_: {path} holds no {WEIGHTS_FILE} (or {SHARD_INDEX} and its shards) in {where}; "
+                "pass a diffusers model or pipeline folder, or a .safetensors file. Nothing was changed.")
         return read_safetensors_files(files, reference, prefixes=("unet.", ""), name=files[0].parent)
     if not path.is_file():
         raise FileNotFoundError(f"switch_weights_: {path} does not exist. Nothing was changed.")

@@ -176,3 +176,16 @@ def test_switching_quantized_experts_requantizes_each_from_its_own_new_weights(t
         for layer_name, layer in layers.items():
             weight = layer.weight_q.float() * layer.weight_scale.t()  # int8 rows times their scales
             assert relative_error(weight, new[f"{layer_name}.weight"]) < 0.01, (name, layer_name)
+
+
+def test_a_lone_low_noise_expert_switches_from_its_own_folder(tmp_path):
+    """A pipeline loaded with transformer=None runs transformer_2 alone: from a pipeline folder it reads
+    transformer_2/, never the high-noise expert's transformer/ (same architecture: nothing else would tell)."""
+    other = experts_pipeline(seed=1)
+    for name in EXPERTS:
+        getattr(other, name).save_pretrained(tmp_path / name)
+    pipe = experts_pipeline()
+    pipe.transformer = None
+    switch_weights_(pipe, tmp_path)
+    expected = other.transformer_2.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in pipe.transformer_2.state_dict().items())

@@ -13,13 +13,13 @@ class DiffusersHost(Host):
     of a family with a diffusers plug-in (families/: Flux, Wan, Qwen-Image, SD3, Z-Image), compiled block by block,
     with the step cache reading its steps from the timestep too (steps.py)."""
 
-    def __init__(self, unet, num_train_timesteps: int = 1000):
-        super().__init__(unet)
+    def __init__(self, module, num_train_timesteps: int = 1000):
+        super().__init__(module)
         self.num_train_timesteps = num_train_timesteps
-        current = installed(unet)
+        current = installed(module)
         self.foreign = current if current is not None and stack_of(current) is None else None
         family = self.family()
-        self.read_step = DiffusersSteps(unet, family) if family is not None else None
+        self.read_step = DiffusersSteps(module, family) if family is not None else None
 
     def percent_to_sigma(self, percent: float) -> float:
         """A DiT's window: a fraction of the timestep range its forward takes (0 = pure noise), as for the UNet; the

@@ -51,8 +51,7 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
             raise TypeError("quantize_: a dict of pipeline arguments calibrates a pipeline; for a module pass a "
                             "callable that runs it. Nothing was changed.")
         calibration, resolution = _pipeline_run(target, calibration, resolution)
-    prefix = "" if len(denoisers) == 1 else "{}."
-    float_layers = {prefix.format(name) + layer: why for name, denoiser in denoisers
+    float_layers = {(layer if len(denoisers) == 1 else f"{name}.{layer}"): why for name, denoiser in denoisers
                     for layer, why in getattr(family_of(denoiser), "float_layers", ())}
     with contextlib.ExitStack() as eager:
         for _, denoiser in denoisers:

@@ -24,6 +24,13 @@ def mark_shape_generic(args, kwargs) -> None:
                 torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
+def list_arguments(args, kwargs) -> list:
+    """(list, its items) for each list argument: state a call may change in place (Wan's video VAE hands its decoder
+    the frames each causal conv caches, and the decoder replaces them), saved so that a compiled call that fails
+    part-way can be retried eager from the state it started with."""
+    return [(value, list(value)) for value in (*args, *kwargs.values()) if isinstance(value, list)]
+
+
 def shape_signature(args, kwargs) -> tuple:
     """Shapes/dtypes/devices of the top-level tensor arguments: what decides whether a new graph is needed."""
     def sig(value):
@@ -113,10 +120,13 @@ class CompiledMethod:
         if new_shape and self.options.dynamic == "auto" and graph.shapes_sealed:
             mark_shape_generic(args, kwargs)
         progress = self.reporter(f"compiling {graph.description}") if (new_shape and self.reporter) else contextlib.nullcontext()
+        saved = list_arguments(args, kwargs)
         try:
             with progress:
                 out = graph.call(self.module, args, kwargs, self.disk)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
+            for value, items in saved:
+                value[:] = items
             raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
             graph.failure = reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
             if self.options.regional:

@@ -165,3 +165,37 @@ def test_resolution_policy_static_stops_at_max_graphs_and_runs_eager(caplog):
     assert torch.allclose(out, type(module).forward(module, x))
     assert compiled.graph.graphs_compiled == 2
     assert any("max_graphs" in r.getMessage() and "dynamic='auto'" in r.getMessage() for r in caplog.records)
+
+
+class ChunkedDecoder(nn.Module):
+    """The call pattern of Wan's video VAE decoder: a list of cached frames and a list-held counter, changed in place
+    by the call, with work after a graph break."""
+
+    def forward(self, x, cache, index):
+        cache[index[0]] = x * 2
+        index[0] += 1
+        torch._dynamo.graph_break()
+        return x + cache[0]
+
+
+def test_a_failed_compiled_call_is_retried_eager_from_the_list_state_it_started_with():
+    from torch._dynamo import register_backend
+
+    graphs = []
+
+    @register_backend(name="overdrive_test_second_graph_fails")
+    def second_graph_fails(gm, example_inputs):
+        graphs.append(gm)
+        if len(graphs) > 1:  # the graph after the break: the first one already ran and changed the lists
+            raise RuntimeError("backend failure after the first graph ran")
+        return gm.forward
+
+    module = ChunkedDecoder()
+    compiled = compile_module(module, CompileOptions(backend="overdrive_test_second_graph_fails", cuda_graphs=False,
+                                                     regional=False, precompile=False))
+    x, cache, index = torch.ones(2), [None, None], [0]
+    out = module(x, cache, index)
+    assert len(graphs) == 2 and compiled.graph.failure is not None
+    # The eager retry ran once, from the lists as the call received them.
+    assert index == [1] and torch.equal(cache[0], x * 2) and cache[1] is None
+    assert torch.equal(out, x * 3)

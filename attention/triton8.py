@@ -40,9 +40,6 @@ AVAILABLE = triton is not None
 PAD = 128  # prepared tensors are padded to a multiple of this many tokens (the largest block below)
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-# The softmax's exponential for fp8 P·V: 0 fp32; 1 fp16 pairs (`_exp2_half`), row sums in fp32; 2 fp16 pairs and
-# fp16 row sums per key block. Measured by bench/attention_kernels.py.
-HALF_EXP = 0
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, from bench/attention_kernels.py's sweep on an H200.
 CONFIGS = {(64, "fp8"): (64, 128, 4, 3), (128, "fp8"): (64, 128, 4, 3),
@@ -119,15 +116,8 @@ if triton is not None:
         return tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
 
     @triton.jit
-    def _exp2_half(x):
-        """2**x for fp16 x, two per instruction (ex2.approx.f16x2): twice the rate of the fp32 exponential, the
-        multiprocessor's scarcest unit in this loop (16 results a cycle against 512 dense fp8 multiply-adds)."""
-        return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                         pack=2)
-
-    @triton.jit
     def _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row, scale_row, start_n,
-                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HALF_EXP: tl.constexpr):
+                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         k = k_desc.load([kv_row + start_n, 0])
         # int32 -> float32 without the slow conversion instruction: for |x| < 2**22, the bits of 0x4B400000 + x
         # read as a float are 12582912 + x exactly (|q8·k8| <= 127² · 128 < 2**21), an integer add instead.
@@ -138,18 +128,11 @@ if triton is not None:
         m_new = tl.maximum(m_i, (tl.max(raw, axis=1) - 12582912.0) * c)
         # p * 448 (fp8's range, out of its subnormals) = exp2(raw * c - (12582912 * c + m_new) + log2(448)); the
         # fused multiply-add keeps the large terms' cancellation exact. The row sum carries the same 448.
-        s = raw * c[:, None] - (12582912.0 * c + m_new - 8.807354922057604)[:, None]
-        if HALF_EXP > 0:  # p <= 448 and the fp16 rounding (2**-11) sits far under e4m3's (2**-4) that P·V applies next
-            p = _exp2_half(s.to(tl.float16))
-        else:
-            p = tl.math.exp2(s)
+        p = tl.math.exp2(raw * c[:, None] - (12582912.0 * c + m_new - 8.807354922057604)[:, None])
         if MASKED:
             p = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], p, 0.0)
         alpha = tl.math.exp2(m_i - m_new)
-        if HALF_EXP == 2:  # the block's row sums in fp16 too (<= 448 * BLOCK_N = 57344 < 65504 at 128 keys)
-            l_i = l_i * alpha + tl.sum(p, axis=1).to(tl.float32)
-        else:
-            l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = v_desc.load([v_row, start_n])
         acc = tl.dot(p.to(v.dtype), v.T, acc * alpha[:, None])
         return acc, l_i, m_new
@@ -158,7 +141,7 @@ if triton is not None:
     def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                           n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HALF_EXP: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         q_row = bh * nq_pad + pid * BLOCK_M
@@ -173,10 +156,10 @@ if triton is not None:
         full = (n_kv // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
-                                          scale_row, start_n, n_kv, BLOCK_N, False, HALF_EXP)
+                                          scale_row, start_n, n_kv, BLOCK_N, False)
         if full < n_kv:
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
-                                          scale_row, full, n_kv, BLOCK_N, True, HALF_EXP)
+                                          scale_row, full, n_kv, BLOCK_N, True)
         cols = tl.arange(0, HEAD_DIM)
         out = acc * (tl.load(v_scale_ptr + bh * HEAD_DIM + cols)[None, :] / l_i[:, None])
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,11 +218,10 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     return out
 
 
-def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, config=None,
-           half_exp: int = HALF_EXP) -> torch.Tensor:
+def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, config=None) -> torch.Tensor:
     """The attention kernel over prepared operands, written into `out` (batch, tokens, heads, head dim) or any view
     with the head dim contiguous. config: (BLOCK_M, BLOCK_N, warps, stages[, warp specialization]); its BLOCK_N
-    must be the one the operands were prepared with. half_exp: HALF_EXP's choices (fp8 P·V only)."""
+    must be the one the operands were prepared with."""
     pv = "fp8" if prepared["v"].dtype == torch.float8_e4m3fn else "fp16"
     block_m, block_n, warps, stages, *rest = config or CONFIGS[dim, pv]
     if block_n != prepared["block_n"]:
@@ -252,12 +234,12 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
                             out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
                             BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(rest and rest[0]),
-                            HALF_EXP=half_exp if pv == "fp8" else 0, num_warps=warps, num_stages=stages)
+                            num_warps=warps, num_stages=stages)
     return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None, pv: str = "fp8",
-              config=None, half_exp: int = HALF_EXP) -> torch.Tensor:
+              config=None) -> torch.Tensor:
     """softmax(q·kᵀ · sm_scale)·v for (batch, heads, tokens, head dim) inputs (views with the head dim contiguous),
     returned as (batch, tokens, heads, head dim), contiguous, in q's dtype."""
     batch, heads, n_q, dim = q.shape
@@ -265,4 +247,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     config = config or CONFIGS[dim, pv]
     prepared = prepare(q, k, v, dim ** -0.5 if sm_scale is None else sm_scale, pv, config[1])
     out = torch.empty((batch, n_q, heads, dim), dtype=q.dtype, device=q.device)
-    return attend(prepared, batch, heads, dim, out, config, half_exp)
+    return attend(prepared, batch, heads, dim, out, config)

@@ -57,23 +57,21 @@ def check(fn, q, k, v, ref):
     return {"rel_err": reference.relative_error(out, ref), "finite": bool(torch.isfinite(out).all())}
 
 
-def sweep(shape, q, k, v, pv, half_exp=0):
-    """The Triton kernel's (BLOCK_M, BLOCK_N, warps, stages, warp specialization) configurations at this shape,
-    fastest first: the shapes of Hopper's warpgroup MMA (64 rows per warpgroup) at 1 or 2 warpgroups, 2-3 stages."""
+def sweep(shape, q, k, v, pv):
     b, h, n, d = shape
     prepared = {bn: triton8.prepare(q, k, v, d ** -0.5, pv, bn) for bn in (64, 128)}
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
     rows = []
-    configs = [(64, 128, 4, 2, False), (64, 128, 4, 3, False), (64, 64, 4, 3, False), (128, 128, 8, 2, False),
-               (128, 128, 8, 3, False), (128, 64, 8, 3, False), (128, 128, 8, 2, True), (128, 128, 4, 2, False)]
+    configs = [(bm, bn, warps, stages, False) for bm, bn, warps, stages in
+               itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
+    configs += [(bm, bn, warps, stages, True) for bm, bn, warps, stages in
+                itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
     for config in configs:
         try:
-            ms = timed(triton8.attend, prepared[config[1]], b, h, d, out, config, half_exp)
-            rows.append({"pv": pv, "half_exp": half_exp, "config": config, "ms": ms,
-                         "tflops": flops(shape) / ms / 1e9})
+            ms = timed(triton8.attend, prepared[config[1]], b, h, d, out, config)
+            rows.append({"pv": pv, "config": config, "ms": ms, "tflops": flops(shape) / ms / 1e9})
         except Exception as error:  # noqa: BLE001 - a config the compiler refuses (shared memory, registers)
-            rows.append({"pv": pv, "half_exp": half_exp, "config": config,
-                         "error": f"{type(error).__name__}: {str(error)[:200]}"})
+            rows.append({"pv": pv, "config": config, "error": f"{type(error).__name__}: {str(error)[:200]}"})
     rows.sort(key=lambda r: r.get("ms", 1e9))
     return rows
 
@@ -97,9 +95,7 @@ def main():
         k = k + 3.0 * torch.randn((1, shape[1], 1, shape[3]), device="cuda", dtype=torch.bfloat16)  # a shared K offset
         ref = reference.exact_attention(q, k, v)
         backends = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
-                    "triton8_fp8pv": lambda q, k, v: triton8.attention(q, k, v, half_exp=0),
-                    "triton8_fp8pv_exp16": lambda q, k, v: triton8.attention(q, k, v, half_exp=1),
-                    "triton8_fp8pv_exp16_sum16": lambda q, k, v: triton8.attention(q, k, v, half_exp=2),
+                    "triton8_fp8pv": triton8.attention,
                     "triton8_fp16pv": lambda q, k, v: triton8.attention(q, k, v, pv="fp16")}
         if cudnn8.supports(q, k, v) is None:
             backends["cudnn_fp8"] = cudnn8.attention
@@ -118,14 +114,13 @@ def main():
             rows[label] = row
         b, h, n, d = shape
         out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
-        for label, pv, half_exp in (("triton8_fp8pv", "fp8", 0), ("triton8_fp8pv_exp16", "fp8", 1),
-                                    ("triton8_fp8pv_exp16_sum16", "fp8", 2), ("triton8_fp16pv", "fp16", 0)):
-            row = rows[label]
+        for pv in ("fp8", "fp16"):
+            row = rows[f"triton8_{pv}pv"]
             if "error" in row:
                 continue
             prepared = triton8.prepare(q, k, v, d ** -0.5, pv)
             row["prepare_ms"] = timed(triton8.prepare, q, k, v, d ** -0.5, pv)
-            row["kernel_ms"] = timed(triton8.attend, prepared, b, h, d, out, None, half_exp)
+            row["kernel_ms"] = timed(triton8.attend, prepared, b, h, d, out)
         small = tuple(t[:, :2, :1024] for t in (q, k, v))  # the torch reference of the scheme, on a slice
         for pv in ("fp8", "fp16"):
             rows[f"triton8_{pv}pv"]["rel_err_vs_scheme_reference"] = reference.relative_error(
@@ -133,7 +128,7 @@ def main():
                 reference.quantized_attention(*small, block_n=triton8.CONFIGS[d, pv][1], pv=pv))
         entry = {"shape": shape, "backends": rows}
         if args.sweep:
-            entry["sweep"] = [row for half_exp in (0, 1, 2) for row in sweep(shape, q, k, v, "fp8", half_exp)]
+            entry["sweep"] = sweep(shape, q, k, v, "fp8") + sweep(shape, q, k, v, "fp16")
         result["shapes"][name] = entry
         base = rows["sdpa_cudnn"].get("ms")
         print(f"{name} {shape}")
@@ -143,15 +138,15 @@ def main():
                       f"err {row['rel_err']:.4f}{'' if row['finite'] else ' NONFINITE'}")
             else:
                 print(f"  {label:22s} {row['error']}")
-        for label in ("triton8_fp8pv", "triton8_fp8pv_exp16", "triton8_fp8pv_exp16_sum16", "triton8_fp16pv"):
-            row = rows[label]
-            print(f"  {label}: prepare {row.get('prepare_ms', 0):.4f} ms, kernel {row.get('kernel_ms', 0):.4f} "
+        for pv in ("fp8", "fp16"):
+            row = rows[f"triton8_{pv}pv"]
+            print(f"  triton8 {pv} P·V: prepare {row.get('prepare_ms', 0):.4f} ms, kernel {row.get('kernel_ms', 0):.4f} "
                   f"ms, vs scheme reference {row.get('rel_err_vs_scheme_reference', float('nan')):.4f}")
         if args.sweep:
-            for half_exp in (0, 1, 2):
-                best = [r for r in entry["sweep"] if r["half_exp"] == half_exp and "ms" in r][:3]
-                failed = [r for r in entry["sweep"] if r["half_exp"] == half_exp and "error" in r]
-                print(f"  sweep fp8 P·V, half_exp {half_exp}: best {[(r['config'], round(r['ms'], 4)) for r in best]}, {len(failed)} failed"
+            for pv in ("fp8", "fp16"):
+                best = [r for r in entry["sweep"] if r["pv"] == pv and "ms" in r][:3]
+                failed = [r for r in entry["sweep"] if r["pv"] == pv and "error" in r]
+                print(f"  sweep {pv}: best {[(r['config'], round(r['ms'], 4)) for r in best]}, {len(failed)} failed"
                       + (f" e.g. {failed[0]['error'][:150]}" if failed else ""))
         Path(args.out).write_text(json.dumps(result, indent=1))
 

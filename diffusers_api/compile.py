@@ -1,21 +1,26 @@
 """compile_: torch.compile through Overdrive's compiler core, so graphs are shared per architecture in memory and
 cached on disk exactly as for the ComfyUI nodes (same CompiledMethod, same fingerprints, same cache keys)."""
+import logging
+
 import torch
 import torch.nn as nn
 
 from ..attention.routing import unwrapped
 from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod, CompileOptions
+from ..compiler.vae_targets import eager_reason
 from ..stack import Stack
 from .installed import install_each, installed_stack
 from .targets import is_pipeline, pipeline_denoisers, pipeline_vae
+
+log = logging.getLogger("overdrive")
 
 
 def compile_(target, options: CompileOptions | None = None, *, methods=("forward",)) -> dict:
     """Compile in place; returns {"unet.forward": CompiledMethod, ...} (their `.graph` has the compile stats).
 
     - a diffusers pipeline: its UNet's forward (a DiT pipeline: its transformer's, one graph per distinct block; Wan
-      2.2 A14B's two experts share them) and its VAE's decode; their conv weights are converted to channels-last (see
+      2.2 A14B's two experts share them) and its VAE's decode (not Wan's video VAE: compiler/vae_targets.py); their conv weights are converted to channels-last (see
       `_conv_weights_channels_last`);
     - a torch.nn.Module: `methods` of it (default: forward).
     Compiling happens at the first call of each; if compiling or running compiled code ever fails, that model runs
@@ -29,7 +34,9 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
     if is_pipeline(target):
         plan = [(name, module, "forward") for name, module in pipeline_denoisers(target, "compile_")]
         vae = pipeline_vae(target)
-        if vae is not None:
+        if vae is not None and eager_reason(vae) is not None:
+            log.warning("Overdrive compile_: %s.", eager_reason(vae))
+        elif vae is not None:
             plan.append(("vae", vae, "decode"))
     elif isinstance(target, nn.Module):
         methods = (methods,) if isinstance(methods, str) else tuple(methods)

@@ -1,14 +1,18 @@
 """CompileModel and CompileVAE: thin ComfyUI adapters over overdrive.compiler."""
 import copy
+import logging
 
 from comfy.patcher_extension import CallbacksMP
 
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
+from ..compiler.vae_targets import eager_reason
 from .cache_folder import comfy_cache_dir
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
+
+log = logging.getLogger("overdrive")
 
 MODE_TOOLTIP = (
     "default: quickest to compile. max-autotune: benchmarks matrix and convolution kernels on your GPU during the "
@@ -89,7 +93,8 @@ class OverdriveCompileModel:
 
 class OverdriveCompileVAE:
     DESCRIPTION = ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal "
-                   "path with a warning if compiling fails.")
+                   "path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) passes through "
+                   "unchanged: compiled, it decoded slower than eager.")
     CATEGORY = "overdrive"
     RETURN_TYPES = ("VAE",)
     OUTPUT_TOOLTIPS = ("The same VAE, decoding through compiled code.",)
@@ -107,6 +112,10 @@ class OverdriveCompileVAE:
         }}
 
     def compile(self, vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False):
+        reason = eager_reason(vae.first_stage_model)
+        if reason is not None:
+            log.warning("Overdrive Compile VAE: %s. The VAE passes through unchanged.", reason)
+            return (vae,)
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic,
                                  cache_dir=str(comfy_cache_dir("compiled")))
         patched = copy.copy(vae)

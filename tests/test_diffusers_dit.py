@@ -24,6 +24,7 @@ BLOCKS = {"wan": 3, "qwen_image": 3, "sd3": 3, "zimage": 5}  # Z-Image: 2 refine
 GRAPHS = {"wan": 1, "qwen_image": 1, "sd3": 2, "zimage": 3}  # distinct blocks: SD3's last is "pre-only"
 CALLS_PER_STEP = {"wan": 2, "qwen_image": 2, "sd3": 1, "zimage": 1}  # true CFG: two calls; SD3, Z-Image: a batch of 2
 LATENT = {"wan": (1, 4, 2, 4, 4), "qwen_image": (1, 4, 1, 4, 4), "sd3": (1, 4, 4, 4), "zimage": (1, 4, 4, 4)}
+VIDEO_VAE = {"wan", "qwen_image"}  # families whose VAE is Wan's causal video VAE (compiler/vae_targets.py)
 
 
 def relative_error(a, b) -> float:
@@ -77,12 +78,14 @@ def test_compile_runs_every_block_through_one_graph_and_matches_eager(family):
     compiled = compile_(pipe, CompileOptions(precompile=False))
     forward = pipe.transformer.forward
     assert isinstance(forward, BlockwiseForward) and compiled["transformer.forward"] is forward
-    assert len(forward.compiled) == BLOCKS[family] and "vae.decode" in compiled
+    assert len(forward.compiled) == BLOCKS[family]
     assert relative_error(generate(pipe, family), expected) < COMPILE_RTOL
     assert dynamo_graph_count() - before == GRAPHS[family]
-    # The VAE (Wan's and Qwen-Image's: 3-D convolutions, a causal frame cache) decodes compiled, not fallen back.
     latent = torch.randn(LATENT[family], generator=torch.Generator().manual_seed(3))
     decoded = pipe.vae.decode(latent).sample
+    if family in VIDEO_VAE:  # Wan's causal video VAE (Qwen-Image's too) stays eager: compiled it ran slower
+        assert "vae.decode" not in compiled and "decode" not in pipe.vae.__dict__
+        return
     assert compiled["vae.decode"].graph.failure is None and compiled["vae.decode"].graph.graphs_compiled >= 1
     assert relative_error(decoded, type(pipe.vae).decode(pipe.vae, latent).sample) < COMPILE_RTOL
 

@@ -79,7 +79,7 @@ def test_compile_runs_both_experts_through_one_block_graph_and_matches_eager():
     assert 0 < high_noise_steps(pipe) < STEPS
     before = dynamo_graph_count()
     compiled = compile_(pipe, CompileOptions(precompile=False))
-    assert {"transformer.forward", "transformer_2.forward", "vae.decode"} <= set(compiled)
+    assert {"transformer.forward", "transformer_2.forward"} == set(compiled)  # Wan's video VAE stays eager
     assert all(isinstance(getattr(pipe, name).forward, BlockwiseForward) for name in EXPERTS)
     assert relative_error(generate(pipe), expected) < COMPILE_RTOL
     # One Wan block graph serves all six blocks of both experts (compiled here, or by an earlier test of the same

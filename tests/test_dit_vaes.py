@@ -1,11 +1,14 @@
-"""Compile VAE on the DiT families' own VAEs (CPU, the built-in fixed-seed weights in ComfyUI's VAE class):
-Flux's (also SD3.5's and Z-Image's) 16-channel autoencoder and Wan 2.2's causal video VAE decode like eager, compiled
-(not fallen back), and tiled decoding keeps working through the compiled decode."""
+"""Compile VAE on the DiT families' own VAEs (CPU, the built-in fixed-seed weights in ComfyUI's VAE class): Flux's
+(also SD3.5's and Z-Image's) 16-channel autoencoder decodes like eager, compiled (not fallen back), and tiled decoding
+keeps working through the compiled decode; Wan 2.2's causal video VAE, which ran slower compiled, passes through
+eager with the reason logged."""
+import logging
+
 import pytest
 import torch
 
 from overdrive.builtin_models.dit import empty_latent
-from overdrive.compiler import CompiledMethod
+from overdrive.compiler import CompiledMethod, dynamo_graph_count
 
 TOLERANCE = 1e-4  # compiled vs eager, float32 on the CPU
 
@@ -14,7 +17,7 @@ def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module", params=["flux", "wan22"])
+@pytest.fixture(scope="module", params=["flux"])
 def family(request):
     return request.param
 
@@ -45,12 +48,24 @@ def test_compile_vae_decodes_the_family_vae_like_eager(nodes, vae, family):
 
 def test_tiled_decode_runs_through_the_compiled_decode(nodes, vae, family):
     latent = latent_for(family)
-    tiles = dict(tile_x=6, tile_y=6, overlap=2) if family == "flux" else dict(tile_x=4, tile_y=4, overlap=2,
-                                                                              tile_t=999, overlap_t=0)
+    tiles = dict(tile_x=6, tile_y=6, overlap=2)
     expected = vae.decode_tiled(latent, **tiles)
     compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, cuda_graphs=False)[0]
     assert relative_error(compiled_vae.decode_tiled(latent, **tiles), expected) < TOLERANCE
     assert compiled_vae.patcher.object_patches["decode"].graph.failure is None
+
+
+def test_wan_video_vae_passes_through_eager_with_the_reason_logged(nodes, comfy, caplog):
+    from overdrive.runner.inprocess import build_family_vae
+    vae = build_family_vae(comfy, "wan22")
+    latent = latent_for("wan22")
+    expected = vae.decode(latent)
+    before = dynamo_graph_count()
+    with caplog.at_level(logging.WARNING, logger="overdrive"):
+        returned = nodes["OverdriveCompileVAE"]().compile(vae)[0]
+    assert returned is vae and not vae.patcher.object_patches
+    assert any("stays eager" in r.getMessage() for r in caplog.records)
+    assert torch.equal(returned.decode(latent), expected) and dynamo_graph_count() == before
 
 
 @pytest.fixture(scope="module")

@@ -317,6 +317,13 @@ def main():
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
         row["weights_gib_on_gpu"] = first_call[1]
+        # Profiled here, before the per-call errors below load the float model beside this one (its loads and
+        # unloads then filled the profile with copies).
+        if args.profile and cuda and (args.profile_all or variant == args.variants.split(",")[-1]):
+            print(f"[{variant}]")
+            profile_run(lambda: sample(patcher), args.steps)
+        if args.cprofile and variant == args.variants.split(",")[-1]:
+            cprofile_run(lambda: sample(patcher))
         step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
         if step_cache and args.arch in dit.FAMILIES:
             row["per_call_rel_err"] = per_step_errors(patcher)
@@ -325,11 +332,6 @@ def main():
         print(json.dumps(row), flush=True)
         write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured
 
-        if args.profile and cuda and (args.profile_all or variant == args.variants.split(",")[-1]):
-            print(f"[{variant}]")
-            profile_run(lambda: sample(patcher), args.steps)
-        if args.cprofile and variant == args.variants.split(",")[-1]:
-            cprofile_run(lambda: sample(patcher))
         del patcher
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()

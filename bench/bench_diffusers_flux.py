@@ -29,7 +29,7 @@ from diffusers_runs import parser_for, run_variants, settle  # noqa: E402
 from report import environment, finish  # noqa: E402
 
 VARIANTS = ("eager", "peer", "peer+fp8", "peer+fbcache", "peer+fp8+fbcache", "overdrive", "overdrive+fp8",
-            "overdrive+fp8+cache", "overdrive+fp8+adaptive", "overdrive+fp8+attn")
+            "overdrive+fp8+cache", "overdrive+fp8+adaptive", "overdrive+fp8+attn", "overdrive+noprecompile")
 # Flux.1-dev's transformer (diffusers' defaults are Flux.1's shapes; dev adds the guidance embedding) and VAE.
 FLUX_TRANSFORMER = dict(guidance_embeds=True)
 FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -138,7 +138,9 @@ def apply_variant(pipe, variant, args, embeds) -> dict:
         info["quantize_s"], info["quantization"] = round(time.perf_counter() - start, 2), report.summary()
     if "attn" in parts:
         attention_(pipe, AttentionConfig(mode="auto", max_error=args.attention_max_error))
-    compile_(pipe, CompileOptions(backend=args.backend, cuda_graphs=False))
+    # "noprecompile": compile_'s precompile (saving each block's first-shape call whole) off, to see its share of the
+    # cold compile.
+    compile_(pipe, CompileOptions(backend=args.backend, cuda_graphs=False, precompile="noprecompile" not in parts))
     if "cache" in parts:
         info["step_cache"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval,
                                                               start_percent=args.cache_start,
@@ -215,6 +217,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, in how long, beside the figures
     cache = tempfile.mkdtemp(prefix="overdrive-bench-")  # cold compiles: Inductor's and Overdrive's caches start empty
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
     os.environ["OVERDRIVE_CACHE_DIR"] = cache

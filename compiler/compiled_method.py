@@ -25,9 +25,9 @@ def mark_shape_generic(args, kwargs) -> None:
 
 
 def list_arguments(args, kwargs) -> list:
-    """(list, its items) for each list argument: state a call may change in place (Wan's video VAE hands its decoder
-    the frames each causal conv caches, and the decoder replaces them), saved so that a compiled call that fails
-    part-way can be retried eager from the state it started with."""
+    """(list, its items) for each list argument: state a call may change in place (a video VAE's decoder takes the
+    frames each causal conv cached in a list and replaces them), saved so that a compiled call that fails part-way is
+    retried eager from the state it started with."""
     return [(value, list(value)) for value in (*args, *kwargs.values()) if isinstance(value, list)]
 
 

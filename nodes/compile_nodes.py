@@ -7,7 +7,7 @@ from comfy.patcher_extension import CallbacksMP
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
-from ..compiler.vae_targets import eager_reason
+from ..compiler.eager_vaes import eager_reason
 from .cache_folder import comfy_cache_dir
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress

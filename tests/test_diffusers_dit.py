@@ -24,7 +24,7 @@ BLOCKS = {"wan": 3, "qwen_image": 3, "sd3": 3, "zimage": 5}  # Z-Image: 2 refine
 GRAPHS = {"wan": 1, "qwen_image": 1, "sd3": 2, "zimage": 3}  # distinct blocks: SD3's last is "pre-only"
 CALLS_PER_STEP = {"wan": 2, "qwen_image": 2, "sd3": 1, "zimage": 1}  # true CFG: two calls; SD3, Z-Image: a batch of 2
 LATENT = {"wan": (1, 4, 2, 4, 4), "qwen_image": (1, 4, 1, 4, 4), "sd3": (1, 4, 4, 4), "zimage": (1, 4, 4, 4)}
-VIDEO_VAE = {"wan", "qwen_image"}  # families whose VAE is Wan's causal video VAE (compiler/vae_targets.py)
+VIDEO_VAE = {"wan", "qwen_image"}  # families whose VAE is Wan's causal video VAE (compiler/eager_vaes.py)
 
 
 def relative_error(a, b) -> float:

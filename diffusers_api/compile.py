@@ -8,7 +8,7 @@ import torch.nn as nn
 from ..attention.routing import unwrapped
 from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod, CompileOptions
-from ..compiler.eager_vaes import eager_reason
+from ..compiler.eager_vaes import conv3d_channels_last_, eager_reason
 from ..stack import Stack
 from .installed import install_each, installed_stack
 from .targets import is_pipeline, pipeline_denoisers, pipeline_vae
@@ -20,7 +20,7 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
     """Compile in place; returns {"unet.forward": CompiledMethod, ...} (their `.graph` has the compile stats).
 
     - a diffusers pipeline: its UNet's forward (a DiT pipeline: its transformer's, one graph per distinct block; Wan
-      2.2 A14B's two experts share them) and its VAE's decode (not Wan's video VAE: compiler/eager_vaes.py); their
+      2.2 A14B's two experts share them) and its VAE's decode (Wan's video VAE: channels_last_3d instead, compiler/eager_vaes.py); their
       conv weights are converted to channels-last (see `_conv_weights_channels_last`);
     - a torch.nn.Module: `methods` of it (default: forward).
     Compiling happens at the first call of each; if compiling or running compiled code ever fails, that model runs
@@ -31,11 +31,12 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
     if not isinstance(options, CompileOptions):
         raise TypeError(f"compile_: options must be a CompileOptions, not {type(options).__name__}; e.g. "
                         "CompileOptions(mode='max-autotune'). Nothing was changed.")
+    video_vae = None  # a VAE left uncompiled (compiler/eager_vaes.py): its 3-D convolutions go channels-last instead
     if is_pipeline(target):
         plan = [(name, module, "forward") for name, module in pipeline_denoisers(target, "compile_")]
         vae = pipeline_vae(target)
         if vae is not None and eager_reason(vae) is not None:
-            log.warning("Overdrive compile_: %s.", eager_reason(vae))
+            video_vae = vae
         elif vae is not None:
             plan.append(("vae", vae, "decode"))
     elif isinstance(target, nn.Module):
@@ -67,6 +68,8 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
     if is_pipeline(target):
         for _, module, _ in plan:
             _conv_weights_channels_last(module)
+    if video_vae is not None:
+        log.info("Overdrive compile_: %s (%d convolutions).", eager_reason(video_vae), conv3d_channels_last_(video_vae))
     for name, module, method, made in built:
         setattr(module, method, made)
         compiled[f"{name}.{method}"] = made

@@ -7,7 +7,7 @@ from comfy.patcher_extension import CallbacksMP
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
-from ..compiler.eager_vaes import eager_reason
+from ..compiler.eager_vaes import conv3d_channels_last_, eager_reason
 from .cache_folder import comfy_cache_dir
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
@@ -93,8 +93,8 @@ class OverdriveCompileModel:
 
 class OverdriveCompileVAE:
     DESCRIPTION = ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal "
-                   "path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) passes through "
-                   "unchanged: compiled, it decoded slower than eager.")
+                   "path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not compiled "
+                   "(it decoded slower compiled): its 3-D convolutions switch to the channels-last layout instead.")
     CATEGORY = "overdrive"
     RETURN_TYPES = ("VAE",)
     OUTPUT_TOOLTIPS = ("The same VAE, decoding through compiled code.",)
@@ -114,7 +114,8 @@ class OverdriveCompileVAE:
     def compile(self, vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False):
         reason = eager_reason(vae.first_stage_model)
         if reason is not None:
-            log.warning("Overdrive Compile VAE: %s. The VAE passes through unchanged.", reason)
+            convs = conv3d_channels_last_(vae.first_stage_model)
+            log.info("Overdrive Compile VAE: %s (%d convolutions).", reason, convs)
             return (vae,)
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic,
                                  cache_dir=str(comfy_cache_dir("compiled")))

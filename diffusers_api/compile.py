@@ -20,8 +20,8 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
     """Compile in place; returns {"unet.forward": CompiledMethod, ...} (their `.graph` has the compile stats).
 
     - a diffusers pipeline: its UNet's forward (a DiT pipeline: its transformer's, one graph per distinct block; Wan
-      2.2 A14B's two experts share them) and its VAE's decode (Wan's video VAE: channels_last_3d instead, compiler/eager_vaes.py); their
-      conv weights are converted to channels-last (see `_conv_weights_channels_last`);
+      2.2 A14B's two experts share them) and its VAE's decode (Wan's video VAE: channels_last_3d convolutions instead,
+      compiler/eager_vaes.py); their conv weights are converted to channels-last (see `_conv_weights_channels_last`);
     - a torch.nn.Module: `methods` of it (default: forward).
     Compiling happens at the first call of each; if compiling or running compiled code ever fails, that model runs
     eager from then on with a warning. With DeepCache on the UNet (deepcache_), its two paths are compiled too.

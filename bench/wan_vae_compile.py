@@ -4,7 +4,8 @@ frame, the chunk that decode's Python loop calls (no CUDA graphs: its frame-cach
 attention compiled or eager; and eager with channels_last_3d conv weights. ComfyUI's own VAE class and decode,
 fixed-seed weights, bf16, 832x480, 33 frames.
 
-    PYTHONPATH=<folder holding overdrive> python bench/wan_vae_compile.py --out bench/results/DATE_GPU_wan22_vae_compile.json
+    PYTHONPATH=<folder holding overdrive> python bench/wan_vae_compile.py \
+        --out bench/results/DATE_GPU_wan22_vae_compile.json
 """
 import argparse
 import copy

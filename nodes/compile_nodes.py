@@ -103,9 +103,9 @@ class OverdriveCompileVAE:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "vae": ("VAE", {"tooltip": "The VAE to compile. It is not modified; a patched copy is returned. Wan's video "
-                                       "VAE is returned itself, its convolution weights in the channels-last layout "
-                                       "(same values)."}),
+            "vae": ("VAE", {"tooltip": "The VAE to compile. It is not modified; a patched copy is returned. "
+                                       "Wan's video VAE is returned itself, its convolution weights in the "
+                                       "channels-last layout (same values)."}),
             "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
             "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": CUDA_GRAPHS_TOOLTIP}),
             "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),

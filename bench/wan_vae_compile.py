@@ -38,6 +38,7 @@ def main():
     logging.getLogger("overdrive").setLevel(logging.INFO)
     from overdrive.builtin_models import dit
     from overdrive.compiler import CompiledMethod, CompileOptions
+    from overdrive.compiler.layouts import conv_weights_channels_last_
     from overdrive.runner.inprocess import build_family_vae, import_comfy
     comfy = import_comfy(cpu=not torch.cuda.is_available())
     vae = build_family_vae(comfy, "wan22")
@@ -59,8 +60,7 @@ def main():
             target = patched(vae, {"decoder.forward": CompiledMethod(model.decoder, "forward", per_chunk),
                                    **attention})
         elif variant == "channels_last_3d":
-            for conv in (m for m in model.modules() if isinstance(m, torch.nn.Conv3d)):
-                conv.weight.data = conv.weight.data.to(memory_format=torch.channels_last_3d)
+            conv_weights_channels_last_(model, torch.nn.Conv3d)
             target = vae
         else:
             raise ValueError(f"unknown variant {variant}")

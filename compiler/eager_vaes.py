@@ -12,8 +12,6 @@ ComfyUI runs its nodes (Wan 2.2, 832x480, 33 frames, torch 2.11; bench/results/2
   other algorithms), peak memory 4.6 against 5.0 GiB, nothing to compile.
 So these VAEs get the layout and no compile.
 """
-import torch
-
 EAGER_VAES = {
     "WanVAE": "Wan's causal video VAE decodes frame by frame in Python; compiled it was slower than eager (H200, Wan "
               "2.2 480p: 2.35 against 0.81 s), so it runs eager with channels_last_3d convolution weights (1.12x)",
@@ -24,12 +22,3 @@ EAGER_VAES["AutoencoderKLWan"] = EAGER_VAES["AutoencoderKLQwenImage"] = EAGER_VA
 def eager_reason(autoencoder) -> str | None:
     """Why this VAE is left uncompiled, or None when it compiles."""
     return EAGER_VAES.get(type(autoencoder).__name__)
-
-
-def conv3d_channels_last_(autoencoder: torch.nn.Module) -> int:
-    """Every 3-D convolution's weight in channels_last_3d, in place (values unchanged; cuDNN then runs the
-    convolutions channels-last, and their outputs carry the layout on); returns how many."""
-    convs = [m for m in autoencoder.modules() if isinstance(m, torch.nn.Conv3d)]
-    for conv in convs:
-        conv.weight.data = conv.weight.data.to(memory_format=torch.channels_last_3d)
-    return len(convs)

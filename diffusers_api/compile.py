@@ -2,13 +2,13 @@
 cached on disk exactly as for the ComfyUI nodes (same CompiledMethod, same fingerprints, same cache keys)."""
 import logging
 
-import torch
 import torch.nn as nn
 
 from ..attention.routing import unwrapped
 from ..blockwise import BlockwiseForward
 from ..compiler import CompiledMethod, CompileOptions
-from ..compiler.eager_vaes import conv3d_channels_last_, eager_reason
+from ..compiler.eager_vaes import eager_reason
+from ..compiler.layouts import conv_weights_channels_last_
 from ..stack import Stack
 from .installed import install_each, installed_stack
 from .targets import is_pipeline, pipeline_denoisers, pipeline_vae
@@ -69,7 +69,8 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
         for _, module, _ in plan:
             _conv_weights_channels_last(module)
     if video_vae is not None:
-        log.info("Overdrive compile_: %s (%d convolutions).", eager_reason(video_vae), conv3d_channels_last_(video_vae))
+        log.info("Overdrive compile_: %s (%d convolutions).", eager_reason(video_vae),
+                 conv_weights_channels_last_(video_vae, nn.Conv3d))
     for name, module, method, made in built:
         setattr(module, method, made)
         compiled[f"{name}.{method}"] = made
@@ -82,6 +83,4 @@ def _conv_weights_channels_last(module: nn.Module) -> None:
     torch/_inductor/kernel/conv.py). Converting them once, in place, saves those copies: ~0.8 GB of traffic per SDXL
     UNet call. diffusers' torch.compile guide does the same. switch_weights_ copies into these tensors, keeping it.
     2-D convolutions only: Wan's patch embedding and video VAE are 3-D, which `module.to(channels_last)` refuses."""
-    for conv in module.modules():
-        if isinstance(conv, nn.Conv2d):
-            conv.weight.data = conv.weight.data.to(memory_format=torch.channels_last)  # as Module.to does
+    conv_weights_channels_last_(module, nn.Conv2d)

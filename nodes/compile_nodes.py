@@ -2,12 +2,15 @@
 import copy
 import logging
 
+import torch
+
 from comfy.patcher_extension import CallbacksMP
 
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
-from ..compiler.eager_vaes import conv3d_channels_last_, eager_reason
+from ..compiler.eager_vaes import eager_reason
+from ..compiler.layouts import conv_weights_channels_last_
 from .cache_folder import comfy_cache_dir
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
@@ -116,7 +119,7 @@ class OverdriveCompileVAE:
     def compile(self, vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False):
         reason = eager_reason(vae.first_stage_model)
         if reason is not None:
-            convs = conv3d_channels_last_(vae.first_stage_model)
+            convs = conv_weights_channels_last_(vae.first_stage_model, torch.nn.Conv3d)
             log.info("Overdrive Compile VAE: %s (%d convolutions).", reason, convs)
             return (vae,)
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic,

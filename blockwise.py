@@ -20,7 +20,7 @@ from .compiler import CompiledMethod
 from .compiler.regions import block_transformer_options
 from .deepcache.block_cache import BlockStepCache
 from .deepcache.runner import DeepCacheUnsupportedError
-from .deepcache.schedule import host_floats
+from .deepcache.schedule import DeferredFloats, host_floats
 
 log = logging.getLogger("overdrive")
 
@@ -37,28 +37,43 @@ def block_options(options):
     return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step")
 
 
-def comfy_step(args, kwargs):
-    """(sigma, run key, branch, why the call cannot be cached) from ComfyUI's transformer_options."""
-    options = kwargs.get("transformer_options") or {}
-    x = args[0] if args else kwargs.get("x")
-    sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
-    given = [t for t in (sigmas, sample_sigmas) if isinstance(t, torch.Tensor)]
-    values = host_floats(given) if given else []  # one sync per call
-    step_sigmas = values[0] if isinstance(sigmas, torch.Tensor) else []
-    schedule = tuple(values[-1]) if isinstance(sample_sigmas, torch.Tensor) else ()
-    unsupported = None
-    if not step_sigmas:
-        unsupported = "the call carries no sigma (transformer_options['sigmas'])"
-    elif len(set(step_sigmas)) > 1:
-        unsupported = "per-sample sigmas differ within the batch"
-    elif kwargs.get("control") is not None:
-        unsupported = "ControlNet residuals are added between blocks"
-    elif (options.get("patches_replace") or {}).get("dit") or any(
-            value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
-        unsupported = "a node patches this model's blocks"
-    run_key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")), str(getattr(x, "device", "")), schedule)
-    branch = (tuple(options.get("cond_or_uncond") or ()), tuple(getattr(x, "shape", ())))
-    return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
+class ComfySteps:
+    """Which step a ComfyUI model call belongs to, from its transformer_options (BlockwiseForward's default step
+    reader). A call returns a function giving (sigma, run key, branch, why the call cannot be cached or None): the
+    call's sigma is copied to the host without waiting (DeferredFloats), so the host queues the model's first blocks
+    before it waits for the previous step to end; the sampler's sigma list is read once per run."""
+
+    def __init__(self):
+        self._schedule = (None, ())  # (the run's sample_sigmas tensor, its values)
+
+    def __call__(self, args, kwargs):
+        options = kwargs.get("transformer_options") or {}
+        x = args[0] if args else kwargs.get("x")
+        sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
+        if not isinstance(sample_sigmas, torch.Tensor):
+            self._schedule = (None, ())
+        elif sample_sigmas is not self._schedule[0]:
+            self._schedule = (sample_sigmas, tuple(host_floats([sample_sigmas])[0]))
+        pending = DeferredFloats([sigmas]) if isinstance(sigmas, torch.Tensor) else None
+        run_key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")), str(getattr(x, "device", "")),
+                   self._schedule[1])
+        branch = (tuple(options.get("cond_or_uncond") or ()), tuple(getattr(x, "shape", ())))
+        structural = None
+        if kwargs.get("control") is not None:
+            structural = "ControlNet residuals are added between blocks"
+        elif (options.get("patches_replace") or {}).get("dit") or any(
+                value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
+            structural = "a node patches this model's blocks"
+
+        def read():
+            step_sigmas = pending.values()[0] if pending is not None else []
+            unsupported = structural
+            if not step_sigmas:
+                unsupported = "the call carries no sigma (transformer_options['sigmas'])"
+            elif len(set(step_sigmas)) > 1:
+                unsupported = "per-sample sigmas differ within the batch"
+            return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
+        return read
 
 
 class BlockwiseForward:
@@ -71,8 +86,8 @@ class BlockwiseForward:
     compiled_block: factory (block, path, options) -> CompiledMethod; the ComfyUI adapter passes one that keys each
              block by the layers a load swaps into it.
     percent_to_sigma: the cache window's sigmas (ComfyUI: model_sampling.percent_to_sigma).
-    read_step: (args, kwargs) of a model call -> (sigma, run key, branch, why it cannot be cached or None), for the
-             step cache; default: ComfyUI's transformer_options (`comfy_step`).
+    read_step: (args, kwargs) of a model call -> a function returning (sigma, run key, branch, why it cannot be cached
+             or None), called when the step cache must decide; default: ComfyUI's transformer_options (`ComfySteps`).
     step_cache: a BlockStepCache of the same config to carry on (its statistics stay live for whoever holds it).
     """
 
@@ -81,7 +96,7 @@ class BlockwiseForward:
     def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None,
                  read_step=None, step_cache=None):
         self.module, self.family, self.options, self.cache_config = module, family, options, cache
-        self.read_step = read_step or comfy_step
+        self.read_step = read_step or ComfySteps()
         self.blocks = family.blocks(module)
         make = compiled_block or (lambda block, path, opts: CompiledMethod(block, "forward", opts, announce=False))
         if options is not None:
@@ -103,19 +118,15 @@ class BlockwiseForward:
             self._seal_shapes_at_a_later_step(kwargs)
         cache = self.cache
         if cache is not None:
-            sigma, run_key, branch, unsupported = self.read_step(args, kwargs)
-            if unsupported is not None and self.cache_config.on_unsupported == "error":
-                raise DeepCacheUnsupportedError(
-                    f"The step cache cannot run this {type(self.module).__name__} call exactly: {unsupported}. Remove "
-                    "the step cache, or set on_unsupported='full' to run such calls with every block.")
-            if unsupported is not None:
-                self._warn_once(f"step cache: {unsupported}; such calls run every block (exact, not accelerated)")
-            cache.begin(sigma, run_key, branch, unsupported)
+            cache.begin_deferred(functools.partial(self._checked_step, self.read_step(args, kwargs)))
         saved = [(block, block.__dict__.get("forward")) for _, _, block in self.blocks]
+        completed = False
         try:
             for stack, path, block in self.blocks:
                 block.forward = functools.partial(self._run_block, stack, path, block)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            out = type(self.module).forward(self.module, *args, **kwargs)
+            completed = True
+            return out
         finally:
             for block, forward in saved:
                 if forward is None:
@@ -123,9 +134,19 @@ class BlockwiseForward:
                 else:
                     block.forward = forward
             if cache is not None:
-                cache.end()
+                cache.end(completed)
             if not self._shapes_sealed and self._first_step_sigmas is None:
                 self._seal_shapes()  # a caller without per-step sigmas: its first call's shapes are the specialised ones
+
+    def _checked_step(self, read):
+        sigma, run_key, branch, unsupported = read()
+        if unsupported is not None and self.cache_config.on_unsupported == "error":
+            raise DeepCacheUnsupportedError(
+                f"The step cache cannot run this {type(self.module).__name__} call exactly: {unsupported}. Remove "
+                "the step cache, or set on_unsupported='full' to run such calls with every block.")
+        if unsupported is not None:
+            self._warn_once(f"step cache: {unsupported}; such calls run every block (exact, not accelerated)")
+        return sigma, run_key, branch, unsupported
 
     def _seal_shapes_at_a_later_step(self, kwargs):
         """Blocks specialise every shape of the first sampling step (block_options); at the first call of a later step

@@ -80,8 +80,8 @@ class Host:
     def percent_to_sigma(self, percent: float) -> float:
         raise NotImplementedError
 
-    # (args, kwargs) of a model call -> (sigma, run key, branch, why not cacheable) for a DiT's step cache; None:
-    # ComfyUI's transformer_options (blockwise.comfy_step).
+    # (args, kwargs) of a model call -> a function giving (sigma, run key, branch, why not cacheable) when a DiT's
+    # step cache decides; None: ComfyUI's transformer_options (blockwise.ComfySteps).
     read_step = None
 
 

@@ -85,6 +85,24 @@ class BlockStepCache:
 
     def begin(self, sigma: float, run_key, branch, unsupported: str | None = None) -> None:
         """Decide the call at `sigma` (one sigma per call; ComfyUI's per-sample sigmas agree within a batch)."""
+        self.begin_deferred(lambda: (sigma, run_key, branch, unsupported))
+        self._decided()
+
+    def begin_deferred(self, read_step) -> None:
+        """Start a call whose step is decided when a block first needs it (the first skipped block, or the adaptive
+        probe): `read_step()` -> (sigma, run key, branch, why the call cannot be cached or None). Reading a sigma from
+        the GPU waits for the previous step to finish; this late, the host has queued the first blocks by then."""
+        self._call = {"read": read_step}
+
+    def _decided(self) -> dict:
+        call = self._call
+        if "read" in call:
+            sigma, run_key, branch, unsupported = call["read"]()  # may raise: the call then stays undecided
+            del call["read"]
+            call.update(self._decide(sigma, run_key, branch, unsupported))
+        return call
+
+    def _decide(self, sigma: float, run_key, branch, unsupported: str | None) -> dict:
         decision = self.schedule.decide(sigma, run_key)
         if decision.new_run:
             self._drop()
@@ -94,18 +112,19 @@ class BlockStepCache:
         reuse = not decision.full and not pending and unsupported is None
         if reuse and not self._recorded(branch):
             reuse, unsupported = False, "no residual recorded for this batch layout"
-        self._call = {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full,
-                      "unsupported": unsupported}
+        return {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full,
+                "unsupported": unsupported}
 
     def block(self, position: int, args: tuple, kwargs: dict, run):
         """Block `position` of the cached stacks: run it (`run()`), or stand in for it on a reused step."""
-        call, role = self._call, self.roles[position]
-        slot = (call["branch"], role.stack_index)
+        role = self.roles[position]
         if not role.skippable:
             out = run()
-            if position == self.config.cache_depth - 1:
-                self._probe(call, role.stack.named(out)[role.stack.probed])
+            if position == self.config.cache_depth - 1 and self.config.mode == "adaptive":
+                self._probe(self._decided(), role.stack.named(out)[role.stack.probed])
             return out
+        call = self._decided()
+        slot = (call["branch"], role.stack_index)
         if call["reuse"]:
             carried = role.stack.carried(args, kwargs)
             if not role.last:
@@ -129,8 +148,6 @@ class BlockStepCache:
     def _probe(self, call, probe: torch.Tensor) -> None:
         """Adaptive mode: the first blocks' output (its image stream) decides the step (and, on full steps, becomes
         the reference)."""
-        if self.config.mode != "adaptive":
-            return
         branch = call["branch"]
         if call["pending"]:
             reference = self._references.get(branch)
@@ -143,8 +160,13 @@ class BlockStepCache:
         if not call["reuse"]:
             self._references[branch] = probe.detach().clone()
 
-    def end(self) -> None:
-        call, self._call = self._call, None
+    def end(self, completed: bool = True) -> None:
+        """Close the call. One that failed before its step was decided leaves no trace in the run."""
+        undecided = "read" in self._call
+        call = None if undecided and not completed else self._decided()
+        self._call = None
+        if call is None:
+            return
         if call["unsupported"] is not None:
             self.schedule.note_call("full" if call["full_step"] else "fallback", call["unsupported"])
         else:

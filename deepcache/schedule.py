@@ -27,17 +27,42 @@ from .config import DeepCacheConfig, DeepCacheConfigError
 log = logging.getLogger("overdrive.deepcache")
 
 
+class DeferredFloats:
+    """Tensors' values as Python floats, copied from the device in one transfer that is queued now and waited for
+    only when `values()` is first called, so the host can queue more GPU work in between. (A blocking read makes
+    the host wait until the GPU has run everything queued before it, and leaves the GPU idle while the host then
+    prepares the next kernels.)"""
+
+    def __init__(self, tensors: list):
+        flat = [t.detach().reshape(-1) for t in tensors]
+        self._sizes = [f.numel() for f in flat]
+        device = flat[0].device
+        staged = torch.cat([f.to(device=device, dtype=torch.float64) for f in flat])
+        self._ready = None
+        if staged.is_cuda:
+            self._host = torch.empty(staged.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(staged, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = staged
+        self._values = None
+
+    def values(self) -> list[list[float]]:
+        if self._values is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            flat, self._values, start = self._host.tolist(), [], 0
+            for size in self._sizes:
+                self._values.append(flat[start:start + size])
+                start += size
+        return self._values
+
+
 def host_floats(tensors: list) -> list[list[float]]:
     """Each tensor's values as Python floats, read from the device in one sync for all of them (a sync per tensor
     would stall the GPU queue once more per model call for each)."""
-    flat = [t.detach().reshape(-1) for t in tensors]
-    device = flat[0].device
-    values = torch.cat([f.to(device=device, dtype=torch.float64) for f in flat]).tolist()
-    out, start = [], 0
-    for f in flat:
-        out.append(values[start:start + f.numel()])
-        start += f.numel()
-    return out
+    return DeferredFloats(tensors).values()
 
 
 @dataclass(frozen=True)

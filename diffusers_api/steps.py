@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from ..deepcache.schedule import host_floats
+from ..deepcache.schedule import DeferredFloats
 
 # Inputs that add ControlNet residuals between blocks (Flux, Qwen-Image, Z-Image; SD3): skipped blocks would drop them.
 CONTROLNET_INPUTS = ("controlnet_block_samples", "controlnet_single_block_samples", "block_controlnet_hidden_states")
@@ -15,7 +15,8 @@ TIMESTEP_NAMES = ("timestep", "t")
 
 
 class DiffusersSteps:
-    """The reader a BlockwiseForward calls at each transformer call (stack.Host.read_step)."""
+    """The reader a BlockwiseForward calls at each transformer call (stack.Host.read_step): it returns a function that
+    gives the call's step when the step cache decides (the timestep's copy to the host is queued, not waited for)."""
 
     def __init__(self, module, family):
         self.signature = inspect.signature(type(module).forward)
@@ -32,18 +33,23 @@ class DiffusersSteps:
         run_key = (shape, str(getattr(first, "dtype", "")), str(getattr(first, "device", "")))
         timestep = next((given[name] for name in TIMESTEP_NAMES if name in given), None)
         if not isinstance(timestep, (torch.Tensor, int, float)):
-            return 0.0, run_key, (0, shape), "the call carries no timestep"
+            return lambda: (0.0, run_key, (0, shape), "the call carries no timestep")
         timestep = torch.as_tensor(timestep).float()
         rows = timestep.reshape(timestep.shape[0] if timestep.ndim else 1, -1)
         levels = (rows - self.clean) / (self.noise - self.clean)
         # Wan 2.2 TI2V gives one timestep per token: a sample's step is its noisiest token's.
-        per_sample = host_floats([levels.amax(1)])[0]  # one sync per call
-        level = max(per_sample)
-        self._index = self._index + 1 if level == self._level else 0
-        self._level = level
-        unsupported = None
-        if len(set(per_sample)) > 1:
-            unsupported = "per-sample timesteps differ within the batch"
-        elif any(given.get(name) is not None for name in CONTROLNET_INPUTS):
-            unsupported = "ControlNet residuals are added between blocks"
-        return level, run_key, (self._index, shape), unsupported
+        pending = DeferredFloats([levels.amax(1)])
+        controlnet = any(given.get(name) is not None for name in CONTROLNET_INPUTS)
+
+        def read():  # called once per call, in call order, when the step cache decides
+            per_sample = pending.values()[0]
+            level = max(per_sample)
+            self._index = self._index + 1 if level == self._level else 0
+            self._level = level
+            unsupported = None
+            if len(set(per_sample)) > 1:
+                unsupported = "per-sample timesteps differ within the batch"
+            elif controlnet:
+                unsupported = "ControlNet residuals are added between blocks"
+            return level, run_key, (self._index, shape), unsupported
+        return read

@@ -190,6 +190,9 @@ def test_the_model_s_own_forward_is_back_after_each_call_even_when_it_fails(toy)
     assert all("forward" not in block.__dict__ for block in list(toy.pairs) + list(toy.singles))
     img, txt = inputs(1)
     assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))
+    # The failed call ended before its step was decided (the first block): it counts in no run.
+    stats = forward.cache.stats
+    assert (stats.steps, stats.full_calls, stats.decisions) == (1, 1, [True])
 
 
 def test_a_call_it_cannot_serve_raises_when_asked_to_and_leaves_the_model_as_it_was(toy):

@@ -131,6 +131,20 @@ def test_depth_must_fit_this_unet_and_window_needs_sigmas(tiny):
         DeepCacheSchedule(DeepCacheConfig(start_percent=0.2))
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_deferred_floats_read_every_tensor_s_values_in_order(device):
+    from overdrive.deepcache.schedule import DeferredFloats, host_floats
+
+    tensors = [torch.tensor([0.5, 2.0], device=device), torch.tensor(3.25, dtype=torch.bfloat16, device=device),
+               torch.arange(6, device=device).reshape(2, 3)]
+    pending = DeferredFloats(tensors)
+    later = torch.full_like(tensors[0], 9.0)
+    tensors[0].copy_(later)  # queued after the copy: the values are those at construction
+    assert pending.values() == [[0.5, 2.0], [3.25], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+    assert pending.values() is pending.values()
+    assert host_floats(tensors[:1]) == [[9.0, 9.0]]
+
+
 def test_schedule_decisions_are_keyed_on_sigma_and_follow_interval_and_window():
     sigmas = [10.0 - i for i in range(STEPS)]  # 10 .. 1
     schedule = DeepCacheSchedule(DeepCacheConfig(cache_interval=3))

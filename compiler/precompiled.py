@@ -24,6 +24,7 @@ serialise), so a frame is compiled without guards and Overdrive checks each call
 That is what Dynamo's guards check, less two things (compiler/traced_reads.py); so a frame is safe to run by default
 (`CompileOptions.precompile`).
 """
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -198,7 +199,10 @@ class PrecompiledFrames:
         return torch._dynamo.config.patch(enable_aot_compile=True)
 
     def settings(self):
-        """Inductor's settings of this mode, for loading and running a saved frame."""
+        """Inductor's settings of this mode, for loading and running a saved frame. (Entered at every call: with none
+        to set, as in the default mode, no config.patch, which builds a class each time.)"""
+        if not self.inductor_settings:
+            return contextlib.nullcontext()
         return torch._inductor.config.patch(self.inductor_settings)
 
     def load(self, signature: tuple, directory, call) -> object | None:

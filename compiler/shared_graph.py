@@ -163,7 +163,8 @@ class SharedGraph:
         signature = precompiled.call_signature(self.method, args, kwargs)
         if signature is None or not precompiled.weights_on(module, _first_device(args, kwargs)):
             return None, False
-        directory = disk.frames_dir(key) if disk is not None else None
+        # The folder only matters for a frame not in memory yet (a path built at every block call adds up).
+        directory = disk.frames_dir(key) if disk is not None and signature not in frames.frames else None
         frame = frames.load(signature, directory, (module, self.method, args, kwargs))
         if frame is None and signature not in frames.frames and not self.shapes_sealed:
             # A new shape among the first ones (later: the `dynamic` policy). A frame that no longer applies (a value

@@ -40,6 +40,7 @@ def cprofile_run(run):
     profiler.disable()
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(25)
+    stats.print_callers(10)  # who calls the costliest ten (a blocking copy shows as a slow `to`)
     stats.sort_stats("cumulative").print_stats(40)  # which caller each step's host time sits under
 
 

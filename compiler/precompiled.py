@@ -50,6 +50,9 @@ def supported() -> bool:
 # the model loads, detaches or is cleaned up (QuantizeModel's device follower, Compile Model's frame release), never in
 # the forward: not part of what a frame depends on.
 LIFECYCLE_CALLBACKS = "callbacks"
+# Its wrappers too; a diffusion model's forward runs only the "diffusion_model" ones (WrappersMP.DIFFUSION_MODEL), the
+# sampler the others around it (sampler_sample: Overdrive's conds_on_device): those are no part of what a frame reads.
+WRAPPERS, FORWARD_WRAPPERS = "wrappers", "diffusion_model"
 
 
 def _describe(value, parts: list) -> bool:
@@ -78,6 +81,8 @@ def _describe(value, parts: list) -> bool:
             parts.append(("K", key))
             if key == LIFECYCLE_CALLBACKS:
                 continue
+            if key == WRAPPERS and isinstance(item, dict):
+                item = {kind: wrappers for kind, wrappers in item.items() if kind == FORWARD_WRAPPERS}
             if not _describe(item, parts):
                 return False
     else:

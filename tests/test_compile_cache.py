@@ -356,3 +356,20 @@ def test_the_weight_device_check_keeps_no_model_alive():
     del model
     gc.collect()
     assert gone() is None
+
+
+def test_a_call_is_keyed_by_the_wrappers_its_forward_runs_not_by_the_samplers():
+    """ComfyUI copies a model's wrappers into transformer_options; only the diffusion model's own ("diffusion_model")
+    run inside the forward. A sampler wrapper (Overdrive's conds_on_device) leaves the call precompilable."""
+    from overdrive.compiler.precompiled import call_signature
+
+    def wrapper(executor, *args, **kwargs):
+        return executor(*args, **kwargs)
+    x = torch.zeros(1, 4, 8, 8)
+    plain = call_signature("forward", (x,), {"transformer_options": {"wrappers": {}}})
+    around = call_signature("forward", (x,), {"transformer_options": {
+        "wrappers": {"sampler_sample": {"overdrive_conds_on_device": [wrapper]}, "outer_sample": {"x": [wrapper]}}}})
+    inside = call_signature("forward", (x,), {"transformer_options": {
+        "wrappers": {"diffusion_model": {"someone": [wrapper]}}}})
+    assert plain is not None and around == plain
+    assert inside is None  # a function the forward calls: not keyable, so torch.compile's guarded path runs it

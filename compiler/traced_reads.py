@@ -114,10 +114,12 @@ def _anchor(source: str) -> tuple[str | None, str]:
                         and parent.attr == "_modules")
         is_python_module = isinstance(node, ast.Subscript) and isinstance(parent, ast.Name) and parent.id == "G"
         if is_submodule or is_python_module:
-            anchor = ast.unparse(node)
-            if source.startswith(anchor):
-                return anchor, source[len(anchor):]
-            return None, source
+            # The anchor's own text, cut where its node ends (a UTF-8 offset), not rebuilt by ast.unparse: SDXL's
+            # frame has 7,360 entries, anchored at every restart (0.149 -> 0.084 s on a 2-core CPU).
+            if node.col_offset != 0 or node.end_lineno != 1:
+                return None, source
+            anchor = source.encode()[:node.end_col_offset].decode()
+            return anchor, source[len(anchor):]
         node = parent
     return None, source
 

@@ -373,3 +373,25 @@ def test_a_call_is_keyed_by_the_wrappers_its_forward_runs_not_by_the_samplers():
         "wrappers": {"diffusion_model": {"someone": [wrapper]}}}})
     assert plain is not None and around == plain
     assert inside is None  # a function the forward calls: not keyable, so torch.compile's guarded path runs it
+
+
+def test_value_reads_are_anchored_at_the_deepest_submodule_or_python_module_they_name():
+    """ValuesRead looks each anchor up once per model and reads the rest from it at every call; whatever is not rooted
+    at a submodule or a module (the call's own arguments, a call around the source) is read in full."""
+    from overdrive.compiler.traced_reads import ValuesRead, _anchor
+
+    assert _anchor("module._modules['down']._modules['0'].heads") == ("module._modules['down']._modules['0']", ".heads")
+    assert _anchor("G['__import_comfy_dot_ops'].SDP_LIMIT") == ("G['__import_comfy_dot_ops']", ".SDP_LIMIT")
+    assert _anchor('G["__import_x"].y') == ('G["__import_x"]', ".y")
+    assert _anchor("module._modules['é']._modules['b'].scale") == ("module._modules['é']._modules['b']", ".scale")
+    assert _anchor("L['kwargs']['transformer_options']['patches']") == (
+        None, "L['kwargs']['transformer_options']['patches']")
+    assert _anchor("module.training") == (None, "module.training")
+
+    class Inner(torch.nn.Module):
+        heads = 4
+    outer = torch.nn.Module()
+    outer.add_module("é", Inner())
+    read = ValuesRead([("value", "module._modules['é'].heads", "4"), ("type", "module._modules['é']", "x")])
+    now = read._read_call((outer, "forward", (), {}))
+    assert now == (4, Inner)

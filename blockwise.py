@@ -108,7 +108,8 @@ class BlockwiseForward:
         self.cache = step_cache or (BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None)
         # Position among the blocks the step cache sees (the cached stacks', in run order).
         self._cached_position = {path: i for i, path in enumerate(p for stack, p, _ in self.blocks if stack.cached)}
-        self._block_forwards = [functools.partial(self._run_block, stack, path, block) for stack, path, block in self.blocks]
+        self._block_forwards = [functools.partial(self._run_block, stack, path, block)
+                                for stack, path, block in self.blocks]
         self._warned = set()
         self._first_step_sigmas = None  # the first sampling step's sigma tensor, until the blocks' shapes are sealed
         self._shapes_sealed = not self.compiled
@@ -119,9 +120,9 @@ class BlockwiseForward:
             self._seal_shapes_at_a_later_step(kwargs)
         cache = self.cache
         if cache is not None:
-            cache.begin_deferred(functools.partial(self._checked_step, self.read_step(args, kwargs)))
-        # Written to the blocks' __dict__ directly: nn.Module.__setattr__ costs ~1 us more each, twice per block and call,
-        # which a reused step (host-bound: one block of GPU work) pays in full.
+            cache.begin(functools.partial(self._checked_step, self.read_step(args, kwargs)))
+        # Written to the blocks' __dict__ directly: nn.Module.__setattr__ costs ~1 us more each, twice per block and
+        # call, which a reused step (host-bound: one block of GPU work) pays in full.
         saved = [(block.__dict__, block.__dict__.get("forward")) for _, _, block in self.blocks]
         completed = False
         try:

@@ -139,7 +139,8 @@ def main():
                    TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"))  # only Overdrive's own cache carries over
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps), "--frames", str(args.frames),
-               "--switches", str(args.switches), "--precompile", args.precompile] + (["--cprofile"] if args.cprofile else [])
+               "--switches", str(args.switches), "--precompile", args.precompile]
+        cmd += ["--cprofile"] if args.cprofile else []
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if args.cprofile:
             print("\n".join(l for l in out.stdout.splitlines() if not l.startswith("RESULT ")))

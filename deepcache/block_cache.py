@@ -83,15 +83,11 @@ class BlockStepCache:
         self._entries.clear()
         self._references.clear()
 
-    def begin(self, sigma: float, run_key, branch, unsupported: str | None = None) -> None:
-        """Decide the call at `sigma` (one sigma per call; ComfyUI's per-sample sigmas agree within a batch)."""
-        self.begin_deferred(lambda: (sigma, run_key, branch, unsupported))
-        self._decided()
-
-    def begin_deferred(self, read_step) -> None:
+    def begin(self, read_step) -> None:
         """Start a call whose step is decided when a block first needs it (the first skipped block, or the adaptive
-        probe): `read_step()` -> (sigma, run key, branch, why the call cannot be cached or None). Reading a sigma from
-        the GPU waits for the previous step to finish; this late, the host has queued the first blocks by then."""
+        probe): `read_step()` -> (sigma, run key, branch, why the call cannot be cached or None); one sigma per call,
+        as ComfyUI's per-sample sigmas agree within a batch. Reading a sigma from the GPU waits for the previous step
+        to finish; this late, the host has queued the first blocks by then."""
         self._call = {"read": read_step}
 
     def _decided(self) -> dict:

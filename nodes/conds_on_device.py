@@ -29,7 +29,8 @@ def sample_with_conds_on_device(executor, guider, sigmas, *args, **kwargs):
     model conds live on the sampling device, and put back afterwards for ComfyUI's cleanup."""
     original = guider.conds
     if isinstance(original, dict):
-        guider.conds = {name: [cond_on(entry, sigmas.device) for entry in entries] for name, entries in original.items()}
+        guider.conds = {name: [cond_on(entry, sigmas.device) for entry in entries]
+                        for name, entries in original.items()}
     try:
         return executor(guider, sigmas, *args, **kwargs)
     finally:

@@ -395,3 +395,30 @@ def test_value_reads_are_anchored_at_the_deepest_submodule_or_python_module_they
     read = ValuesRead([("value", "module._modules['é'].heads", "4"), ("type", "module._modules['é']", "x")])
     now = read._read_call((outer, "forward", (), {}))
     assert now == (4, Inner)
+
+
+def test_value_reads_restart_from_their_saved_compiled_functions_and_rebuild_when_those_do_not_fit():
+    """A saved frame keeps its value reads' compiled functions for this Python: a restart neither parses nor compiles
+    them again. Another Python's (or an unreadable) copy is ignored and the reads are compiled from the entries."""
+    import base64
+    import json as json_module
+
+    from overdrive.compiler.traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
+
+    class Inner(torch.nn.Module):
+        heads = 4
+    outer = torch.nn.Module()
+    outer.add_module("a", Inner())
+    call = (outer, "forward", (), {})
+    entries = [("value", "module._modules['a'].heads", "4"), ("type", "module._modules['a']", "x"),
+               ("empty", "module._modules['a']._forward_hooks", "0")]
+    saved = json_module.loads(to_bytes(GlobalsRead([]), ValuesRead(entries)))
+
+    _, restored = from_bytes(json_module.dumps(saved).encode())
+    assert restored.compiled is not None and restored._read_call(call) == (4, Inner, 0)
+    for broken in ({"tag": "cpython-0"}, {"marshal": base64.b64encode(b"junk").decode()}):
+        copy = dict(saved, values_compiled=dict(saved["values_compiled"], **broken))
+        _, rebuilt = from_bytes(json_module.dumps(copy).encode())
+        assert rebuilt._read_call(call) == (4, Inner, 0)
+    Inner.heads = 8  # the reads are live, not what was saved
+    assert restored._read_call(call) == (8, Inner, 0)

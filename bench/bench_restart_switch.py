@@ -70,7 +70,7 @@ def phase(args):
     result["graphs_compiled"] = dynamo_graph_count() - graphs
     result["compile_overhead_s"] = round(result["first_image_s"] - result["second_image_s"], 2)
     result["compile_phases_s"] = compile_phases()
-    if args.phase == "warm" and not is_dit:  # SwitchDiffusionModel's DiT files: not measured here
+    if args.phase == "warm" and not is_dit and not args.no_switch:  # DiT files' switch: not measured here
         folder = pathlib.Path(args.workdir) / "checkpoints"
         folder.mkdir(exist_ok=True)
         other = build_model(comfy, args.arch, args.size, dtype, seed=1)
@@ -122,6 +122,7 @@ def main():
     parser.add_argument("--frames", type=int, default=33, help="video families: frames")
     parser.add_argument("--out")
     parser.add_argument("--phase")
+    parser.add_argument("--no-switch", action="store_true", help="UNets: time the restart only, no SwitchWeights")
     parser.add_argument("--cprofile", action="store_true", help="profile the warm phase's first image (host time by "
                         "function; the first image's time then includes the profiler's overhead)")
     parser.add_argument("--workdir")
@@ -140,7 +141,7 @@ def main():
         cmd = [sys.executable, __file__, "--phase", name, "--workdir", str(workdir), "--arch", args.arch,
                "--size", args.size, "--res", str(args.res), "--steps", str(args.steps), "--frames", str(args.frames),
                "--switches", str(args.switches), "--precompile", args.precompile]
-        cmd += ["--cprofile"] if args.cprofile else []
+        cmd += (["--cprofile"] if args.cprofile else []) + (["--no-switch"] if args.no_switch else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if args.cprofile:
             print("\n".join(l for l in out.stdout.splitlines() if not l.startswith("RESULT ")))

@@ -140,7 +140,7 @@ class ValuesRead:
 
     def __init__(self, entries, compiled=None):
         """`compiled`: `.compiled` of a ValuesRead of the same entries (saved with a frame), so that a restart neither
-        parses nor compiles their sources again (SDXL's 7,360: ~0.5 s)."""
+        parses nor compiles their sources again (7,360 synthetic entries: 0.197 -> 0.009 s on a 2-core CPU)."""
         self.entries = [tuple(e) for e in entries]
         self.compiled = compiled or compile(self._source(), "<overdrive value reads>", "exec")
         scope = {"type": type, "len": len, "ref": weakref.ref}
@@ -228,17 +228,22 @@ class ValuesRead:
 
 def to_bytes(code: GlobalsRead, values: ValuesRead) -> bytes:
     """The entries, and the value reads' compiled functions for this Python (marshal's format is per version)."""
-    compiled = {"tag": sys.implementation.cache_tag, "marshal": base64.b64encode(marshal.dumps(values.compiled)).decode()}
+    compiled = {"tag": sys.implementation.cache_tag,
+                "marshal": base64.b64encode(marshal.dumps(values.compiled)).decode()}
     return json.dumps({"code": code.entries, "values": values.entries, "values_compiled": compiled}).encode()
 
 
 def from_bytes(data: bytes) -> tuple[GlobalsRead, ValuesRead]:
     saved = json.loads(data)
-    compiled = saved.get("values_compiled") or {}
-    code = None
-    if compiled.get("tag") == sys.implementation.cache_tag:
-        try:
-            code = marshal.loads(base64.b64decode(compiled["marshal"]))
-        except (KeyError, ValueError, EOFError, TypeError):  # unreadable: compiled again from the entries
-            code = None
-    return GlobalsRead(saved["code"]), ValuesRead(saved["values"], code if isinstance(code, types.CodeType) else None)
+    return GlobalsRead(saved["code"]), ValuesRead(saved["values"], _saved_code(saved.get("values_compiled") or {}))
+
+
+def _saved_code(compiled: dict):
+    """The value reads' saved code object, or None (another Python's, or unreadable: compiled again from entries)."""
+    if compiled.get("tag") != sys.implementation.cache_tag:
+        return None
+    try:
+        code = marshal.loads(base64.b64decode(compiled["marshal"]))
+    except (KeyError, ValueError, EOFError, TypeError):
+        return None
+    return code if isinstance(code, types.CodeType) else None

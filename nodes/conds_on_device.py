@@ -16,7 +16,7 @@ KEY = "overdrive_conds_on_device"
 
 def add(model) -> None:
     """Install the wrapper on ModelPatcher `model` (once, whatever the number of Overdrive nodes on it)."""
-    model.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, KEY)
+    remove(model)
     model.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, KEY, sample_with_conds_on_device)
 
 

@@ -94,14 +94,21 @@ def pick(measurements: list, sdpa_ms: float, config: AttentionConfig) -> str:
     return min(within, key=lambda m: m.ms).backend if within else "sdpa"
 
 
+HOST_AHEAD_CYCLES = 20_000_000  # ~10 ms of GPU sleep queued before each timing: more than its calls' launch time
+
+
 def _median_ms(fn, reps: int = 5, calls: int = 4) -> float:
-    """Milliseconds per call: the median of `reps` timings of `calls` back-to-back calls, so that the launch latency
-    of a lone call (hidden inside a model, where the host runs ahead of the GPU) does not count against a backend
-    with more launches."""
+    """GPU milliseconds per call: the median of `reps` timings of `calls` back-to-back calls, each timing queued
+    behind a GPU sleep so that the host has launched them all before the first starts. A backend's launch time
+    (inside a model the host runs ahead of the GPU) then does not count against it: without the sleep, a backend
+    of many short launches is timed at the host's pace."""
     fn()
+    sleep = getattr(torch.cuda, "_sleep", None)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if sleep is not None:
+            sleep(HOST_AHEAD_CYCLES)
         start.record()
         for _ in range(calls):
             fn()

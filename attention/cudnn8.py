@@ -5,7 +5,10 @@ torch ships). Its optional dependencies (cutlass-dsl, tvm-ffi) are not needed fo
 On Hopper cuDNN's fp8 graph takes one scale per tensor and writes its output in fp8, so its error per call is ~6 %
 (bench/README.md): the chooser uses it only where the user's error bound allows. Scales are computed per call
 (amax of Q, K, V); the output's scale follows from V's, since each output row is a convex combination of V's rows.
-One cuDNN graph is built per shape and stride pattern and kept.
+One cuDNN graph is built per shape and kept.
+
+Around the graph, three Triton launches instead of ~30 torch ops (whose launches made the backend host-bound): the
+three tensors' amax in one, their casts and scales in one, the output's dequantization into the op's layout in one.
 """
 from __future__ import annotations
 
@@ -14,11 +17,71 @@ import threading
 import torch
 
 from ..quantization.kernels import FP8_MAX
+from .triton8 import _token_block, triton
 
 try:
     import cudnn
 except Exception:  # noqa: BLE001 - not installed, or its native module does not load here
     cudnn = None
+
+BLOCK = 64  # tokens per program of the Triton kernels below
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _amax_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, n_q, n_kv, heads, q_strides, k_strides, v_strides,
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """amax[0..2] (zeroed before) = the largest magnitude of Q, K, V (program_id(2) picks the tensor)."""
+        pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = tl.arange(0, HEAD_DIM)
+        if which == 0:
+            x = tl.load(_token_block(q_ptr, q_strides, bh, heads, rows, cols), mask=(rows < n_q)[:, None], other=0.0)
+        elif which == 1:
+            x = tl.load(_token_block(k_ptr, k_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None], other=0.0)
+        else:
+            x = tl.load(_token_block(v_ptr, v_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None], other=0.0)
+        tl.atomic_max(amax_ptr + which, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0), sem="relaxed")
+
+    @triton.jit
+    def _cast_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, q8_ptr, k8_ptr, v8_ptr, scales_ptr, n_q, n_kv, heads, q_strides,
+                     k_strides, v_strides, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """Q, K, V over their descales (amax / 448) into contiguous e4m3 copies; scales = [dq, dk, dv, 1 / dv]."""
+        pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        descale = tl.maximum(tl.load(amax_ptr + which) / FP8_MAX, 1e-20)
+        if which == 0:
+            _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, HEAD_DIM, BLOCK)
+        elif which == 1:
+            _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, HEAD_DIM, BLOCK)
+        else:
+            _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, HEAD_DIM, BLOCK)
+        if pid == 0 and bh == 0:
+            tl.store(scales_ptr + which, descale)
+            if which == 2:
+                tl.store(scales_ptr + 3, 1.0 / descale)
+
+    @triton.jit
+    def _cast_block(src, strides, dst, n, descale, pid, bh, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = tl.arange(0, HEAD_DIM)
+        valid = (rows < n)[:, None]
+        x = tl.load(_token_block(src, strides, bh, heads, rows, cols), mask=valid, other=0.0).to(tl.float32)
+        tl.store(dst + (bh * n + rows)[:, None] * HEAD_DIM + cols[None, :], (x / descale).to(dst.dtype.element_ty),
+                 mask=valid)
+
+    @triton.jit
+    def _output_kernel(o8_ptr, scales_ptr, out_ptr, n, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """cuDNN's e4m3 (batch, heads, tokens, dim) output times V's descale, as (batch, tokens, heads, dim)."""
+        pid, bh = tl.program_id(0), tl.program_id(1)
+        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = tl.arange(0, HEAD_DIM)
+        valid = (rows < n)[:, None]
+        x = tl.load(o8_ptr + (bh * n + rows)[:, None] * HEAD_DIM + cols[None, :], mask=valid, other=0.0)
+        y = x.to(tl.float32) * tl.load(scales_ptr + 2)
+        b, h = bh // heads, bh % heads
+        out = out_ptr + ((b * n + rows) * heads + h)[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=valid)
 
 _graphs: dict = {}
 _lock = threading.Lock()
@@ -27,6 +90,8 @@ _lock = threading.Lock()
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     if cudnn is None:
         return "nvidia-cudnn-frontend is not installed (pip install --no-deps nvidia-cudnn-frontend)"
+    if triton is None:
+        return "Triton is not installed"
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
         return "needs a Hopper or newer NVIDIA GPU"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -69,10 +134,17 @@ class _Graph:
         graph.build_plans()
         self.graph = graph
         self.workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+        # P in [0, 1] is stored times 448 (descale_s 1/448, scale_s 448); cuDNN's amax outputs are not used.
+        self.constants = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
+        self.amax_out = torch.empty(2, dtype=torch.float32, device=device)
 
-    def run(self, q8, k8, v8, scales, out8, amax):
-        pack = {self.q: q8, self.k: k8, self.v: v8, self.out: out8, self.amax[0]: amax[0], self.amax[1]: amax[1]}
-        pack.update(zip(self.scales, scales))
+    def run(self, q8, k8, v8, scales, out8):
+        """scales: [dq, dk, dv, 1 / dv] on the device; O's rows are convex combinations of V's, so |O| <= amax(V)."""
+        descale_s, scale_s = self.constants[0:1], self.constants[1:2]
+        values = (scales[0:1], scales[1:2], scales[2:3], descale_s, scale_s, scales[3:4])
+        pack = {self.q: q8, self.k: k8, self.v: v8, self.out: out8, self.amax[0]: self.amax_out[0:1],
+                self.amax[1]: self.amax_out[1:2]}
+        pack.update(zip(self.scales, values))
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
         self.graph.execute(pack, self.workspace, handle=self.handle)
 
@@ -86,22 +158,37 @@ def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
     return graph
 
 
-def _to_fp8(x: torch.Tensor):
-    """(contiguous e4m3 copy, its descale) with one scale for the tensor."""
-    descale = (x.abs().amax().float() / FP8_MAX).clamp_min(1e-20)
-    return (x / descale).to(torch.float8_e4m3fn).contiguous(), descale
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(q8, k8, v8, scales): contiguous e4m3 copies of (batch, heads, tokens, head dim) views (head dim contiguous),
+    each over one descale, and scales = [dq, dk, dv, 1 / dv] (float32, on the device). Two launches."""
+    batch, heads, n_q, dim = q.shape
+    n_kv = k.shape[2]
+    q8, k8, v8 = (torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=q.device) for t in (q, k, v))
+    amax = torch.zeros(3, dtype=torch.float32, device=q.device)
+    scales = torch.empty(4, dtype=torch.float32, device=q.device)
+    strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
+    grid = (triton.cdiv(max(n_q, n_kv), BLOCK), batch * heads, 3)
+    _amax_kernel[grid](q, k, v, amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
+    _cast_kernel[grid](q, k, v, amax, q8, k8, v8, scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX, HEAD_DIM=dim,
+                       BLOCK=BLOCK, num_warps=4)
+    return q8, k8, v8, scales
+
+
+def dequantize_output(out8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cuDNN's e4m3 (batch, heads, tokens, head dim) output times V's descale, as (batch, tokens, heads, head dim)."""
+    batch, heads, n, dim = out8.shape
+    out = torch.empty((batch, n, heads, dim), dtype=dtype, device=out8.device)
+    _output_kernel[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, n, heads, HEAD_DIM=dim, BLOCK=BLOCK,
+                                                           num_warps=4)
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
-    """softmax(q·kᵀ · sm_scale)·v for (batch, heads, tokens, head dim) inputs, returned as (batch, tokens, heads,
-    head dim), contiguous, in q's dtype."""
+    """softmax(q·kᵀ · sm_scale)·v for (batch, heads, tokens, head dim) inputs (views with the head dim contiguous),
+    returned as (batch, tokens, heads, head dim), contiguous, in q's dtype."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     graph = _graph(q.shape, k.shape, sm_scale, q.device)
-    (q8, dq), (k8, dk), (v8, dv) = _to_fp8(q), _to_fp8(k), _to_fp8(v)
-    one = torch.ones((), dtype=torch.float32, device=q.device)
-    # P in [0, 1] is stored times 448; O's rows are convex combinations of V's, so |O| <= amax(V).
-    scales = [t.reshape(1, 1, 1, 1) for t in (dq, dk, dv, one / FP8_MAX, one * FP8_MAX, 1.0 / dv)]
+    q8, k8, v8, scales = quantize(q, k, v)
     out8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    amax = [torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device) for _ in range(2)]
-    graph.run(q8, k8, v8, scales, out8, amax)
-    return (out8.to(torch.float32) * dv).to(q.dtype).transpose(1, 2).contiguous()
+    graph.run(q8, k8, v8, scales, out8)
+    return dequantize_output(out8, scales, q.dtype)

@@ -70,3 +70,22 @@ def test_static_fp8_scales_under_compile_match_eager_and_are_timed_as_compiled()
         compiled = torch.compile(model)(x).float()
     assert ((eager - reference).norm() / reference.norm()).item() < 0.1
     assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 17])
+def test_weight_only_layer_compiled_and_eager_match_the_reference(rows):
+    """A modulation-like weight-only int8 layer: the Triton kernel (compiled code calls it as a custom op, eager code
+    directly) up to 16 rows, the dequantizing GEMM above; both within rounding of the float64 oracle."""
+    from torch._inductor.utils import run_and_get_code
+
+    from overdrive.quantization.weight_only import Int8WeightOnlyLinear
+
+    torch.manual_seed(0)
+    layer = Int8WeightOnlyLinear.from_float(nn.Linear(3072, 9216)).cuda().to(torch.bfloat16)
+    x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+    ref = layer.reference_forward(x).float()
+    torch._dynamo.reset()
+    compiled, code = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+    for y in (layer(x), compiled):
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert ("weight_only_gemv" in "".join(code)) == (rows <= 16)

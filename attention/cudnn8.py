@@ -13,6 +13,7 @@ three tensors' amax in one, their casts and scales in one, the output's dequanti
 from __future__ import annotations
 
 import threading
+import types
 
 import torch
 
@@ -71,8 +72,10 @@ if triton is not None:
                  mask=valid)
 
     @triton.jit
-    def _output_kernel(o8_ptr, scales_ptr, out_ptr, n, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        """cuDNN's e4m3 (batch, heads, tokens, dim) output times V's descale, as (batch, tokens, heads, dim)."""
+    def _output_kernel(o8_ptr, scales_ptr, out_ptr, amax_ptr, n, heads, ZERO_AMAX: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """cuDNN's e4m3 (batch, heads, tokens, dim) output times V's descale, as (batch, tokens, heads, dim); with
+        ZERO_AMAX, amax[0..2] is reset for the next call (the casts that read it are done)."""
         pid, bh = tl.program_id(0), tl.program_id(1)
         rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = tl.arange(0, HEAD_DIM)
@@ -82,9 +85,10 @@ if triton is not None:
         b, h = bh // heads, bh % heads
         out = out_ptr + ((b * n + rows) * heads + h)[:, None] * HEAD_DIM + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=valid)
-
-_graphs: dict = {}
-_lock = threading.Lock()
+        if ZERO_AMAX:
+            if pid == 0 and bh == 0:
+                three = tl.arange(0, 4)
+                tl.store(amax_ptr + three, tl.zeros([4], tl.float32), mask=three < 3)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -134,19 +138,41 @@ class _Graph:
         graph.build_plans()
         self.graph = graph
         self.workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        # P in [0, 1] is stored times 448 (descale_s 1/448, scale_s 448); cuDNN's amax outputs are not used.
+        self.shape_q, self.shape_kv = tuple(shape_q), tuple(shape_kv)
         self.constants = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
-        self.amax_out = torch.empty(2, dtype=torch.float32, device=device)
+        self.amax_out = torch.empty(2, dtype=torch.float32, device=device)  # cuDNN's amax outputs, not used
 
-    def run(self, q8, k8, v8, scales, out8):
-        """scales: [dq, dk, dv, 1 / dv] on the device; O's rows are convex combinations of V's, so |O| <= amax(V)."""
-        descale_s, scale_s = self.constants[0:1], self.constants[1:2]
-        values = (scales[0:1], scales[1:2], scales[2:3], descale_s, scale_s, scales[3:4])
-        pack = {self.q: q8, self.k: k8, self.v: v8, self.out: out8, self.amax[0]: self.amax_out[0:1],
-                self.amax[1]: self.amax_out[1:2]}
-        pack.update(zip(self.scales, values))
-        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
-        self.graph.execute(pack, self.workspace, handle=self.handle)
+        self.operands: dict = {}  # CUDA stream -> _Operands
+
+    def operands_for(self, stream) -> "_Operands":
+        operands = self.operands.get(stream.cuda_stream)
+        if operands is None:
+            operands = self.operands[stream.cuda_stream] = _Operands(self, stream.device)
+        return operands
+
+    def run(self, operands: "_Operands", stream) -> None:
+        cudnn.set_stream(handle=self.handle, stream=stream.cuda_stream)
+        self.graph.execute(operands.pack, self.workspace, handle=self.handle)
+
+
+class _Operands:
+    """A graph's fp8 inputs and output, scales and cuDNN variant pack for one CUDA stream, reused by each call there
+    (a stream runs its calls in order): a call allocates nothing and builds no pack, which kept the host behind the
+    GPU in Flux (`2026-11-26_h100_flux_1024_cudnn_attention.json`). `amax` is zeroed again by the output kernel."""
+
+    def __init__(self, graph: _Graph, device):
+        e4m3 = torch.float8_e4m3fn
+        self.q8, self.out8 = (torch.empty(graph.shape_q, dtype=e4m3, device=device) for _ in range(2))
+        self.k8, self.v8 = (torch.empty(graph.shape_kv, dtype=e4m3, device=device) for _ in range(2))
+        self.amax = torch.zeros(3, dtype=torch.float32, device=device)
+        self.scales = torch.empty(4, dtype=torch.float32, device=device)  # [dq, dk, dv, 1 / dv]
+        # P in [0, 1] is stored times 448 (descale_s 1/448, scale_s 448); O's rows are convex combinations of V's
+        # rows, so |O| <= amax(V): O's scale is 1 / dv.
+        scales, constants = self.scales, graph.constants
+        values = (scales[0:1], scales[1:2], scales[2:3], constants[0:1], constants[1:2], scales[3:4])
+        self.pack = {graph.q: self.q8, graph.k: self.k8, graph.v: self.v8, graph.out: self.out8,
+                     graph.amax[0]: graph.amax_out[0:1], graph.amax[1]: graph.amax_out[1:2],
+                     **dict(zip(graph.scales, values))}
 
 
 def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
@@ -158,28 +184,35 @@ def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
     return graph
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, operands: _Operands | None = None):
     """(q8, k8, v8, scales): contiguous e4m3 copies of (batch, heads, tokens, head dim) views (head dim contiguous),
-    each over one descale, and scales = [dq, dk, dv, 1 / dv] (float32, on the device). Two launches."""
+    each over one descale, and scales = [dq, dk, dv, 1 / dv] (float32, on the device). Two launches; written into
+    `operands` if given (whose amax is zero), else into new tensors."""
     batch, heads, n_q, dim = q.shape
     n_kv = k.shape[2]
-    q8, k8, v8 = (torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=q.device) for t in (q, k, v))
-    amax = torch.zeros(3, dtype=torch.float32, device=q.device)
-    scales = torch.empty(4, dtype=torch.float32, device=q.device)
+    if operands is None:
+        operands = types.SimpleNamespace(
+            **{name: torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=q.device) for name, t in
+               (("q8", q), ("k8", k), ("v8", v))}, amax=torch.zeros(3, dtype=torch.float32, device=q.device),
+            scales=torch.empty(4, dtype=torch.float32, device=q.device))
+    o = operands
     strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
     grid = (triton.cdiv(max(n_q, n_kv), BLOCK), batch * heads, 3)
-    _amax_kernel[grid](q, k, v, amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
-    _cast_kernel[grid](q, k, v, amax, q8, k8, v8, scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX, HEAD_DIM=dim,
-                       BLOCK=BLOCK, num_warps=4)
-    return q8, k8, v8, scales
+    _amax_kernel[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
+    _cast_kernel[grid](q, k, v, o.amax, o.q8, o.k8, o.v8, o.scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX,
+                       HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
+    return o.q8, o.k8, o.v8, o.scales
 
 
-def dequantize_output(out8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cuDNN's e4m3 (batch, heads, tokens, head dim) output times V's descale, as (batch, tokens, heads, head dim)."""
+def dequantize_output(out8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                      amax: torch.Tensor | None = None) -> torch.Tensor:
+    """cuDNN's e4m3 (batch, heads, tokens, head dim) output times V's descale, as (batch, tokens, heads, head dim);
+    `amax` (the casts' maxima) is zeroed for the next call."""
     batch, heads, n, dim = out8.shape
     out = torch.empty((batch, n, heads, dim), dtype=dtype, device=out8.device)
-    _output_kernel[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, n, heads, HEAD_DIM=dim, BLOCK=BLOCK,
-                                                           num_warps=4)
+    _output_kernel[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, scales if amax is None else amax, n,
+                                                           heads, ZERO_AMAX=amax is not None, HEAD_DIM=dim,
+                                                           BLOCK=BLOCK, num_warps=4)
     return out
 
 
@@ -188,7 +221,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     returned as (batch, tokens, heads, head dim), contiguous, in q's dtype."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     graph = _graph(q.shape, k.shape, sm_scale, q.device)
-    q8, k8, v8, scales = quantize(q, k, v)
-    out8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    graph.run(q8, k8, v8, scales, out8)
-    return dequantize_output(out8, scales, q.dtype)
+    stream = torch.cuda.current_stream(q.device)
+    operands = graph.operands_for(stream)
+    quantize(q, k, v, operands)
+    graph.run(operands, stream)
+    return dequantize_output(operands.out8, operands.scales, q.dtype, operands.amax)

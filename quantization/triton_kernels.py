@@ -122,7 +122,7 @@ if triton is not None:
 
 
 # (BLOCK_N, BLOCK_K, warps, stages) of the weight-only kernel, from bench/quantize_gemv.py's sweep on an H100.
-GEMV_CONFIG = (64, 128, 4, 4)
+GEMV_CONFIG = (32, 256, 4, 3)
 GEMV_MAX_ROWS = 16  # one tensor-core tile of rows; more rows make the call a GEMM
 
 

@@ -50,3 +50,16 @@ def test_host_hidden_timing_is_the_gpu_time_of_a_launch_bound_call():
     end.record()
     end.synchronize()
     assert _median_ms(tiny) < start.elapsed_time(end)
+
+
+def test_cudnn_fp8_reuses_its_operands_and_resets_their_maxima():
+    """Calls on one stream share the fp8 buffers: a call after one with larger inputs gets its own scales."""
+    q, k, v = inputs((1, 4, 1024, 128))
+    if cudnn8.supports(q, k, v) is not None:
+        pytest.skip(cudnn8.supports(q, k, v))
+    small = [t * 0.01 for t in (q, k, v)]
+    first = cudnn8.attention(*small)
+    cudnn8.attention(q, k, v)
+    assert torch.equal(cudnn8.attention(*small), first)
+    operands = cudnn8._graph(q.shape, k.shape, 128 ** -0.5, q.device).operands_for(torch.cuda.current_stream())
+    assert operands.amax.abs().sum().item() == 0

@@ -25,6 +25,8 @@ try:
 except Exception:  # noqa: BLE001 - not installed, or its native module does not load here
     cudnn = None
 
+_graphs: dict = {}
+_lock = threading.Lock()
 BLOCK = 64  # tokens per program of the Triton kernels below
 
 if triton is not None:
@@ -141,7 +143,6 @@ class _Graph:
         self.shape_q, self.shape_kv = tuple(shape_q), tuple(shape_kv)
         self.constants = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
         self.amax_out = torch.empty(2, dtype=torch.float32, device=device)  # cuDNN's amax outputs, not used
-
         self.operands: dict = {}  # CUDA stream -> _Operands
 
     def operands_for(self, stream) -> "_Operands":

@@ -422,3 +422,24 @@ def test_value_reads_restart_from_their_saved_compiled_functions_and_rebuild_whe
         assert rebuilt._read_call(call) == (4, Inner, 0)
     Inner.heads = 8  # the reads are live, not what was saved
     assert restored._read_call(call) == (8, Inner, 0)
+
+
+def test_globals_read_sees_a_replaced_function_and_keeps_an_entry_gone_since_tracing_as_unchanged():
+    """One expression reads every function a frame took from modules; an entry that was already gone when traced
+    (a module since unloaded) keeps the per-entry check, where gone-and-still-gone is unchanged."""
+    import math
+
+    from overdrive.compiler.traced_reads import GlobalsRead
+
+    entries = [("G['__import_math'].floor", "math.floor"), ("G['__import_math'].ceil", "math.ceil")]
+    read = GlobalsRead(entries)
+    assert read._all is not None and read.unchanged()
+    original = math.floor
+    try:
+        math.floor = lambda x: 0
+        assert not read.unchanged() and read.changed() == ["G['__import_math'].floor"]
+    finally:
+        math.floor = original
+    assert read.unchanged()
+    gone = GlobalsRead([*entries, ("G['__import_no_such_module'].f", "no_such_module.f")])
+    assert gone._all is None and gone.unchanged()

@@ -123,7 +123,7 @@ class CompiledMethod:
         saved = list_arguments(args, kwargs)
         try:
             with progress:
-                out = graph.call(self.module, args, kwargs, self.disk)
+                out = graph.call(self.module, args, kwargs, self.disk, known_shape=not new_shape)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
             for value, items in saved:
                 value[:] = items

@@ -94,8 +94,9 @@ class SharedGraph:
         self.frames = precompiled.PrecompiledFrames(fn, options) if (
             options.precompile and precompiled.supported()) else None
 
-    def call(self, module, args, kwargs, disk=None):
-        """`disk`: the caller's CompileDiskCache (its options' cache_dir), or None for memory only."""
+    def call(self, module, args, kwargs, disk=None, known_shape=False):
+        """`disk`: the caller's CompileDiskCache (its options' cache_dir), or None for memory only. `known_shape`: the
+        call's tensor shapes were compiled before (with other settings, e.g. another attention mode)."""
         key = None
         if disk is not None:
             device = _first_device(args, kwargs)
@@ -110,8 +111,8 @@ class SharedGraph:
         method = _method_argument(module, self.method)
         with self._recompile_limit(), attention_preference(self.options):
             # Precompiled frames key the method by name: a class passed by function takes torch.compile's path.
-            frame, built = self._precompiled_frame(module, args, kwargs, disk, key) if method is self.method \
-                else (None, False)
+            frame, built = (self._precompiled_frame(module, args, kwargs, disk, key, known_shape)
+                            if method is self.method else (None, False))
             if self.options.cuda_graphs:
                 _mark_step_begin()  # each call is a new inference step, not a continuation
             out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
@@ -153,10 +154,12 @@ class SharedGraph:
             return contextlib.nullcontext()
         return torch._dynamo.config.patch(recompile_limit=self.options.max_graphs)
 
-    def _precompiled_frame(self, module, args, kwargs, disk, key):
+    def _precompiled_frame(self, module, args, kwargs, disk, key, known_shape=False):
         """With `precompile`: (the saved or newly built guard-free frame for this call, whether it was built now),
         or (None, False) for torch.compile's path (no frame for a later shape, an argument that cannot be keyed,
-        weights not all on the input's device; see compiler/precompiled.py)."""
+        weights not all on the input's device; see compiler/precompiled.py). A specialised shape called with other
+        settings (a second model of the architecture with 8-bit attention on) gets its own frame rather than
+        torch.compile's guards at every call."""
         frames = self.frames
         if frames is None or frames.failure is not None:
             return None, False
@@ -166,7 +169,7 @@ class SharedGraph:
         # The folder only matters for a frame not in memory yet (a path built at every block call adds up).
         directory = disk.frames_dir(key) if disk is not None and signature not in frames.frames else None
         frame = frames.load(signature, directory, (module, self.method, args, kwargs))
-        if frame is None and signature not in frames.frames and not self.shapes_sealed:
+        if frame is None and signature not in frames.frames and (known_shape or not self.shapes_sealed):
             # A new shape among the first ones (later: the `dynamic` policy). A frame that no longer applies (a value
             # it read changed) is not built again: such calls take torch.compile's path, guards and all.
             frame = frames.build(signature, directory, module, self.method, args, kwargs)

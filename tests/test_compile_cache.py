@@ -443,3 +443,24 @@ def test_globals_read_sees_a_replaced_function_and_keeps_an_entry_gone_since_tra
     assert read.unchanged()
     gone = GlobalsRead([*entries, ("G['__import_no_such_module'].f", "no_such_module.f")])
     assert gone._all is None and gone.unchanged()
+
+
+def test_a_specialised_shape_called_with_other_settings_gets_its_own_frame(tmp_path):
+    """Once the first shapes are sealed, a call of a known shape with another plain argument (another model of the
+    architecture with other settings) still gets a precompiled frame; a new shape takes torch.compile's path."""
+    from overdrive.compiler import CompileOptions, compile_module
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale=1.0):
+            return torch.relu(x) * scale
+
+    module = Scaled()
+    compiled = compile_module(module, CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path)))
+    x = torch.randn(4, 8)
+    assert torch.equal(module(x, scale=1.0), torch.relu(x))
+    assert compiled.graph.shapes_sealed and len(compiled.graph.frames.frames) == 1
+    assert torch.equal(module(x, scale=2.0), torch.relu(x) * 2)
+    assert len(compiled.graph.frames.frames) == 2
+    y = torch.randn(5, 8)
+    assert torch.equal(module(y, scale=2.0), torch.relu(y) * 2)
+    assert len(compiled.graph.frames.frames) == 2

@@ -17,7 +17,6 @@ import types
 
 import torch
 
-from ..fast_launch import FastLaunch
 from ..quantization.kernels import FP8_MAX
 from .triton8 import _token_block, triton
 
@@ -92,8 +91,6 @@ if triton is not None:
             if pid == 0 and bh == 0:
                 three = tl.arange(0, 4)
                 tl.store(amax_ptr + three, tl.zeros([4], tl.float32), mask=three < 3)
-
-    _AMAX, _CAST, _OUTPUT = FastLaunch(_amax_kernel), FastLaunch(_cast_kernel), FastLaunch(_output_kernel)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -202,8 +199,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, operands: _Opera
     o = operands
     strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
     grid = (triton.cdiv(max(n_q, n_kv), BLOCK), batch * heads, 3)
-    _AMAX[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
-    _CAST[grid](q, k, v, o.amax, o.q8, o.k8, o.v8, o.scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX,
+    _amax_kernel[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
+    _cast_kernel[grid](q, k, v, o.amax, o.q8, o.k8, o.v8, o.scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX,
                        HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
     return o.q8, o.k8, o.v8, o.scales
 
@@ -214,7 +211,7 @@ def dequantize_output(out8: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     `amax` (the casts' maxima) is zeroed for the next call."""
     batch, heads, n, dim = out8.shape
     out = torch.empty((batch, n, heads, dim), dtype=dtype, device=out8.device)
-    _OUTPUT[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, scales if amax is None else amax, n,
+    _output_kernel[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, scales if amax is None else amax, n,
                                                            heads, ZERO_AMAX=amax is not None, HEAD_DIM=dim,
                                                            BLOCK=BLOCK, num_warps=4)
     return out

@@ -25,8 +25,6 @@ import os
 
 import torch
 
-from ..fast_launch import FastLaunch
-
 try:
     import triton
     import triton.language as tl
@@ -122,8 +120,6 @@ if triton is not None:
         out = out_ptr + rows[:, None] * stride_out + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & cmask[None, :])
 
-    _GEMV = FastLaunch(_weight_only_gemv_kernel)
-
 
 # (BLOCK_N, BLOCK_K, warps, stages) of the weight-only kernel, from bench/quantize_gemv.py's sweep on an H100.
 GEMV_CONFIG = (32, 256, 4, 3)
@@ -142,7 +138,7 @@ def weight_only_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tenso
     if m == 0 or n == 0:
         return out
     scale = w_scale.reshape(-1)
-    _GEMV[(triton.cdiv(n, block_n),)](
+    _weight_only_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w_int8, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), w_int8.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)  # without a bias, the scales stand in for the pointer, never read

@@ -158,8 +158,9 @@ class _Graph:
 
 class _Operands:
     """A graph's fp8 inputs and output, scales and cuDNN variant pack for one CUDA stream, reused by each call there
-    (a stream runs its calls in order): a call allocates nothing and builds no pack, which kept the host behind the
-    GPU in Flux (`2026-11-26_h100_flux_1024_cudnn_attention.json`). `amax` is zeroed again by the output kernel."""
+    (a stream runs its calls in order): a call allocates nothing and builds no pack. Doing both at each call made
+    Flux's fp8 run slower with this backend than without it (1.970 against 1.845 s per image on an H100,
+    `2026-11-26_h100_flux_1024_cudnn_attention_host_bound.json`). `amax` is zeroed again by the output kernel."""
 
     def __init__(self, graph: _Graph, device):
         e4m3 = torch.float8_e4m3fn

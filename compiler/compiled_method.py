@@ -123,7 +123,8 @@ class CompiledMethod:
         saved = list_arguments(args, kwargs)
         try:
             with progress:
-                out = graph.call(self.module, args, kwargs, self.disk, known_shape=not new_shape)
+                out = graph.call(self.module, args, kwargs, self.disk,
+                                 known_shape=signature in graph.specialised_shapes)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
             for value, items in saved:
                 value[:] = items
@@ -138,6 +139,8 @@ class CompiledMethod:
                         "continues, only slower). Reason: %s", graph.description, self.method, reason)
             return self.eager(*args, **kwargs)
         graph.shapes_seen.add(signature)
+        if not graph.shapes_sealed:
+            graph.specialised_shapes.add(signature)
         if self.options.static_shapes == "first":
             graph.seal_shapes()
         return out

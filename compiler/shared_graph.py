@@ -83,6 +83,7 @@ class SharedGraph:
         self.graphs_compiled = 0  # new Dynamo graphs produced by calls through this entry point
         self.shapes_seen: set = set()
         self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
+        self.specialised_shapes: set = set()  # the shapes seen before sealing: they get precompiled frames
         self.failure: str | None = None  # set once compiling or running compiled code failed
         self.disk_keys_loaded: set = set()
         self.disk_keys: dict = {}  # device -> disk cache key
@@ -96,7 +97,8 @@ class SharedGraph:
 
     def call(self, module, args, kwargs, disk=None, known_shape=False):
         """`disk`: the caller's CompileDiskCache (its options' cache_dir), or None for memory only. `known_shape`: the
-        call's tensor shapes were compiled before (with other settings, e.g. another attention mode)."""
+        call's tensor shapes are among the specialised ones (called before with other settings, e.g. another attention
+        mode)."""
         key = None
         if disk is not None:
             device = _first_device(args, kwargs)

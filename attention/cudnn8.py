@@ -13,7 +13,6 @@ three tensors' amax in one, their casts and scales in one, the output's dequanti
 from __future__ import annotations
 
 import threading
-import types
 
 import torch
 
@@ -156,18 +155,26 @@ class _Graph:
         self.graph.execute(operands.pack, self.workspace, handle=self.handle)
 
 
-class _Operands:
+class _Casts:
+    """Contiguous e4m3 copies of Q, K and V, their maxima (zero between calls) and scales [dq, dk, dv, 1 / dv]."""
+
+    def __init__(self, shape_q, shape_kv, device):
+        e4m3 = torch.float8_e4m3fn
+        self.q8 = torch.empty(shape_q, dtype=e4m3, device=device)
+        self.k8, self.v8 = (torch.empty(shape_kv, dtype=e4m3, device=device) for _ in range(2))
+        self.amax = torch.zeros(3, dtype=torch.float32, device=device)
+        self.scales = torch.empty(4, dtype=torch.float32, device=device)
+
+
+class _Operands(_Casts):
     """A graph's fp8 inputs and output, scales and cuDNN variant pack for one CUDA stream, reused by each call there
     (a stream runs its calls in order): a call allocates nothing and builds no pack. Doing both at each call made
     Flux's fp8 run slower with this backend than without it (1.970 against 1.845 s per image on an H100,
     `2026-11-26_h100_flux_1024_cudnn_attention_host_bound.json`). `amax` is zeroed again by the output kernel."""
 
     def __init__(self, graph: _Graph, device):
-        e4m3 = torch.float8_e4m3fn
-        self.q8, self.out8 = (torch.empty(graph.shape_q, dtype=e4m3, device=device) for _ in range(2))
-        self.k8, self.v8 = (torch.empty(graph.shape_kv, dtype=e4m3, device=device) for _ in range(2))
-        self.amax = torch.zeros(3, dtype=torch.float32, device=device)
-        self.scales = torch.empty(4, dtype=torch.float32, device=device)  # [dq, dk, dv, 1 / dv]
+        super().__init__(graph.shape_q, graph.shape_kv, device)
+        self.out8 = torch.empty(graph.shape_q, dtype=torch.float8_e4m3fn, device=device)
         # P in [0, 1] is stored times 448 (descale_s 1/448, scale_s 448); O's rows are convex combinations of V's
         # rows, so |O| <= amax(V): O's scale is 1 / dv.
         scales, constants = self.scales, graph.constants
@@ -186,18 +193,13 @@ def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
     return graph
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, operands: _Operands | None = None):
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, casts: _Casts | None = None):
     """(q8, k8, v8, scales): contiguous e4m3 copies of (batch, heads, tokens, head dim) views (head dim contiguous),
     each over one descale, and scales = [dq, dk, dv, 1 / dv] (float32, on the device). Two launches; written into
-    `operands` if given (whose amax is zero), else into new tensors."""
+    `casts` if given (whose amax is zero), else into new tensors."""
     batch, heads, n_q, dim = q.shape
     n_kv = k.shape[2]
-    if operands is None:
-        operands = types.SimpleNamespace(
-            **{name: torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=q.device) for name, t in
-               (("q8", q), ("k8", k), ("v8", v))}, amax=torch.zeros(3, dtype=torch.float32, device=q.device),
-            scales=torch.empty(4, dtype=torch.float32, device=q.device))
-    o = operands
+    o = casts or _Casts(q.shape, k.shape, q.device)
     strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
     grid = (triton.cdiv(max(n_q, n_kv), BLOCK), batch * heads, 3)
     _amax_kernel[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)

@@ -74,8 +74,8 @@ def test_static_fp8_scales_under_compile_match_eager_and_are_timed_as_compiled()
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 17])
 def test_weight_only_layer_compiled_and_eager_match_the_reference(rows):
-    """A modulation-like weight-only int8 layer: the Triton kernel (compiled code calls it as a custom op, eager code
-    directly) up to 16 rows, the dequantizing GEMM above; both within rounding of the float64 oracle."""
+    """A modulation-like weight-only int8 layer: the Triton kernel (compiled and eager code call it through its custom
+    op) up to 16 rows, the dequantizing GEMM above; both within rounding of the float64 oracle."""
     from torch._inductor.utils import run_and_get_code
 
     from overdrive.quantization.weight_only import Int8WeightOnlyLinear

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from .compiler import CompiledMethod
+from .compiler.block_graphs import BlockGraphs
 from .compiler.regions import block_transformer_options
 from .deepcache.block_cache import BlockStepCache
 from .deepcache.runner import DeepCacheUnsupportedError
@@ -30,8 +31,8 @@ OWN_PATCHES = "overdrive_"
 
 
 def block_options(options):
-    """Compile options for one block: no CUDA graph (a recording per block call gains nothing on a GPU-bound block),
-    no nested regions. Every shape of the first sampling step specialised and, with precompile, saved whole (the token
+    """Compile options for one block: no Inductor CUDA graph (the blocks' own recordings are BlockwiseForward's,
+    compiler/block_graphs.py), no nested regions. Every shape of the first sampling step specialised and, with precompile, saved whole (the token
     layouts of a step: Z-Image's refiners and main layers, Wan's cond and uncond context lengths), so a restart loads
     every block it runs without tracing it; a later resolution follows `dynamic`."""
     return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step")
@@ -104,6 +105,8 @@ class BlockwiseForward:
             self.compiled = {path: make(block, path, per_block) for _, path, block in self.blocks}
         else:
             self.compiled = {}
+        # The blocks' CUDA graphs (compiler/block_graphs.py): with CompileModel's cuda_graphs, on a CUDA model.
+        self.graphs = BlockGraphs() if options is not None and options.cuda_graphs else None
         cached = [(stack, len(getattr(module, stack.attribute))) for stack in family.stacks if stack.cached]
         self.cache = step_cache or (BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None)
         # Position among the blocks the step cache sees (the cached stacks', in run order).
@@ -125,6 +128,8 @@ class BlockwiseForward:
         # call, which a reused step (host-bound: one block of GPU work) pays in full.
         saved = [(block.__dict__, block.__dict__.get("forward")) for _, _, block in self.blocks]
         completed = False
+        if self.graphs is not None:
+            self.graphs.forget_copies()
         try:
             for (attributes, _), forward in zip(saved, self._block_forwards):
                 attributes["forward"] = forward
@@ -139,6 +144,8 @@ class BlockwiseForward:
                     attributes["forward"] = forward
             if cache is not None:
                 cache.end(completed)
+            if self.graphs is not None:
+                self.graphs.forget_copies()
             if not self._shapes_sealed and self._first_step_sigmas is None:
                 self._seal_shapes()  # a caller without per-step sigmas: its first call's shapes are the specialised ones
 
@@ -167,13 +174,13 @@ class BlockwiseForward:
         self._shapes_sealed, self._first_step_sigmas = True, None
 
     def _run_block(self, stack, path, block, *args, **kwargs):
-        run = functools.partial(self._block_call, path, block, args, kwargs)
+        run = functools.partial(self._block_call, stack, path, block, args, kwargs)
         position = self._cached_position.get(path)
         if self.cache is None or position is None:
             return run()
         return self.cache.block(position, args, kwargs, run)
 
-    def _block_call(self, path, block, args, kwargs):
+    def _block_call(self, stack, path, block, args, kwargs):
         compiled = self.compiled.get(path)
         if compiled is None:
             return type(block).forward(block, *args, **kwargs)
@@ -185,7 +192,11 @@ class BlockwiseForward:
         # Blocks only read transformer_options for such patches; its per-block entries (block_index) would make
         # every block's graph different. Overdrive's own attention override is passed alone.
         kwargs = {k: v for k, v in kwargs.items() if k != "transformer_options"}
-        return compiled(*args, **kwargs, **({"transformer_options": shared} if shared else {}))
+        if shared:
+            kwargs["transformer_options"] = shared
+        if self.graphs is not None:
+            return self.graphs.call(path, block, stack, compiled, args, kwargs)
+        return compiled(*args, **kwargs)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -197,11 +208,18 @@ class BlockwiseForward:
         if self.cache is not None:
             self.cache.reset()
 
+    def release_graphs(self) -> None:
+        """Free the blocks' CUDA graphs and their buffers (ComfyUI unloads the model); the next calls record again."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def describe(self) -> str:
         parts = []
         if self.options is not None:
             distinct = len({c.fingerprint for c in self.compiled.values()})
             parts.append(f"{len(self.compiled)} blocks compiled as {distinct} distinct graph(s)")
+        if self.graphs is not None and self.graphs.recorded:
+            parts.append(self.graphs.describe())
         if self.cache is not None:
             parts.append(f"step cache ({self.cache_config.describe()})")
         return ", ".join(parts) or "eager"

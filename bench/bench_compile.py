@@ -275,6 +275,11 @@ def main():
                 if cache.last_stats else None,
                 "adaptive_changes": [None if c is None else round(c, 4) for c in cache.changes]}
 
+    def block_graphs(patcher):
+        """What a DiT's block CUDA graphs did (compiler/block_graphs.py), or None."""
+        graphs = getattr(patcher.object_patches.get("diffusion_model.forward"), "graphs", None)
+        return graphs.describe() if graphs is not None else None
+
     def sample(patcher, first_call=None):
         """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
         (the same input in every variant: noise at the first sigma)."""
@@ -319,7 +324,7 @@ def main():
                "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
                "finite": bool(torch.isfinite(out).all()),
                "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None,
-               "compile_phases_s": compile_phases()}
+               "compile_phases_s": compile_phases(), "block_graphs": block_graphs(patcher)}
         if reference is None:
             reference, reference_call = out, first_call[0]
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())

@@ -1,0 +1,251 @@
+"""CUDA-graph replay of a DiT's compiled blocks: one launch per block call instead of the host's work for it.
+
+Why: with fp8 GEMMs and 8-bit attention a Flux.1 block at 1024² is ~1.4 ms of GPU work, and the host's share of a
+compiled block call (the precompiled frame's checks, Inductor's wrapper, the attention op's launches) is of the same
+order: the profiler saw the GPU idle 24 % of a Flux step (bench/README.md). The step cache's reused steps, one
+block of GPU work each, are the host's pace entirely.
+
+How a block call runs:
+- The first call of a block with a call signature (argument shapes, dtypes and non-tensor values) runs the compiled
+  block as it is: it compiles, and the attention choice times its backends.
+- The second records a CUDA graph of it: once on copies of the inputs (a warm-up on the recording stream: lazy
+  buffers and handles are made outside the recording), then recorded over static input buffers.
+- Later calls copy each argument into its static buffer (skipped when it is that buffer, or was copied there earlier
+  in this model call and not changed since) and replay.
+
+Buffers are chained: a block's hidden states are written back into its static input buffers (Flux's blocks do so
+themselves, `img += ...`; for blocks that return new tensors the recording ends with that copy), so the next block,
+recorded with those buffers as its inputs, reads them with no copy. Nothing a recording produces stays in its memory
+pool after the replay, so every block of a model shares one pool: its size is one block's working memory.
+
+What a replay does not see, so a recording is replayed only while it still holds: the call signature, and the data
+pointers of the block's parameters and buffers (a LoRA patch or a device move makes new tensors: the block records
+again; weights copied in place, as SwitchWeights does, are read by the replay). Blocks whose layers apply weight
+functions at run time (ComfyUI's low-VRAM LoRA patches) or whose weights are not on the inputs' GPU run without a
+graph. A recording that fails (a block that synchronises with the host) leaves that signature without a graph, with a
+warning; the call itself runs as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+log = logging.getLogger("overdrive.compiler")
+
+RECORD_AT_CALL = 2  # the first call compiles and chooses; the second records
+
+
+def _flatten(value, tensors: list, objects: list):
+    """A hashable description of `value` (the call's arguments), its tensors appended to `tensors` in order and its
+    other objects (identity-compared) to `objects`, which the recording keeps alive so that their ids stay theirs."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return (tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_flatten(item, tensors, objects) for item in value))
+    if isinstance(value, dict):
+        return (dict, tuple((key, _flatten(item, tensors, objects)) for key, item in value.items()))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return (type(value), value)
+    objects.append(value)
+    return (object, id(value))
+
+
+def _rebuilt(value, tensors):
+    """`value` with its tensors replaced, in order, from the iterator `tensors`."""
+    if isinstance(value, torch.Tensor):
+        return next(tensors)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebuilt(item, tensors) for item in value)
+    if isinstance(value, dict):
+        return {key: _rebuilt(item, tensors) for key, item in value.items()}
+    return value
+
+
+def _count(value) -> int:
+    """How many tensors _flatten finds in `value`."""
+    found = []
+    _flatten(value, found, [])
+    return len(found)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+class _BlockWeights:
+    """The tensors a block's graph reads by address: every parameter and buffer of its module tree, looked up anew at
+    each call (ModelPatcher replaces Parameter objects when it patches)."""
+
+    def __init__(self, block: torch.nn.Module):
+        modules = list(block.modules())
+        self._slots = [(m._parameters, name) for m in modules for name in m._parameters] + \
+                      [(m._buffers, name) for m in modules for name in m._buffers]
+        self._patched = [m for m in modules if hasattr(m, "weight_function")]
+
+    def pointers(self) -> tuple:
+        return tuple(t.data_ptr() if t is not None else 0 for t in (slots[name] for slots, name in self._slots))
+
+    def why_not(self, device: torch.device) -> str | None:
+        """None when a graph can hold this block's weights by address, else why not."""
+        if any(getattr(m, "weight_function", None) or getattr(m, "bias_function", None) for m in self._patched):
+            return "its layers apply weight patches at run time (low-VRAM LoRA)"
+        for slots, name in self._slots:
+            tensor = slots[name]
+            if tensor is not None and tensor.device != device:
+                return f"its weights are on {tensor.device}, not {device}"
+        return None
+
+
+@dataclasses.dataclass
+class _Recording:
+    signature: tuple
+    objects: list                 # the signature's identity-compared objects, kept alive
+    weights: tuple                # the block's weight pointers when recorded
+    graph: torch.cuda.CUDAGraph
+    inputs: list                  # static input tensors, in the arguments' order
+    written: list                 # the static inputs the graph writes (its outputs, and inputs it changes in place)
+    output: object                # the block's output, made of static input tensors
+
+
+class BlockGraphs:
+    """The CUDA-graph recordings of one model's blocks, keyed by block path (one recording per block)."""
+
+    def __init__(self):
+        self._recordings: dict = {}   # path -> _Recording
+        self._calls: dict = {}        # path -> (signature, weights, calls seen with them)
+        self._refused: dict = {}      # path -> signature that could not be recorded
+        self._weights: dict = {}      # path -> _BlockWeights
+        self._filled: dict = {}       # id(static input) -> the argument copied into it in this model call
+        self._pool = None
+        self._stream = None
+        self._warned: set = set()
+        self.replays = 0
+        self.recorded = 0
+
+    def forget_copies(self) -> None:
+        """At a model call's start and end: which arguments were copied into which buffers holds within one call.
+        (Within it, an argument the model's own code changes in place between two block calls is not seen.)"""
+        self._filled.clear()
+
+    def release(self) -> None:
+        """Drop every recording (and with the last one, the pool's memory)."""
+        if self._stream is not None:
+            torch.cuda.current_stream().synchronize()  # no replay still running over the buffers
+        self._recordings.clear()
+        self._calls.clear()
+        self._filled.clear()
+        self._pool = None
+
+    def describe(self) -> str:
+        return f"{len(self._recordings)} block CUDA graphs recorded ({self.replays} replays)"
+
+    def call(self, path: str, block: torch.nn.Module, stack, run, args: tuple, kwargs: dict):
+        """run(*args, **kwargs), the block's compiled call, through its recording when one applies."""
+        if torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        tensors, objects = [], []
+        signature = (_flatten(args, tensors, objects), _flatten(kwargs, tensors, objects),
+                     torch.is_inference_mode_enabled())
+        if not tensors or not tensors[0].is_cuda or self._refused.get(path) == signature:
+            return run(*args, **kwargs)
+        weights = self._weights.get(path)
+        if weights is None:
+            weights = self._weights[path] = _BlockWeights(block)
+        pointers = weights.pointers()
+        recording = self._recordings.get(path)
+        if recording is not None and recording.signature == signature and recording.weights == pointers:
+            return self._replay(recording, tensors)
+        seen = self._calls.get(path)
+        count = seen[2] + 1 if seen is not None and seen[0] == signature and seen[1] == pointers else 1
+        self._calls[path] = (signature, pointers, count)
+        if count < RECORD_AT_CALL:
+            return run(*args, **kwargs)
+        why = weights.why_not(tensors[0].device)
+        if why is None:
+            try:
+                recording = self._record(stack, run, args, kwargs, tensors, signature, objects, pointers)
+            except Exception as error:  # noqa: BLE001 - a block that cannot be recorded runs as before
+                why = f"{type(error).__name__}: {str(error)[:200]}"
+        if why is not None:
+            self._refused[path] = signature
+            self._warn_once(f"block {path} runs without a CUDA graph: {why}")
+            return run(*args, **kwargs)
+        self._recordings[path] = recording
+        self.recorded += 1
+        return self._replay(recording, tensors)
+
+    # -- replay ----------------------------------------------------------------------------------------------------
+    def _replay(self, recording: _Recording, tensors: list):
+        filled = self._filled
+        for source, static in zip(tensors, recording.inputs):
+            if source is static or filled.get(id(static)) is source or _same_view(source, static):
+                continue
+            static.copy_(source)
+            filled[id(static)] = source
+        recording.graph.replay()
+        for static in recording.written:
+            filled.pop(id(static), None)
+        self.replays += 1
+        return recording.output
+
+    # -- recording -------------------------------------------------------------------------------------------------
+    def _static_inputs(self, tensors: list) -> list:
+        """A static buffer per argument: one of this model's buffers when the argument is one (the previous block's
+        output) or was copied into one earlier in this model call, else a new one, filled (outside the pool)."""
+        known = list({id(s): s for r in self._recordings.values() for s in r.inputs}.values())
+        statics = []
+        for source in tensors:
+            static = next((s for s in known if _same_view(source, s)
+                           or (self._filled.get(id(s)) is source and s.shape == source.shape)), None)
+            if static is None:
+                static = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=source.device)
+                static.copy_(source)
+                self._filled[id(static)] = source
+                known.append(static)
+            statics.append(static)
+        return statics
+
+    def _record(self, stack, run, args, kwargs, tensors, signature, objects, pointers) -> _Recording:
+        statics = self._static_inputs(tensors)
+        static_args, static_kwargs = _rebuilt(args, iter(statics)), _rebuilt(kwargs, iter(statics[_count(args):]))
+        streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
+        current = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream, self._pool = torch.cuda.Stream(device=current.device), torch.cuda.graph_pool_handle()
+        stream = self._stream
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            copies = [s.clone() for s in statics]  # the warm-up runs on copies: blocks change their inputs in place
+            run(*_rebuilt(args, iter(copies)), **_rebuilt(kwargs, iter(copies[_count(args):])))
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = stack.named(run(*static_args, **static_kwargs))
+                for name, value in out.items():
+                    target = streams.get(name)
+                    if value is None or (target is not None and _same_view(value, target)):
+                        continue  # written in place (Flux's blocks), or an output the compiled call re-viewed
+                    if target is None or value.shape != target.shape or value.dtype != target.dtype:
+                        raise ValueError(f"the block's output {name!r} has no input of its shape to go back to")
+                    target.copy_(value)
+            finally:
+                graph.capture_end()
+            # Which other inputs the graph changes in place (inference tensors keep no version counter): replayed
+            # once on the copies' values, compared.
+            before = [s.clone() for s in statics]
+            graph.replay()
+            outputs = {id(streams[name]) for name, value in out.items() if value is not None}
+            written = [s for s, b in zip(statics, before) if id(s) in outputs or not torch.equal(s, b)]
+            for static, copy in zip(statics, before):  # the arguments' values, for the caller's replay
+                static.copy_(copy)
+        current.wait_stream(stream)
+        output = stack.output({name: None if value is None else streams[name] for name, value in out.items()})
+        return _Recording(signature, objects, pointers, graph, statics, written, output)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("Overdrive: %s", message)

@@ -1,0 +1,208 @@
+"""CUDA-graph replay of DiT blocks (compiler/block_graphs.py) on a real GPU: ComfyUI's own loader and sampler over the
+built-in tiny Flux.1 (blocks that write their inputs in place) and Qwen-Image (blocks that return new tensors) files,
+compiled by Compile Model. Every model call of the replayed model matches the same compiled model without graphs; a
+LoRA patch after the recording, the step cache's reused steps and switched weights are followed; a block that cannot
+be recorded runs as before.
+
+Skipped without CUDA (CI has none). Run it alone: `python3 -m pytest tests/test_block_graphs_gpu.py`.
+"""
+import logging
+
+import pytest
+import torch
+
+from overdrive.compiler.block_graphs import BlockGraphs
+from overdrive.families import Stack
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+RES, STEPS, CFG = 256, 5, 3.0
+TOLERANCE = 2e-3  # the same kernels with and without graphs, bf16 (measured in the log)
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from overdrive.runner.inprocess import import_comfy
+    return import_comfy(cpu=False)
+
+
+@pytest.fixture(scope="module")
+def nodes(comfy):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    return NODE_CLASS_MAPPINGS
+
+
+@pytest.fixture(scope="module", params=["flux", "qwen_image"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def files(comfy, family):
+    import folder_paths
+    from overdrive.builtin_models.dit import default_directory, ensure_diffusion_model
+
+    folder = default_directory()
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    return [ensure_diffusion_model(family, "tiny", seed, folder) for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def base(comfy, files):
+    import comfy.sd
+    return comfy.sd.load_diffusion_model(str(files[0]))
+
+
+@pytest.fixture(scope="module")
+def sample(comfy, family):
+    import comfy.sample
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+
+    positive, negative = conditioning(family, 1), conditioning(family, 2)
+
+    def run(model):
+        calls = []
+
+        def wrapper(apply_model, args):
+            out = apply_model(args["input"], args["timestep"], **args["c"])
+            calls.append(out.detach().float().clone())
+            return out
+        recorded = model.clone()
+        recorded.set_model_unet_function_wrapper(wrapper)
+        latent = empty_latent(family, RES, RES, 5)
+        noise = comfy.sample.prepare_noise(latent, 7)
+        out = comfy.sample.sample(recorded, noise, STEPS, CFG, "euler", "simple", positive, negative, latent, seed=7,
+                                  disable_pbar=True)
+        return out, calls
+    return run
+
+
+def forward_of(model):
+    return model.object_patches["diffusion_model.forward"]
+
+
+def assert_calls_match(calls, reference):
+    assert len(calls) == len(reference) > 0
+    errors = [relative_error(a, b) for a, b in zip(calls, reference)]
+    logging.getLogger("overdrive").info("per-call relative error, graphs vs none: max %.2e", max(errors))
+    assert max(errors) < TOLERANCE, errors
+
+
+@pytest.fixture(scope="module")
+def compiled(nodes, base):
+    return (nodes["OverdriveCompileModel"]().compile(base)[0],
+            nodes["OverdriveCompileModel"]().compile(base, cuda_graphs=False)[0])
+
+
+def test_replayed_blocks_match_the_compiled_blocks_per_call(compiled, sample, family):
+    with_graphs, without = compiled
+    _, reference = sample(without)
+    out, calls = sample(with_graphs)
+    graphs = forward_of(with_graphs).graphs
+    assert graphs.recorded == len(forward_of(with_graphs).blocks)  # every block, at its second call
+    assert graphs.replays > 0
+    assert_calls_match(calls, reference)
+    replays = graphs.replays
+    _, again = sample(with_graphs)  # a second run: replays only, records nothing
+    assert graphs.recorded == len(forward_of(with_graphs).blocks) and graphs.replays > replays
+    assert_calls_match(again, reference)
+
+
+def test_a_lora_patch_after_the_recording_is_followed(compiled, base, sample):
+    with_graphs, without = compiled
+    sample(with_graphs)
+    key, weight = next((f"diffusion_model.{k}", v) for k, v in base.model.diffusion_model.named_parameters()
+                       if k.endswith(".weight") and v.ndim == 2 and "blocks" in k)
+    diff = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.5 * weight.float().std().cpu()
+    patched, reference = with_graphs.clone(), without.clone()
+    for m in (patched, reference):
+        m.add_patches({key: (diff.to(weight.dtype),)}, 1.0)
+    (out, calls), (_, expected) = sample(patched), sample(reference)
+    assert_calls_match(calls, expected)
+    assert relative_error(out, sample(with_graphs)[0]) > 1e-3  # the patch changed the result
+
+
+def test_switched_weights_are_read_by_the_replay(nodes, compiled, files, sample):
+    with_graphs, without = compiled
+    sample(with_graphs)
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(with_graphs, unet_name=files[1].name)[0]
+    reference = nodes["OverdriveSwitchDiffusionModel"]().switch(without, unet_name=files[1].name)[0]
+    out, calls = sample(switched)
+    assert_calls_match(calls, sample(reference)[1])
+    assert relative_error(out, sample(with_graphs)[0]) > 1e-3
+
+
+def test_the_step_cache_over_replayed_blocks_matches_it_without_graphs(nodes, compiled, sample):
+    with_graphs, without = (nodes["OverdriveDeepCache"]().patch(m, cache_interval=2)[0] for m in compiled)
+    _, reference = sample(without)
+    _, calls = sample(with_graphs)
+    assert_calls_match(calls, reference)
+
+
+# -- BlockGraphs alone, over toy blocks ----------------------------------------------------------------------------
+class NewOutputBlock(torch.nn.Module):
+    """Returns new tensors (Qwen-Image's and Wan's blocks do), and reads a shared side input."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(64, 64, generator=g) / 8, requires_grad=False)
+
+    def forward(self, x, side, scale=1.0):
+        return torch.tanh(x @ self.weight + side) * scale
+
+
+class SyncingBlock(NewOutputBlock):
+    def forward(self, x, side, scale=1.0):
+        if x.sum().item() > 1e30:  # a host read: cannot be recorded
+            return x
+        return super().forward(x, side, scale)
+
+
+TOY = Stack("blocks", streams=(("x", 0),), returns=("x",))
+
+
+def run_chain(blocks, graphs, x, side, scale=1.0):
+    if graphs is not None:
+        graphs.forget_copies()
+    for i, block in enumerate(blocks):
+        x = block(x, side, scale) if graphs is None else graphs.call(f"blocks.{i}", block, TOY, block.forward, (x, side),
+                                                                    {"scale": scale})
+    return x.clone()
+
+
+@torch.inference_mode()
+def test_toy_chain_of_new_output_blocks_matches_plain_calls_for_changing_inputs():
+    blocks = [NewOutputBlock(seed).cuda() for seed in range(3)]
+    graphs = BlockGraphs()
+    for call in range(5):
+        x = torch.randn(8, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(call))
+        side = torch.full((64,), 0.1 * call, device="cuda")
+        assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+    assert graphs.recorded == 3 and graphs.replays == 3 * 4
+    # Another non-tensor argument is another signature: plain at first, recorded at its second call.
+    for _ in range(2):
+        assert torch.allclose(run_chain(blocks, graphs, x, side, 2.0), run_chain(blocks, None, x, side, 2.0),
+                              atol=1e-6)
+    assert graphs.recorded == 6
+    # Weights replaced (as a LoRA patch does): recorded again, and followed.
+    blocks[1].weight = torch.nn.Parameter(blocks[1].weight * 2, requires_grad=False)
+    for _ in range(3):
+        assert torch.allclose(run_chain(blocks, graphs, x, side, 2.0), run_chain(blocks, None, x, side, 2.0),
+                              atol=1e-6)
+    assert graphs.recorded == 7
+
+
+@torch.inference_mode()
+def test_a_block_that_cannot_be_recorded_runs_as_before_with_a_warning(caplog):
+    blocks = [NewOutputBlock(0).cuda(), SyncingBlock(1).cuda()]
+    graphs = BlockGraphs()
+    x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")
+    with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+        for _ in range(4):
+            assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+    assert graphs.recorded == 1
+    assert "blocks.1 runs without a CUDA graph" in caplog.text

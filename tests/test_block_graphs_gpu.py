@@ -206,3 +206,18 @@ def test_a_block_that_cannot_be_recorded_runs_as_before_with_a_warning(caplog):
             assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
     assert graphs.recorded == 1
     assert "blocks.1 runs without a CUDA graph" in caplog.text
+
+
+@torch.inference_mode()
+def test_a_transposed_first_input_is_chained_through_contiguous_buffers():
+    """Wan's first block gets its input transposed: the blocks after it must still see the contiguous layout their
+    own graph was compiled for (a strided buffer made them all run the first block's graph, slower)."""
+    blocks = [NewOutputBlock(seed).cuda() for seed in range(3)]
+    graphs = BlockGraphs()
+    side = torch.zeros(64, device="cuda")
+    for call in range(3):
+        x = torch.randn(64, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(call)).t()
+        assert not x.is_contiguous()
+        assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+    statics = [s for recording in graphs._recordings.values() for s in recording.inputs]
+    assert graphs.recorded == 3 and all(s.is_contiguous() for s in statics)

@@ -32,6 +32,8 @@ import logging
 
 import torch
 
+from ..interrupts import raise_if_interrupt
+
 log = logging.getLogger("overdrive.compiler")
 
 RECORD_AT_CALL = 2  # the first call compiles and chooses; the second records
@@ -168,6 +170,7 @@ class BlockGraphs:
             try:
                 recording = self._record(stack, run, args, kwargs, tensors, signature, objects, pointers)
             except Exception as error:  # noqa: BLE001 - a block that cannot be recorded runs as before
+                raise_if_interrupt(error)
                 why = f"{type(error).__name__}: {str(error)[:200]}"
         if why is not None:
             self._refused[path] = signature
@@ -234,8 +237,13 @@ class BlockGraphs:
                     if target is None or value.shape != target.shape or value.dtype != target.dtype:
                         raise ValueError(f"the block's output {name!r} has no input of its shape to go back to")
                     target.copy_(value)
-            finally:
-                graph.capture_end()
+            except BaseException:
+                try:  # end the failed recording; its own error says less than the one that broke it
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+            graph.capture_end()
             # Which other inputs the graph changes in place (inference tensors keep no version counter): replayed
             # once on the copies' values, compared.
             before = [s.clone() for s in statics]

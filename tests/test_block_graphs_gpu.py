@@ -221,3 +221,33 @@ def test_a_transposed_first_input_is_chained_through_contiguous_buffers():
         assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
     statics = [s for recording in graphs._recordings.values() for s in recording.inputs]
     assert graphs.recorded == 3 and all(s.is_contiguous() for s in statics)
+
+
+class Stop(Exception):
+    """Stands in for ComfyUI's stop exception (recognised by its module and name, overdrive/interrupts.py)."""
+
+
+Stop.__module__, Stop.__name__ = "comfy.model_management", "InterruptProcessingException"
+
+
+class StoppableBlock(NewOutputBlock):
+    stop = False
+
+    def forward(self, x, side, scale=1.0):
+        if self.stop:
+            raise Stop("interrupted")
+        return super().forward(x, side, scale)
+
+
+@torch.inference_mode()
+def test_a_stop_during_the_recording_ends_the_call_and_the_block_records_later():
+    block = StoppableBlock(0).cuda()
+    graphs = BlockGraphs()
+    x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")
+    run_chain([block], graphs, x, side)  # the first call runs as is
+    block.stop = True
+    with pytest.raises(Stop):
+        run_chain([block], graphs, x, side)  # the recording's warm-up is stopped: the stop reaches the caller
+    block.stop = False
+    assert torch.allclose(run_chain([block], graphs, x, side), run_chain([block], None, x, side), atol=1e-6)
+    assert graphs.recorded == 1  # not refused: the next call recorded it

@@ -29,7 +29,8 @@ from diffusers_runs import parser_for, run_variants, settle  # noqa: E402
 from report import environment, finish  # noqa: E402
 
 VARIANTS = ("eager", "peer", "peer+fp8", "peer+fbcache", "peer+fp8+fbcache", "overdrive", "overdrive+fp8",
-            "overdrive+fp8+cache", "overdrive+fp8+adaptive", "overdrive+fp8+attn", "overdrive+noprecompile")
+            "overdrive+fp8+cache", "overdrive+fp8+cache+nographs", "overdrive+fp8+adaptive", "overdrive+fp8+attn",
+            "overdrive+noprecompile")
 # Flux.1-dev's transformer (diffusers' defaults are Flux.1's shapes; dev adds the guidance embedding) and VAE.
 FLUX_TRANSFORMER = dict(guidance_embeds=True)
 FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -139,8 +140,9 @@ def apply_variant(pipe, variant, args, embeds) -> dict:
     if "attn" in parts:
         attention_(pipe, AttentionConfig(mode="auto", max_error=args.attention_max_error))
     # "noprecompile": compile_'s precompile (saving each block's first-shape call whole) off, to see its share of the
-    # cold compile.
-    compile_(pipe, CompileOptions(backend=args.backend, cuda_graphs=False, precompile="noprecompile" not in parts))
+    # cold compile; "nographs": the blocks run without their CUDA graphs (compiler/block_graphs.py).
+    compile_(pipe, CompileOptions(backend=args.backend, cuda_graphs="nographs" not in parts,
+                                  precompile="noprecompile" not in parts))
     if "cache" in parts:
         info["step_cache"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval,
                                                               start_percent=args.cache_start,

@@ -178,6 +178,9 @@ class BlockGraphs:
             return run(*args, **kwargs)
         self._recordings[path] = recording
         self.recorded += 1
+        if self.recorded == 1:
+            log.info("Overdrive: blocks replay as CUDA graphs from now on, each recorded at its second call with the "
+                     "same shapes and weights (cuda_graphs=False turns this off)")
         return self._replay(recording, tensors)
 
     # -- replay ----------------------------------------------------------------------------------------------------

@@ -174,7 +174,10 @@ class BlockGraphs:
                 why = f"{type(error).__name__}: {str(error)[:200]}"
         if why is not None:
             self._refused[path] = signature
-            self._warn_once(f"block {path} runs without a CUDA graph: {why}")
+            if why not in self._warned:  # once per reason: a partly offloaded model would name every block
+                self._warned.add(why)
+                log.warning("Overdrive: block %s (and any other for the same reason) runs without a CUDA graph: %s",
+                            path, why)
             return run(*args, **kwargs)
         self._recordings[path] = recording
         self.recorded += 1
@@ -258,8 +261,3 @@ class BlockGraphs:
         current.wait_stream(stream)
         output = stack.output({name: None if value is None else streams[name] for name, value in out.items()})
         return _Recording(signature, objects, pointers, graph, statics, written, output)
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            log.warning("Overdrive: %s", message)

@@ -88,11 +88,17 @@ class _BlockWeights:
         self._patched = [m for m in modules if hasattr(m, "weight_function")]
 
     def pointers(self) -> tuple:
-        return tuple(t.data_ptr() if t is not None else 0 for t in (slots[name] for slots, name in self._slots))
+        """The weights' addresses, and last whether a layer applies weight functions now (ComfyUI sets them on layers
+        it keeps off the GPU; the lists change, the addresses may not)."""
+        return (*(t.data_ptr() if t is not None else 0 for t in (slots[name] for slots, name in self._slots)),
+                self._functions())
+
+    def _functions(self) -> bool:
+        return any(getattr(m, "weight_function", None) or getattr(m, "bias_function", None) for m in self._patched)
 
     def why_not(self, device: torch.device) -> str | None:
         """None when a graph can hold this block's weights by address, else why not."""
-        if any(getattr(m, "weight_function", None) or getattr(m, "bias_function", None) for m in self._patched):
+        if self._functions():
             return "its layers apply weight patches at run time (low-VRAM LoRA)"
         for slots, name in self._slots:
             tensor = slots[name]

@@ -42,3 +42,19 @@ def test_a_call_on_the_cpu_runs_the_block_and_records_nothing():
     for _ in range(3):
         assert torch.equal(graphs.call("blocks.0", block, stack, block.forward, (x,), {}), block(x))
     assert graphs.recorded == 0 and graphs.replays == 0
+
+
+def test_weight_functions_set_after_the_recording_change_what_the_replay_is_keyed_on():
+    """ComfyUI gives a layer it keeps off the GPU `weight_function` patches (low-VRAM LoRA): the weights' addresses
+    may stay, so the key says whether any layer has them, and such a block is not recorded."""
+    from overdrive.compiler.block_graphs import _BlockWeights
+
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    block[0].weight_function, block[0].bias_function = [], []
+    weights = _BlockWeights(block)
+    before = weights.pointers()
+    assert weights.why_not(torch.device("cpu")) is None
+    block[0].weight_function = [lambda w: w * 2]
+    assert weights.pointers() != before
+    assert "weight patches" in weights.why_not(torch.device("cpu"))
+    assert "weights are on cpu" in _BlockWeights(torch.nn.Linear(2, 2)).why_not(torch.device("meta"))

@@ -1,9 +1,10 @@
 """CUDA-graph replay of a DiT's compiled blocks: one launch per block call instead of the host's work for it.
 
-Why: with fp8 GEMMs and 8-bit attention a Flux.1 block at 1024² is ~1.4 ms of GPU work, and the host's share of a
-compiled block call (the precompiled frame's checks, Inductor's wrapper, the attention op's launches) is of the same
-order: the profiler saw the GPU idle 24 % of a Flux step (bench/README.md). The step cache's reused steps, one
-block of GPU work each, are the host's pace entirely.
+Why: the host's work for a compiled block call (the precompiled frame's checks, Inductor's wrapper, the attention
+op's launches) is about as long as a Flux.1 block's GPU work with fp8 GEMMs and 8-bit attention. A full step still
+keeps the GPU busy, but the step cache's reused steps (one block of GPU work each) and diffusers' pipelines run at the
+host's pace: on an H100, Flux with fp8 and the step cache 0.816 -> 0.771 s per image in ComfyUI, 1.216 -> 1.051 s in
+diffusers (bench/README.md, "DiT blocks as CUDA graphs").
 
 How a block call runs:
 - The first call of a block with a call signature (argument shapes, dtypes and non-tensor values) runs the compiled
@@ -11,7 +12,7 @@ How a block call runs:
 - The second records a CUDA graph of it: once on copies of the inputs (a warm-up on the recording stream: lazy
   buffers and handles are made outside the recording), then recorded over static input buffers.
 - Later calls copy each argument into its static buffer (skipped when it is that buffer, or was copied there earlier
-  in this model call and not changed since) and replay.
+  in this model call and no graph has written it since) and replay.
 
 Buffers are chained: a block's hidden states are written back into its static input buffers (Flux's blocks do so
 themselves, `img += ...`; for blocks that return new tensors the recording ends with that copy), so the next block,
@@ -20,9 +21,9 @@ pool after the replay, so every block of a model shares one pool: its size is on
 
 What a replay does not see, so a recording is replayed only while it still holds: the call signature, and the data
 pointers of the block's parameters and buffers (a LoRA patch or a device move makes new tensors: the block records
-again; weights copied in place, as SwitchWeights does, are read by the replay). Blocks whose layers apply weight
-functions at run time (ComfyUI's low-VRAM LoRA patches) or whose weights are not on the inputs' GPU run without a
-graph. A recording that fails (a block that synchronises with the host) leaves that signature without a graph, with a
+again; weights copied in place, as SwitchWeights does, are read by the replay), and whether a layer applies weight
+functions at run time (ComfyUI's low-VRAM LoRA patches). Blocks with such functions or with weights off the inputs'
+GPU run without a graph. A recording that fails (a block that synchronises with the host) leaves that signature without a graph, with a
 warning; the call itself runs as before.
 """
 from __future__ import annotations

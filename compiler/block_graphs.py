@@ -19,12 +19,12 @@ themselves, `img += ...`; for blocks that return new tensors the recording ends 
 recorded with those buffers as its inputs, reads them with no copy. Nothing a recording produces stays in its memory
 pool after the replay, so every block of a model shares one pool: its size is one block's working memory.
 
-What a replay does not see, so a recording is replayed only while it still holds: the call signature, and the data
-pointers of the block's parameters and buffers (a LoRA patch or a device move makes new tensors: the block records
-again; weights copied in place, as SwitchWeights does, are read by the replay), and whether a layer applies weight
-functions at run time (ComfyUI's low-VRAM LoRA patches). Blocks with such functions or with weights off the inputs'
-GPU run without a graph. A recording that fails (a block that synchronises with the host) leaves that signature without a graph, with a
-warning; the call itself runs as before.
+A replay skips every check the compiled call makes, so it is keyed on what could change under it: the call
+signature, the data pointers of the block's parameters and buffers (a LoRA patch or a device move makes new tensors:
+the block records again; weights copied in place, as SwitchWeights does, are read by the replay), and whether a layer
+applies weight functions at run time (ComfyUI's low-VRAM LoRA patches). Blocks with such functions or with weights
+off the inputs' GPU run without a graph. A recording that fails (a block that synchronises with the host) leaves that
+signature without a graph, with a warning; the call itself runs as before.
 """
 from __future__ import annotations
 

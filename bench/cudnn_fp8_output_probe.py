@@ -3,7 +3,8 @@ bf16, in the (batch, heads, tokens, dim) layout or written straight into (batch,
 whether the graph builds, its time, and its relative error against fp32 attention after the best scalar rescale (the
 scalar says how cuDNN applies the output scale).
 
-    PYTHONPATH=<folder holding overdrive> python bench/cudnn_fp8_output_probe.py --out bench/results/DATE_GPU_cudnn_fp8_output.json
+    PYTHONPATH=<folder holding overdrive> python bench/cudnn_fp8_output_probe.py \
+        --out bench/results/DATE_GPU_cudnn_fp8_output.json
 """
 import argparse
 import json
@@ -50,10 +51,8 @@ def probe(shape, out_dtype, tokens_major, scale_o_is_one):
     ref = reference.exact_attention(*qkv)  # (b, h, s, d)
     handle, graph, (q, k, v, out, amax_s, amax_o, scales) = build(shape, d ** -0.5, out_dtype, tokens_major)
     q8, k8, v8, sc = (t.clone() for t in cudnn8.quantize(*qkv))
-    if tokens_major:
-        o = torch.empty((b, s, h, d), device="cuda", dtype=torch.bfloat16 if out_dtype == "bf16" else torch.float8_e4m3fn)
-    else:
-        o = torch.empty(shape, device="cuda", dtype=torch.bfloat16 if out_dtype == "bf16" else torch.float8_e4m3fn)
+    o = torch.empty((b, s, h, d) if tokens_major else shape, device="cuda",
+                    dtype=torch.bfloat16 if out_dtype == "bf16" else torch.float8_e4m3fn)
     consts = torch.tensor([1 / 448.0, 448.0, 1.0], device="cuda")
     so = consts[2:3] if scale_o_is_one else sc[3:4]
     amaxes = torch.empty(2, device="cuda")

@@ -169,8 +169,10 @@ def run_chain(blocks, graphs, x, side, scale=1.0):
     if graphs is not None:
         graphs.forget_copies()
     for i, block in enumerate(blocks):
-        x = block(x, side, scale) if graphs is None else graphs.call(f"blocks.{i}", block, TOY, block.forward, (x, side),
-                                                                    {"scale": scale})
+        if graphs is None:
+            x = block(x, side, scale)
+        else:
+            x = graphs.call(f"blocks.{i}", block, TOY, block.forward, (x, side), {"scale": scale})
     return x.clone()
 
 

@@ -129,8 +129,6 @@ class BlockwiseForward:
         # call, which a reused step (host-bound: one block of GPU work) pays in full.
         saved = [(block.__dict__, block.__dict__.get("forward")) for _, _, block in self.blocks]
         completed = False
-        if self.graphs is not None:
-            self.graphs.forget_copies()
         try:
             for (attributes, _), forward in zip(saved, self._block_forwards):
                 attributes["forward"] = forward

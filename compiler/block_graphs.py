@@ -135,7 +135,7 @@ class BlockGraphs:
         self.recorded = 0
 
     def forget_copies(self) -> None:
-        """At a model call's start and end: which arguments were copied into which buffers holds within one call.
+        """At the end of each model call: which arguments were copied into which buffers holds within one call.
         (Within it, an argument the model's own code changes in place between two block calls is not seen.)"""
         self._filled.clear()
 
@@ -229,7 +229,8 @@ class BlockGraphs:
 
     def _record(self, stack, run, args, kwargs, tensors, signature, objects, pointers) -> _Recording:
         statics = self._static_inputs(tensors)
-        static_args, static_kwargs = _rebuilt(args, iter(statics)), _rebuilt(kwargs, iter(statics[_count(args):]))
+        in_args = _count(args)
+        static_args, static_kwargs = _rebuilt(args, iter(statics)), _rebuilt(kwargs, iter(statics[in_args:]))
         streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
         if self._stream is None:
@@ -238,7 +239,7 @@ class BlockGraphs:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             copies = [s.clone() for s in statics]  # the warm-up runs on copies: blocks change their inputs in place
-            run(*_rebuilt(args, iter(copies)), **_rebuilt(kwargs, iter(copies[_count(args):])))
+            run(*_rebuilt(args, iter(copies)), **_rebuilt(kwargs, iter(copies[in_args:])))
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:

@@ -67,13 +67,6 @@ def _rebuilt(value, tensors):
     return value
 
 
-def _count(value) -> int:
-    """How many tensors _flatten finds in `value`."""
-    found = []
-    _flatten(value, found, [])
-    return len(found)
-
-
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
@@ -229,17 +222,19 @@ class BlockGraphs:
 
     def _record(self, stack, run, args, kwargs, tensors, signature, objects, pointers) -> _Recording:
         statics = self._static_inputs(tensors)
-        in_args = _count(args)
-        static_args, static_kwargs = _rebuilt(args, iter(statics)), _rebuilt(kwargs, iter(statics[in_args:]))
+        tensors_in_order = iter(statics)  # args take theirs first, as _flatten listed them
+        static_args, static_kwargs = _rebuilt(args, tensors_in_order), _rebuilt(kwargs, tensors_in_order)
         streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
         if self._stream is None:
-            self._stream, self._pool = torch.cuda.Stream(device=current.device), torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=current.device)
+        if self._pool is None:  # also after release(): the model's graphs share one pool again
+            self._pool = torch.cuda.graph_pool_handle()
         stream = self._stream
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            copies = [s.clone() for s in statics]  # the warm-up runs on copies: blocks change their inputs in place
-            run(*_rebuilt(args, iter(copies)), **_rebuilt(kwargs, iter(copies[in_args:])))
+            copies = iter([s.clone() for s in statics])  # the warm-up runs on copies: blocks change inputs in place
+            run(*_rebuilt(args, copies), **_rebuilt(kwargs, copies))
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:

@@ -54,10 +54,12 @@ PRECOMPILE_TOOLTIP = (
 def release_held_memory(patcher, unpatch_all) -> None:
     """ComfyUI unloads the model (a detach that unpatches; it detaches without unpatching before every run): the
     memory its precompiled frames (a compiled whole forward) and its blocks' CUDA graphs (a DiT's) hold goes with it."""
+    if not unpatch_all:
+        return
     forward = patcher.object_patches.get(FORWARD)
     for name in ("release_precompiled", "release_graphs"):
         release = getattr(forward, name, None)
-        if unpatch_all and release is not None:
+        if release is not None:
             release()
 
 

@@ -196,6 +196,12 @@ def test_toy_chain_of_new_output_blocks_matches_plain_calls_for_changing_inputs(
         assert torch.allclose(run_chain(blocks, graphs, x, side, 2.0), run_chain(blocks, None, x, side, 2.0),
                               atol=1e-6)
     assert graphs.recorded == 7
+    # Released (ComfyUI unloads the model): the next calls record again, into one shared pool again.
+    graphs.release()
+    for _ in range(2):
+        assert torch.allclose(run_chain(blocks, graphs, x, side, 2.0), run_chain(blocks, None, x, side, 2.0),
+                              atol=1e-6)
+    assert graphs.recorded == 10 and graphs._pool is not None
 
 
 @torch.inference_mode()

@@ -116,18 +116,12 @@ if triton is not None:
         return tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
 
     @triton.jit
-    def _scores(q, k_desc, kv_row, start_n):
-        """The int8 Q·Kᵀ of one key block (int32), issued on the tensor cores."""
+    def _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row, scale_row, start_n,
+                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         k = k_desc.load([kv_row + start_n, 0])
-        return tl.dot(q, k.T, out_dtype=tl.int32)
-
-    @triton.jit
-    def _attend_scores(acc, l_i, m_i, scores, q_scale, v_desc, k_scale_ptr, v_row, scale_row, start_n, n_kv,
-                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-        """The online softmax of one key block's scores and its P·V into the accumulator."""
         # int32 -> float32 without the slow conversion instruction: for |x| < 2**22, the bits of 0x4B400000 + x
         # read as a float are 12582912 + x exactly (|q8·k8| <= 127² · 128 < 2**21), an integer add instead.
-        raw = (scores + 0x4B400000).to(tl.float32, bitcast=True)
+        raw = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
         c = q_scale * tl.load(k_scale_ptr + scale_row + start_n // BLOCK_N)  # per row: log2-domain score per unit
         if MASKED:
             raw = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], raw, 0.0)
@@ -147,7 +141,7 @@ if triton is not None:
     def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                           n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PIPELINED: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         q_row = bh * nq_pad + pid * BLOCK_M
@@ -160,25 +154,12 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         full = (n_kv // BLOCK_N) * BLOCK_N
-        if PIPELINED:
-            # The next block's Q·Kᵀ is issued before this block's softmax, so that the tensor cores work while the
-            # other units compute the exponentials (FlashAttention-3's intra-warpgroup overlap).
-            if full > 0:
-                scores = _scores(q, k_desc, kv_row, 0)
-                for start_n in tl.range(0, full - BLOCK_N, BLOCK_N, num_stages=NUM_STAGES):
-                    following = _scores(q, k_desc, kv_row, start_n + BLOCK_N)
-                    acc, l_i, m_i = _attend_scores(acc, l_i, m_i, scores, q_scale, v_desc, k_scale_ptr, v_row,
-                                                   scale_row, start_n, n_kv, BLOCK_N, False)
-                    scores = following
-                acc, l_i, m_i = _attend_scores(acc, l_i, m_i, scores, q_scale, v_desc, k_scale_ptr, v_row, scale_row,
-                                               full - BLOCK_N, n_kv, BLOCK_N, False)
-        else:
-            for start_n in tl.range(0, full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
-                acc, l_i, m_i = _attend_scores(acc, l_i, m_i, _scores(q, k_desc, kv_row, start_n), q_scale, v_desc,
-                                               k_scale_ptr, v_row, scale_row, start_n, n_kv, BLOCK_N, False)
+        for start_n in tl.range(0, full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
+                                          scale_row, start_n, n_kv, BLOCK_N, False)
         if full < n_kv:
-            acc, l_i, m_i = _attend_scores(acc, l_i, m_i, _scores(q, k_desc, kv_row, full), q_scale, v_desc,
-                                           k_scale_ptr, v_row, scale_row, full, n_kv, BLOCK_N, True)
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
+                                          scale_row, full, n_kv, BLOCK_N, True)
         cols = tl.arange(0, HEAD_DIM)
         out = acc * (tl.load(v_scale_ptr + bh * HEAD_DIM + cols)[None, :] / l_i[:, None])
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -239,8 +220,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
 
 def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, config=None) -> torch.Tensor:
     """The attention kernel over prepared operands, written into `out` (batch, tokens, heads, head dim) or any view
-    with the head dim contiguous. config: (BLOCK_M, BLOCK_N, warps, stages[, warp specialization[, pipelined]]);
-    its BLOCK_N must be the one the operands were prepared with."""
+    with the head dim contiguous. config: (BLOCK_M, BLOCK_N, warps, stages[, warp specialization]); its BLOCK_N
+    must be the one the operands were prepared with."""
     pv = "fp8" if prepared["v"].dtype == torch.float8_e4m3fn else "fp16"
     block_m, block_n, warps, stages, *rest = config or CONFIGS[dim, pv]
     if block_n != prepared["block_n"]:
@@ -253,7 +234,7 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
                             out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
                             BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(rest and rest[0]),
-                            PIPELINED=len(rest) > 1 and bool(rest[1]), num_warps=warps, num_stages=stages)
+                            num_warps=warps, num_stages=stages)
     return out
 
 

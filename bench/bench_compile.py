@@ -11,6 +11,7 @@ from ComfyUI's own classes at their full configuration with random weights and f
 are off for the side-by-side variants (`--warm-cache` keeps them on, for the restart measurement).
 """
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -109,6 +110,15 @@ def time_decodes(variant, target, latent, repeats) -> dict:
             else None, "image": image}
 
 
+def slow_activations():
+    """Until the returned function is called, DiT blocks compile with torch's own tanh-GELU (block_options without
+    fast_activations), for the whole of one variant's run."""
+    from overdrive import blockwise
+    original = blockwise.block_options
+    blockwise.block_options = lambda options: dataclasses.replace(original(options), fast_activations=False)
+    return lambda: setattr(blockwise, "block_options", original)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
@@ -183,7 +193,9 @@ def main():
         attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
         overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile]), a step cache (deepcache[N]: interval N; adaptive;
         easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
-        percent). 'float-memory-bound': QuantizeModel's weight_only off. 'eager' alone is the baseline."""
+        percent). 'float-memory-bound': QuantizeModel's weight_only off. 'tanh-gelu': DiT blocks traced with torch's
+        tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
+        `slow_activations`). 'eager' alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
         fixed = next((p for p in parts if p.startswith("deepcache")), None)  # "deepcache4": that interval
@@ -199,7 +211,7 @@ def main():
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or 0.03)}
         unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
-                                 "float-memory-bound", window}
+                                 "float-memory-bound", window, "tanh-gelu"}
                    - set(compile_options))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -307,6 +319,7 @@ def main():
               "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": list(latent.shape), "batch": 1,
               "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
+        restore_activations = slow_activations() if "tanh-gelu" in variant.split("+") else None
         patcher = make(variant)
         graphs_before = dynamo_graph_count()
         first_call = []
@@ -352,6 +365,8 @@ def main():
         # alive, and peak VRAM grew by a quantized model per step-cache variant): what is still alive, by device.
         row["live_8bit_gib_after_drop"] = live_quantized_gib()
         write_report(report, args.out)
+        if restore_activations is not None:
+            restore_activations()
 
     report["vae_decode"] = bench_vae(comfy, run_node, reference, args.repeats, args.arch) if args.vae else []
     add_speedups(results)

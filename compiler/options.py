@@ -45,6 +45,8 @@ class CompileOptions:
              shape its first sampling step uses, since one block graph serves several token layouts in a step, such
              as Z-Image's refiners and main layers; the caller says when that step is over with
              `SharedGraph.seal_shapes`).
+    fast_activations: trace tanh-GELU as the same function through a sigmoid (compiler/activations.py), which
+             Inductor compiles into a faster kernel; on for DiT blocks (blockwise.py), whose MLPs use it.
     cache_dir: the folder of compiled artifacts on disk (ComfyUI's nodes: beside its models); None:
              $OVERDRIVE_CACHE_DIR/compiled, else ~/.cache/overdrive/compiled. OVERDRIVE_DISK_CACHE=0 keeps them in
              memory only. Not part of any key: the same graph serves every folder.
@@ -60,6 +62,7 @@ class CompileOptions:
     regional: bool = True
     precompile: bool = True
     static_shapes: str = "first"
+    fast_activations: bool = False
     cache_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self):

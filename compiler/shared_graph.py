@@ -20,6 +20,7 @@ import torch
 
 from ..interrupts import raise_if_interrupt
 from . import precompiled
+from .activations import FastActivations
 from .disk_cache import compile_key
 from .remote_cache import configure_from_environment
 from .options import CompileOptions
@@ -32,6 +33,12 @@ def _call_method(module, method, args, kwargs):
     # name, or the function itself for a class Dynamo cannot look methods up on (see _method_argument).
     function = getattr(type(module), method) if isinstance(method, str) else method
     return function(module, *args, **kwargs)
+
+
+def _call_method_fast_activations(module, method, args, kwargs):
+    # The mode is entered inside the traced code, so it shapes the graph and costs nothing at run time.
+    with FastActivations():
+        return _call_method(module, method, args, kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,9 +58,9 @@ def _method_argument(module, method: str):
     return getattr(type(module), method) if _allowed_in_graph(type(module)) else method
 
 
-def _fresh_function(name: str):
-    code = _call_method.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, _call_method.__globals__, name)
+def _fresh_function(name: str, template=_call_method):
+    code = template.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, template.__globals__, name)
 
 
 def attention_preference(options: CompileOptions):
@@ -90,7 +97,8 @@ class SharedGraph:
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
         if options.backend == "inductor":
             kwargs["mode"] = options.inductor_mode()
-        fn = _fresh_function(f"overdrive_{method}_{fingerprint}")
+        fn = _fresh_function(f"overdrive_{method}_{fingerprint}",
+                             _call_method_fast_activations if options.fast_activations else _call_method)
         self.compiled = torch.compile(fn, **kwargs)
         self.frames = precompiled.PrecompiledFrames(fn, options) if (
             options.precompile and precompiled.supported()) else None

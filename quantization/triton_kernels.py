@@ -7,8 +7,8 @@ cast, ...) and the int8 rescale 5 more, which costs several times the GEMM itsel
   torch.round), one read of x, one write of q.
 - `rescale(acc, x_scale, w_scale, bias, out_dtype)`: y = acc * x_scale * w_scale + bias, cast, one pass.
 - `quantize_tensor_fp8(x)`: one scale for the whole tensor: torch.aminmax (one reduction, no |x| copy), then one
-  kernel that turns it into the scale and casts x to e4m3; `quantize_tensor_fp8_static(x, scale)`: that kernel
-  alone, with a given (calibrated) scale.
+  kernel that turns it into the scale and casts x to e4m3; `quantize_tensor_fp8_static(x, inverse_scale)`: that
+  kernel alone, with a given (calibrated) scale's reciprocal.
 - `weight_only_gemv(x, w_int8, w_scale, bias, out_dtype)`: a few rows of x times an int8 weight, compiled or not
   (kernels.weight_only_linear calls it through a custom op): the time of such a call is reading the weight, and
   Inductor's own reduction for it read Flux's modulation weights at 0.5-1 TB/s on an H100
@@ -79,15 +79,16 @@ if triton is not None:
     @triton.jit
     def _quantize_tensor_kernel(x_ptr, q_ptr, s_ptr, min_ptr, max_ptr, n, QMAX: tl.constexpr, EPS: tl.constexpr,
                                 BLOCK: tl.constexpr, STATIC: tl.constexpr):
-        if STATIC:  # the scale is given
-            scale = tl.load(s_ptr)
-        else:
-            amax = tl.maximum(-tl.load(min_ptr).to(tl.float32), tl.load(max_ptr).to(tl.float32))
-            scale = tl.maximum(amax / QMAX, EPS)
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) / scale
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:  # 1 / the scale is given
+            y = x * tl.load(s_ptr)
+        else:
+            amax = tl.maximum(-tl.load(min_ptr).to(tl.float32), tl.load(max_ptr).to(tl.float32))
+            scale = tl.maximum(amax / QMAX, EPS)
+            y = x / scale
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
         if not STATIC:
@@ -158,14 +159,14 @@ def quantize_tensor_fp8(x: torch.Tensor):
     return q, scale
 
 
-def quantize_tensor_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(M, K) float, float32 scale (1, 1) -> float8_e4m3fn (M, K), one kernel."""
+def quantize_tensor_fp8_static(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
+    """(M, K) float, 1 / the float32 scale (1, 1) -> float8_e4m3fn (M, K), one kernel."""
     from .kernels import FP8_DTYPE
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if x.numel():
-        scale = scale.float().reshape(1).contiguous()
-        _cast_fp8(x, q, scale, scale, scale, static=True)  # min/max pointers are unused when static
+        inverse = inverse_scale.float().reshape(1).contiguous()
+        _cast_fp8(x, q, inverse, inverse, inverse, static=True)  # min/max pointers are unused when static
     return q
 
 

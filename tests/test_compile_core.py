@@ -199,3 +199,37 @@ def test_a_failed_compiled_call_is_retried_eager_from_the_list_state_it_started_
     # The eager retry ran once, from the lists as the call received them.
     assert index == [1] and torch.equal(cache[0], x * 2) and cache[1] is None
     assert torch.equal(out, x * 3)
+
+
+class GeluMLP(nn.Module):
+    """tanh-GELU as DiT MLPs write it (a module and a functional call), beside an exact (erf) GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.act(self.up(x))
+        return self.down(torch.nn.functional.gelu(h, approximate="tanh") + torch.nn.functional.gelu(h))
+
+
+def test_fast_activations_trace_tanh_gelu_through_a_sigmoid_and_leave_eager_code_alone():
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from overdrive.compiler import shared_graph
+    from overdrive.compiler.activations import tanh_gelu_via_sigmoid
+
+    x = torch.linspace(-12, 12, 4001, dtype=torch.float64)
+    assert torch.allclose(tanh_gelu_via_sigmoid(x), torch.nn.functional.gelu(x, approximate="tanh"), atol=1e-12)
+    torch.manual_seed(0)
+    module, inp = GeluMLP().eval().requires_grad_(False), torch.randn(4, 8)
+    recorder = EagerAndRecordGraphs()
+    traced = torch.compile(shared_graph._call_method_fast_activations, backend=recorder, fullgraph=True)
+    assert relative_error(traced(module, "forward", (inp,), {}), module(inp)) < 1e-6
+    code = recorder.graphs[0].code
+    assert code.count("torch.sigmoid(") == 2 and code.count("_nn.gelu(") == 1  # the erf GELU stays as written
+    # Through the compiler core (Inductor on the CPU), and the eager fallback runs torch's own GELU.
+    compiled = compile_module(module, CompileOptions(cuda_graphs=False, precompile=False, fast_activations=True))
+    assert relative_error(module(inp), compiled.eager(inp)) < 1e-6
+    traced_code = compiled.graph.compiled._torchdynamo_orig_callable.__code__
+    assert traced_code.co_code == shared_graph._call_method_fast_activations.__code__.co_code

@@ -214,7 +214,7 @@ def test_fp8_static_activation_scale():
     assert rel(q(grown), linear(grown)) < 6e-2
     outlier = x.clone()
     outlier[0, 0, 0] = x.abs().amax() * 10                # beyond the headroom: saturates, like the reference
-    xq = kernels.quantize_tensor_fp8_static(outlier.reshape(-1, 128), q.input_scale)
+    xq = kernels.quantize_tensor_fp8_static(outlier.reshape(-1, 128), q.input_scale_inverse)
     assert xq.float().abs().max().item() == kernels.FP8_MAX
     torch.testing.assert_close(q(outlier), q.reference_forward(outlier), rtol=2e-2, atol=2e-2)
 
@@ -238,8 +238,8 @@ TRITON_CHECK = textwrap.dedent("""
         qr, sr = kernels.quantize_tensor_fp8(x)
         # the interpreter's fp8 cast loses the carry at powers of two: compare most elements and the scales
         assert torch.equal(s, sr) and (q.float() == qr.float()).float().mean() > 0.9, (m, k, dtype)
-        static = tk.quantize_tensor_fp8_static(x, sr * 2)
-        assert (static.float() == kernels.quantize_tensor_fp8_static(x, sr * 2).float()).float().mean() > 0.9
+        static = tk.quantize_tensor_fp8_static(x, 1 / (sr * 2))
+        assert (static.float() == kernels.quantize_tensor_fp8_static(x, 1 / (sr * 2)).float()).float().mean() > 0.9
     acc = torch.randint(-3000, 3000, (70, 90), dtype=torch.int32)
     xs, ws, b = torch.rand(70, 1) * 1e-2, torch.rand(1, 90) * 1e-2, torch.randn(90)
     for dtype in (torch.float16, torch.float32):

@@ -23,6 +23,7 @@ class Fp8Linear(QuantizedGemm):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.fast_accum = bool(fast_accum)
         self.register_buffer("input_scale", None)
+        self.register_buffer("input_scale_inverse", None, persistent=False)  # what the input's cast multiplies by
 
     @property
     def static_input(self) -> bool:
@@ -42,9 +43,10 @@ class Fp8Linear(QuantizedGemm):
             raise ValueError(f"Fp8Linear: a static input scale is one number, not {tuple(input_scale.shape)}.")
         scale = input_scale.detach().float().reshape(1, 1).to(self.weight_q.device)
         if self.input_scale is None:
-            self.input_scale = scale.clone()
-        else:  # in place: a compiled graph that captured the buffer sees the new value
+            self.input_scale, self.input_scale_inverse = scale.clone(), 1.0 / scale
+        else:  # in place: a compiled graph that captured the buffers sees the new values
             self.input_scale.copy_(scale)
+            self.input_scale_inverse.copy_(1.0 / scale)
 
     def quantized_state(self) -> dict:
         state = super().quantized_state()
@@ -57,7 +59,7 @@ class Fp8Linear(QuantizedGemm):
 
     def gemm(self, x2d, out_dtype):
         return kernels.fp8_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype, self.fast_accum,
-                                  self.input_scale)
+                                  self.input_scale, self.input_scale_inverse)
 
     def gemm_quantized(self, xq, out_dtype):
         """The GEMM alone on an input already cast with the static scale (what is left of `gemm` once torch.compile
@@ -94,7 +96,7 @@ class Fp8E4m3(QuantFormat):
         if not (isinstance(layer, Fp8Linear) and layer.static_input):  # a 1x1 conv's wrapper is timed whole
             return super().compiled_call(layer, x)
         # Under torch.compile the static cast fuses into the input's producer: only the GEMM is left to time.
-        xq = kernels.quantize_tensor_fp8_static(x.reshape(-1, layer.in_features), layer.input_scale)
+        xq = kernels.quantize_tensor_fp8_static(x.reshape(-1, layer.in_features), layer.input_scale_inverse)
         return lambda: layer.gemm_quantized(xq, x.dtype)
 
     @staticmethod

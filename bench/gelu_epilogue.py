@@ -11,15 +11,14 @@ import argparse
 import functools
 import itertools
 import json
-import platform
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
 from overdrive.compiler.activations import tanh_gelu_via_sigmoid
+from report import environment
 
 FP8 = torch.float8_e4m3fn
 SHAPES = {  # name: (tokens, first GEMM's output width, MLP width, width concatenated before it)
@@ -46,9 +45,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "dtype": "bfloat16 in, float8_e4m3fn out",
-              "timing": "triton.testing.do_bench median", "shapes": {}}
+    result = {**environment(), "dtype": "bfloat16 in, float8_e4m3fn out", "timing": "triton.testing.do_bench median",
+              "shapes": {}}
     for name, (tokens, width, mlp_width, cat_width) in SHAPES.items():
         torch.manual_seed(0)
         gemm_out = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)

@@ -6,7 +6,7 @@ The scheme (SageAttention's ideas, in a FlashAttention-2-style loop):
   longer eats the int8 range.
 - Q is quantized to int8 with one scale per token, K with one scale per key block of the kernel: the score of a
   query/key pair is (q8·k8) · sq · sk, so the scales apply exactly, after the integer product, as one multiply per
-  row of a block. Each program reads its query block once, so it quantizes Q itself (no pass over Q before).
+  row of a block.
 - P (after the running row max is subtracted, so 0 <= p <= 1) is cast to e4m3 times 448 (e4m3's largest value),
   which keeps small probabilities out of fp8's subnormals; the factor is folded into the exponent and cancels
   against the row sum.
@@ -22,8 +22,8 @@ chooser measures the error on the model's own inputs).
 
 Hopper's fp8 matrix instructions need both operands of P·V K-major, so V is stored transposed (head dim rows,
 tokens contiguous) by the preparation kernel; K's natural layout (head dim contiguous) is already K-major for Q·Kᵀ.
-Sequence lengths need not be multiples of the blocks: prepared K and V are padded to 128 tokens, the last key block
-masks its padding, and query rows past the end are read as zeros and not written.
+Sequence lengths need not be multiples of the blocks: prepared tensors are padded to 128 tokens, and the last key
+block masks its padding.
 """
 from __future__ import annotations
 
@@ -69,11 +69,12 @@ if triton is not None:
                 + rows[:, None] * stride_n + cols[None, :])
 
     @triton.jit
-    def _quantize_kernel(k_ptr, v_ptr, stats_ptr, k8_ptr, k_scale_ptr, v8_ptr, v_scale_ptr, n_kv, heads, k_strides,
-                         v_strides, nkv_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        """One launch for K and V (program_id(2): 0 = K, 1 = V), BLOCK tokens per program: K smoothed and to int8
-        with one scale per BLOCK tokens (the attention kernel's key block), V over its channel scales, transposed.
-        Q is quantized by the attention kernel itself, which reads each query block once."""
+    def _quantize_kernel(q_ptr, k_ptr, v_ptr, stats_ptr, q8_ptr, q_scale_ptr, k8_ptr, k_scale_ptr, v8_ptr,
+                         v_scale_ptr, n_q, n_kv, heads, q_strides, k_strides, v_strides, nq_pad, nkv_pad, q_mult,
+                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """One launch for the three operands (program_id(2): 0 = Q, 1 = K, 2 = V), BLOCK tokens per program:
+        Q to int8 with a scale per token (times q_mult: the softmax scale and log2 e), K smoothed and to int8 with
+        one scale per BLOCK tokens (the attention kernel's key block), V over its channel scales, transposed."""
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         which = tl.program_id(2)
@@ -81,23 +82,33 @@ if triton is not None:
         cols = tl.arange(0, HEAD_DIM)
         n_bh = tl.num_programs(1)
         if which == 0:
-            valid = (rows < n_kv)[:, None]
-            mean = tl.load(stats_ptr + bh * HEAD_DIM + cols) / n_kv
-            x = tl.load(_token_block(k_ptr, k_strides, bh, heads, rows, cols), mask=valid, other=0.0)
-            x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
-            block_scale = tl.maximum(tl.max(tl.abs(x)) / 127.0, 1e-20)
-            out_rows = bh * nkv_pad + rows
-            tl.store(k8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :], _round_int8(x / block_scale))
-            tl.store(k_scale_ptr + bh * (nkv_pad // BLOCK) + pid, block_scale)
+            if pid * BLOCK < nq_pad:
+                x = tl.load(_token_block(q_ptr, q_strides, bh, heads, rows, cols), mask=(rows < n_q)[:, None],
+                            other=0.0).to(tl.float32)
+                scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 127.0, 1e-20)
+                out_rows = bh * nq_pad + rows
+                tl.store(q8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :], _round_int8(x / scale[:, None]))
+                tl.store(q_scale_ptr + out_rows, scale * q_mult)
+        elif which == 1:
+            if pid * BLOCK < nkv_pad:
+                valid = (rows < n_kv)[:, None]
+                mean = tl.load(stats_ptr + bh * HEAD_DIM + cols) / n_kv
+                x = tl.load(_token_block(k_ptr, k_strides, bh, heads, rows, cols), mask=valid, other=0.0)
+                x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
+                scale = tl.maximum(tl.max(tl.abs(x)) / 127.0, 1e-20)
+                out_rows = bh * nkv_pad + rows
+                tl.store(k8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :], _round_int8(x / scale))
+                tl.store(k_scale_ptr + bh * (nkv_pad // BLOCK) + pid, scale)
         else:
-            channel_scales = tl.maximum(tl.load(stats_ptr + n_bh * HEAD_DIM + bh * HEAD_DIM + cols) / 448.0, 1e-20)
-            x = tl.load(_token_block(v_ptr, v_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None],
-                        other=0.0).to(tl.float32)
-            # Transposed in registers (through shared memory), so that the store runs along the tokens.
-            y = tl.trans((x / channel_scales[None, :]).to(v8_ptr.dtype.element_ty))
-            tl.store(v8_ptr + (bh * HEAD_DIM + cols)[:, None].to(tl.int64) * nkv_pad + rows[None, :], y)
-            if pid == 0:
-                tl.store(v_scale_ptr + bh * HEAD_DIM + cols, channel_scales)
+            if pid * BLOCK < nkv_pad:
+                scale = tl.maximum(tl.load(stats_ptr + n_bh * HEAD_DIM + bh * HEAD_DIM + cols) / 448.0, 1e-20)
+                x = tl.load(_token_block(v_ptr, v_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None],
+                            other=0.0).to(tl.float32)
+                # Transposed in registers (through shared memory), so that the store runs along the tokens.
+                y = tl.trans((x / scale[None, :]).to(v8_ptr.dtype.element_ty))
+                tl.store(v8_ptr + (bh * HEAD_DIM + cols)[:, None].to(tl.int64) * nkv_pad + rows[None, :], y)
+                if pid == 0:
+                    tl.store(v_scale_ptr + bh * HEAD_DIM + cols, scale)
 
     @triton.jit
     def _round_int8(y):
@@ -127,23 +138,18 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
-    def _attention_kernel(q_ptr, q_strides, q_mult, k_desc, v_desc, k_scale_ptr, v_scale_ptr, out_ptr,
-                          n_q, n_kv, heads, nkv_pad, stride_ob, stride_oh, stride_on,
+    def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                          n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         pid = tl.program_id(0)
         bh = tl.program_id(1)
+        q_row = bh * nq_pad + pid * BLOCK_M
         kv_row = bh * nkv_pad
         v_row = bh * HEAD_DIM
         scale_row = bh * (nkv_pad // BLOCK_N)
-        # This block's queries to int8, one scale per token (times q_mult: the softmax scale and log2 e).
-        cols = tl.arange(0, HEAD_DIM)
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        x = tl.load(_token_block(q_ptr, q_strides, bh, heads, rows.to(tl.int64), cols), mask=(rows < n_q)[:, None],
-                    other=0.0).to(tl.float32)
-        row_scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 127.0, 1e-20)
-        q = _round_int8(x / row_scale[:, None])
-        q_scale = row_scale * q_mult
+        q = q_desc.load([q_row, 0])
+        q_scale = tl.load(q_scale_ptr + q_row + tl.arange(0, BLOCK_M))
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -154,7 +160,9 @@ if triton is not None:
         if full < n_kv:
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
                                           scale_row, full, n_kv, BLOCK_N, True)
+        cols = tl.arange(0, HEAD_DIM)
         out = acc * (tl.load(v_scale_ptr + bh * HEAD_DIM + cols)[None, :] / l_i[:, None])
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         base = out_ptr + (bh // heads).to(tl.int64) * stride_ob + (bh % heads).to(tl.int64) * stride_oh
         tl.store(base + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(rows < n_q)[:, None])
@@ -182,28 +190,31 @@ PV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16}
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, pv: str = "fp8",
             block_n: int | None = None) -> dict:
-    """The kernel's operands: Q as given (the attention kernel quantizes each query block as it reads it, with the
-    softmax scale and log2 e in its scales), int8 smoothed K with a scale per key block, V transposed over its
-    per-channel scales in e4m3 or fp16 (`pv`). Inputs are (batch, heads, tokens, head dim) views with the head dim
-    contiguous. Three launches: a zeroing, the statistics (K's mean, V's channel amax), the quantization of K and V."""
+    """The kernel's operands: int8 Q with a scale per token (carrying the softmax scale and log2 e), int8 smoothed K
+    with a scale per key block, V transposed over its per-channel scales in e4m3 or fp16 (`pv`). Inputs are
+    (batch, heads, tokens, head dim) views with the head dim contiguous. Three launches: a zeroing, the statistics
+    (K's mean, V's channel amax), the quantization of all three."""
     batch, heads, n_q, dim = q.shape
     n_kv = k.shape[2]
     block_n = block_n or CONFIGS[dim, pv][1]
-    nkv_pad = _padded(n_kv)
+    nq_pad, nkv_pad = _padded(n_q), _padded(n_kv)
     bh = batch * heads
     device = q.device
-    out = {"n_q": n_q, "n_kv": n_kv, "nkv_pad": nkv_pad, "block_n": block_n, "q": q, "q_mult": sm_scale * LOG2E,
+    out = {"n_q": n_q, "n_kv": n_kv, "nq_pad": nq_pad, "nkv_pad": nkv_pad, "block_n": block_n,
+           "q": torch.empty((bh * nq_pad, dim), dtype=torch.int8, device=device),
+           "q_scale": torch.empty((bh * nq_pad,), dtype=torch.float32, device=device),
            "k": torch.empty((bh * nkv_pad, dim), dtype=torch.int8, device=device),
            "k_scale": torch.empty((bh * (nkv_pad // block_n),), dtype=torch.float32, device=device),
            "v": torch.empty((bh * dim, nkv_pad), dtype=PV_DTYPES[pv], device=device),
            "v_scale": torch.empty((bh * dim,), dtype=torch.float32, device=device)}
     stats = torch.zeros((2, bh, dim), dtype=torch.float32, device=device)
-    k_strides, v_strides = (tuple(t.stride()[:3]) for t in (k, v))
-    _stats_kernel[(triton.cdiv(n_kv, 128), bh)](k, v, stats, n_kv, heads, k_strides, v_strides, HEAD_DIM=dim,
+    strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
+    _stats_kernel[(triton.cdiv(n_kv, 128), bh)](k, v, stats, n_kv, heads, strides[1], strides[2], HEAD_DIM=dim,
                                                BLOCK=128, num_warps=8)
-    _quantize_kernel[(nkv_pad // block_n, bh, 2)](k, v, stats, out["k"], out["k_scale"], out["v"], out["v_scale"],
-                                                  n_kv, heads, k_strides, v_strides, nkv_pad, HEAD_DIM=dim,
-                                                  BLOCK=block_n, num_warps=8 if block_n * dim >= 16384 else 4)
+    blocks = max(nq_pad, nkv_pad) // block_n
+    _quantize_kernel[(blocks, bh, 3)](q, k, v, stats, out["q"], out["q_scale"], out["k"], out["k_scale"], out["v"],
+                                      out["v_scale"], n_q, n_kv, heads, *strides, nq_pad, nkv_pad, sm_scale * LOG2E,
+                                      HEAD_DIM=dim, BLOCK=block_n, num_warps=8 if block_n * dim >= 16384 else 4)
     return out
 
 
@@ -215,12 +226,12 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
     block_m, block_n, warps, stages, *rest = config or CONFIGS[dim, pv]
     if block_n != prepared["block_n"]:
         raise ValueError(f"operands prepared for key blocks of {prepared['block_n']}, config has {block_n}")
+    q_desc = TensorDescriptor.from_tensor(prepared["q"], [block_m, dim])
     k_desc = TensorDescriptor.from_tensor(prepared["k"], [block_n, dim])
     v_desc = TensorDescriptor.from_tensor(prepared["v"], [dim, block_n])
     grid = (triton.cdiv(prepared["n_q"], block_m), batch * heads)
-    q = prepared["q"]
-    _attention_kernel[grid](q, tuple(q.stride()[:3]), prepared["q_mult"], k_desc, v_desc, prepared["k_scale"],
-                            prepared["v_scale"], out, prepared["n_q"], prepared["n_kv"], heads, prepared["nkv_pad"],
+    _attention_kernel[grid](q_desc, k_desc, v_desc, prepared["q_scale"], prepared["k_scale"], prepared["v_scale"],
+                            out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
                             BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(rest and rest[0]),
                             num_warps=warps, num_stages=stages)

@@ -208,6 +208,8 @@ def test_fp8_static_activation_scale():
     q.set_input_amax(x.abs().amax())
     assert q.static_input and "activation scale=static" in repr(q)
     assert q.input_scale.item() == pytest.approx(x.abs().amax().item() * kernels.STATIC_HEADROOM / kernels.FP8_MAX)
+    assert torch.equal(q.input_scale_inverse, 1.0 / q.input_scale)  # the casts multiply by it
+    assert "input_scale_inverse" not in q.state_dict()  # derived: caches and checkpoints hold the scale alone
     torch.testing.assert_close(q(x), q.reference_forward(x), rtol=2e-2, atol=2e-2)
     assert rel(q(x), linear(x)) < 6e-2 and rel(q(x), dynamic) < 6e-2
     grown = x * kernels.STATIC_HEADROOM * 0.99           # later steps' inputs, within the headroom: still exact-ish
@@ -217,6 +219,9 @@ def test_fp8_static_activation_scale():
     xq = kernels.quantize_tensor_fp8_static(outlier.reshape(-1, 128), q.input_scale_inverse)
     assert xq.float().abs().max().item() == kernels.FP8_MAX
     torch.testing.assert_close(q(outlier), q.reference_forward(outlier), rtol=2e-2, atol=2e-2)
+    held = q.input_scale_inverse.data_ptr()  # a new scale is written in place, where compiled graphs read it
+    q.set_input_amax(x.abs().amax() * 2)
+    assert q.input_scale_inverse.data_ptr() == held and torch.equal(q.input_scale_inverse, 1.0 / q.input_scale)
 
 
 TRITON_CHECK = textwrap.dedent("""
@@ -550,6 +555,7 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt, s
     if fmt == "fp8_e4m3":  # the static activation scales come back from the cache
         assert second.block.ff1.static_input
         assert torch.equal(second.block.ff1.input_scale, first.block.ff1.input_scale)
+        assert torch.equal(second.block.ff1.input_scale_inverse, first.block.ff1.input_scale_inverse)
 
     other = make_model(seed=1)                       # other weights: other key, calibrates
     report3 = quantize_(other, config, calibration=calibration_for(other), cache=cache, resolution=(8, 8))

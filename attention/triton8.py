@@ -220,8 +220,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
 
 def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, config=None) -> torch.Tensor:
     """The attention kernel over prepared operands, written into `out` (batch, tokens, heads, head dim) or any view
-    with the head dim contiguous. config: (BLOCK_M, BLOCK_N, warps, stages[, warp specialization[, max registers
-    per thread]]); its BLOCK_N must be the one the operands were prepared with."""
+    with the head dim contiguous. config: (BLOCK_M, BLOCK_N, warps, stages[, warp specialization]); its BLOCK_N
+    must be the one the operands were prepared with."""
     pv = "fp8" if prepared["v"].dtype == torch.float8_e4m3fn else "fp16"
     block_m, block_n, warps, stages, *rest = config or CONFIGS[dim, pv]
     if block_n != prepared["block_n"]:
@@ -234,7 +234,7 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
                             out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
                             BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(rest and rest[0]),
-                            num_warps=warps, num_stages=stages, **({"maxnreg": rest[1]} if len(rest) > 1 else {}))
+                            num_warps=warps, num_stages=stages)
     return out
 
 

@@ -117,7 +117,7 @@ if triton is not None:
 
     @triton.jit
     def _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row, scale_row, start_n,
-                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
+                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         k = k_desc.load([kv_row + start_n, 0])
         # int32 -> float32 without the slow conversion instruction: for |x| < 2**22, the bits of 0x4B400000 + x
         # read as a float are 12582912 + x exactly (|q8·k8| <= 127² · 128 < 2**21), an integer add instead.
@@ -125,24 +125,7 @@ if triton is not None:
         c = q_scale * tl.load(k_scale_ptr + scale_row + start_n // BLOCK_N)  # per row: log2-domain score per unit
         if MASKED:
             raw = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], raw, 0.0)
-        m_block = (tl.max(raw, axis=1) - 12582912.0) * c
-        if LAZY > 0:
-            # The running max (and the accumulator's rescaling) moves only when some row's max grew by more than
-            # LAZY (log2 units); p may then reach 2**LAZY, so P is stored times 448 / 2**LAZY.
-            if tl.max(m_block - m_i, axis=0) > LAZY:
-                m_new = tl.maximum(m_i, m_block)
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(raw * c[:, None] - (12582912.0 * c + m_i - (8.807354922057604 - LAZY))[:, None])
-            if MASKED:
-                p = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], p, 0.0)
-            l_i = l_i + tl.sum(p, axis=1)
-            v = v_desc.load([v_row, start_n])
-            acc = tl.dot(p.to(v.dtype), v.T, acc)
-            return acc, l_i, m_i
-        m_new = tl.maximum(m_i, m_block)
+        m_new = tl.maximum(m_i, (tl.max(raw, axis=1) - 12582912.0) * c)
         # p * 448 (fp8's range, out of its subnormals) = exp2(raw * c - (12582912 * c + m_new) + log2(448)); the
         # fused multiply-add keeps the large terms' cancellation exact. The row sum carries the same 448.
         p = tl.math.exp2(raw * c[:, None] - (12582912.0 * c + m_new - 8.807354922057604)[:, None])
@@ -158,7 +141,7 @@ if triton is not None:
     def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                           n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, LAZY: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         q_row = bh * nq_pad + pid * BLOCK_M
@@ -173,10 +156,10 @@ if triton is not None:
         full = (n_kv // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
-                                          scale_row, start_n, n_kv, BLOCK_N, False, LAZY)
+                                          scale_row, start_n, n_kv, BLOCK_N, False)
         if full < n_kv:
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
-                                          scale_row, full, n_kv, BLOCK_N, True, LAZY)
+                                          scale_row, full, n_kv, BLOCK_N, True)
         cols = tl.arange(0, HEAD_DIM)
         out = acc * (tl.load(v_scale_ptr + bh * HEAD_DIM + cols)[None, :] / l_i[:, None])
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -251,7 +234,7 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
                             out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
                             BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(rest and rest[0]),
-                            LAZY=rest[1] if len(rest) > 1 else 0, num_warps=warps, num_stages=stages)
+                            num_warps=warps, num_stages=stages)
     return out
 
 

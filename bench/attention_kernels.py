@@ -58,7 +58,7 @@ def check(fn, q, k, v, ref):
     return {"rel_err": reference.relative_error(out, ref), "finite": bool(torch.isfinite(out).all())}
 
 
-def sweep(shape, q, k, v, pv, ref, only_lazy=False):
+def sweep(shape, q, k, v, pv, ref):
     b, h, n, d = shape
     prepared = {bn: triton8.prepare(q, k, v, d ** -0.5, pv, bn) for bn in (64, 128)}
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
@@ -67,10 +67,6 @@ def sweep(shape, q, k, v, pv, ref, only_lazy=False):
                itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
     configs += [(bm, bn, warps, stages, True) for bm, bn, warps, stages in
                 itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
-    configs += [(bm, 128, w, stages, False, lazy) for (bm, w), stages, lazy in  # lazy rescaling: threshold (log2)
-                itertools.product(((64, 4), (128, 8)), (2, 3), (2, 4, 8))]
-    if only_lazy:
-        configs = [c for c in configs if len(c) > 5] + [triton8.CONFIGS[d, pv]]
     for config in configs:
         try:
             ms = timed(triton8.attend, prepared[config[1]], b, h, d, out, config)
@@ -86,7 +82,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--sweep-lazy", action="store_true", help="sweep only the lazy-rescaling configurations")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -143,9 +138,7 @@ def main():
                 triton8.attention(*small, pv=pv).transpose(1, 2),
                 reference.quantized_attention(*small, block_n=triton8.CONFIGS[d, pv][1], pv=pv))
         entry = {"shape": shape, "backends": rows}
-        if args.sweep_lazy:
-            entry["sweep"] = sweep(shape, q, k, v, "fp8", ref, only_lazy=True)
-        elif args.sweep:
+        if args.sweep:
             entry["sweep"] = sweep(shape, q, k, v, "fp8", ref) + sweep(shape, q, k, v, "fp16", ref)
         result["shapes"][name] = entry
         base = rows["sdpa_cudnn"].get("ms")
@@ -165,12 +158,11 @@ def main():
             row = rows["cudnn_fp8"]
             print(f"  cudnn fp8: casts {row['prepare_ms']:.4f} ms, graph {row['graph_ms']:.4f} ms, output "
                   f"{row['output_ms']:.4f} ms")
-        if args.sweep or args.sweep_lazy:
-            for pv in ("fp8", "fp16") if args.sweep else ("fp8",):
-                best = [(r["config"], round(r["ms"], 4), round(r["rel_err"], 4))
-                        for r in entry["sweep"] if r["pv"] == pv and "ms" in r][:6]
+        if args.sweep:
+            for pv in ("fp8", "fp16"):
+                best = [r for r in entry["sweep"] if r["pv"] == pv and "ms" in r][:3]
                 failed = [r for r in entry["sweep"] if r["pv"] == pv and "error" in r]
-                print(f"  sweep {pv}: best {best}, {len(failed)} failed"
+                print(f"  sweep {pv}: best {[(r['config'], round(r['ms'], 4)) for r in best]}, {len(failed)} failed"
                       + (f" e.g. {failed[0]['error'][:150]}" if failed else ""))
         Path(args.out).write_text(json.dumps(result, indent=1))
 

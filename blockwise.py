@@ -33,10 +33,9 @@ OWN_PATCHES = "overdrive_"
 def block_options(options):
     """Compile options for one block: no Inductor CUDA graph (the blocks' own recordings are BlockwiseForward's,
     compiler/block_graphs.py), no nested regions, tanh-GELU traced in its fast form (compiler/activations.py). Every
-    shape of the first sampling step specialised and, with
-    precompile, saved whole (the token layouts of a step: Z-Image's refiners and main layers, Wan's cond and uncond
-    context lengths), so a restart loads every block it runs without tracing it; a later resolution follows
-    `dynamic`."""
+    shape of the first sampling step specialised and, with precompile, saved whole (the token layouts of a step:
+    Z-Image's refiners and main layers, Wan's cond and uncond context lengths), so a restart loads every block it runs
+    without tracing it; a later resolution follows `dynamic`."""
     return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step",
                                fast_activations=True)
 

@@ -142,11 +142,14 @@ def fp8_linear(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bi
                out_dtype: torch.dtype, fast_accum: bool = True, x_scale: torch.Tensor | None = None,
                x_inverse_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T + b through `torch._scaled_mm` with tensor-wise scales. x2d: (M, K) float; w_fp8: (N, K) e4m3;
-    w_scale: (1, 1) float32; x_scale: the static activation scale (1, 1) and x_inverse_scale its reciprocal, or
-    None for a dynamic one."""
+    w_scale: (1, 1) float32; x_scale: the static activation scale (1, 1), or None for a dynamic one;
+    x_inverse_scale: its reciprocal, kept by the caller (Fp8Linear) so that compiled code does not divide per element,
+    else computed here."""
     if x_scale is None:
         xq, x_scale = _eager_fused(triton_kernels.quantize_tensor_fp8, quantize_tensor_fp8, x2d)
     else:
+        if x_inverse_scale is None:
+            x_inverse_scale = 1.0 / x_scale
         xq = _eager_fused(triton_kernels.quantize_tensor_fp8_static, quantize_tensor_fp8_static, x2d,
                           x_inverse_scale)
     return fp8_gemm(xq, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)

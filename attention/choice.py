@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from . import cudnn8, gluon8, triton8
+from . import cudnn8, triton8
 from .reference import relative_error
 
 log = logging.getLogger("overdrive")
@@ -72,7 +72,6 @@ def sdpa(q, k, v):
 BACKENDS = {
     "int8_fp8": (triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8")),
     "int8_fp16": (triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16")),
-    "int8_fp8_ws": (gluon8.supports, gluon8.attention),
     "cudnn_fp8": (cudnn8.supports, cudnn8.attention),
 }
 

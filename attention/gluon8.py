@@ -29,9 +29,8 @@ except ImportError:  # CPU-only installs, a Triton without Gluon's Hopper ops
     gluon = None
 
 AVAILABLE = gluon is not None and triton8.AVAILABLE
-# (BLOCK_M, BLOCK_N, num_warps, STAGES, warp-specialized) per head dim, from bench/attention_kernels.py --sweep-gluon
-# on an H100. At head dim 64 no configuration beat triton8's kernel: the chooser does not offer this one there.
-CONFIGS = {64: (64, 128, 4, 3, False), 128: (64, 128, 4, 2, True)}
+# (BLOCK_M, BLOCK_N, num_warps, STAGES) per head dim.
+CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 3)}
 
 if gluon is not None:
     @gluon.jit
@@ -197,8 +196,6 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when the kernel applies to these (batch, heads, tokens, head dim) tensors, else why not."""
     if gluon is None:
         return "this Triton has no Gluon Hopper ops"
-    if q.shape[-1] == 64:
-        return "head dim 64: triton8's kernel is as fast or faster there"
     return triton8.supports(q, k, v)
 
 

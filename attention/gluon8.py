@@ -63,10 +63,9 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [v_row, block * BLOCK_N], bar, v_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _step(j, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, empty, k_desc, v_desc, k_scale_ptr,
-              scale_row, kv_row, v_row, n_blocks, n_kv, s_layout: gl.constexpr, p_layout: gl.constexpr,
-              o_rows: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-              WARP_SPECIALIZE: gl.constexpr):
+    def _step(j, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, k_desc, v_desc, k_scale_ptr, scale_row,
+              kv_row, v_row, n_blocks, n_kv, s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
         """One key block: S(j+1) and P(j)·V(j) issued together, the softmax of S(j+1) under P(j)·V(j), then the
         accumulator's rescale and the refill of block j's stage (see the module's docstring)."""
         nxt = j + 1
@@ -80,29 +79,15 @@ if gluon is not None:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, q_scale, k_scale, nxt * BLOCK_N, n_kv, s_layout, BLOCK_N, MASKED)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        if WARP_SPECIALIZE:  # block j's stage is free: the loader's warp refills it
-            mbarrier.arrive(empty.index(j % STAGES), count=1)
-        else:
-            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
         return s, p, acc, m_i, l_i
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, bars, empty, q_row, kv_row, v_row, n_blocks,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The warp-specialized schedule's producer (one warp): Q, then each key block into a stage once the
-        consumer released it (mbarriers start in the completed phase: the first round does not wait)."""
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-        for block in range(n_blocks):
-            mbarrier.wait(empty.index(block % STAGES), ((block // STAGES) & 1) ^ 1)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, block, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
-
-    @gluon.jit
-    def _consume(q_smem, k_smem, v_smem, q_bar, bars, empty, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-                 out_ptr, pid, bh, q_row, kv_row, v_row, scale_row, n_blocks, n_q, n_kv, heads, stride_ob, stride_oh,
-                 stride_on, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, num_warps: gl.constexpr):
-        """The tensor-core and softmax work of one program (its query block), then the output's store."""
+    def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                          n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
+                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, num_warps: gl.constexpr):
+        gl.static_assert(STAGES >= 2, "block j+1 loads while block j is in use")
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -111,6 +96,29 @@ if gluon is not None:
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        pid = gl.program_id(0)
+        bh = gl.program_id(1)
+        q_row = bh * nq_pad + pid * BLOCK_M
+        kv_row = bh * nkv_pad
+        v_row = bh * HEAD_DIM
+        scale_row = bh * (nkv_pad // BLOCK_N)
+        n_blocks = gl.cdiv(n_kv, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+        for i in gl.static_range(STAGES):
+            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
+
         q_scale = gl.load(q_scale_ptr + q_row + gl.arange(0, BLOCK_M, layout=s_rows))
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
@@ -126,16 +134,20 @@ if gluon is not None:
                                       BLOCK_N, True)
         # the last key block is the only partial one: its step alone masks
         for j in range(0, last - 1):
-            s, p, acc, m_i, l_i = _step(j, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, empty, k_desc,
-                                        v_desc, k_scale_ptr, scale_row, kv_row, v_row, n_blocks, n_kv, s_layout,
-                                        p_layout, o_rows, BLOCK_N, STAGES, False, WARP_SPECIALIZE)
+            s, p, acc, m_i, l_i = _step(j, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, k_desc, v_desc,
+                                        k_scale_ptr, scale_row, kv_row, v_row, n_blocks, n_kv, s_layout, p_layout,
+                                        o_rows, BLOCK_N, STAGES, False)
         if last > 0:
-            s, p, acc, m_i, l_i = _step(last - 1, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, empty,
-                                        k_desc, v_desc, k_scale_ptr, scale_row, kv_row, v_row, n_blocks, n_kv,
-                                        s_layout, p_layout, o_rows, BLOCK_N, STAGES, True, WARP_SPECIALIZE)
+            s, p, acc, m_i, l_i = _step(last - 1, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, k_desc,
+                                        v_desc, k_scale_ptr, scale_row, kv_row, v_row, n_blocks, n_kv, s_layout,
+                                        p_layout, o_rows, BLOCK_N, STAGES, True)
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         acc = warpgroup_mma(p8, v_smem.index(last % STAGES).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
 
         cols = gl.arange(0, HEAD_DIM, layout=o_cols)
         v_scale = gl.load(v_scale_ptr + bh * HEAD_DIM + cols)
@@ -144,52 +156,6 @@ if gluon is not None:
         base = out_ptr + (bh // heads).to(gl.int64) * stride_ob + (bh % heads).to(gl.int64) * stride_oh
         ptrs = base + gl.expand_dims(rows.to(gl.int64) * stride_on, 1) + gl.expand_dims(cols, 0)
         gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_q, 1))
-
-    @gluon.jit
-    def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                          n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
-                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, num_warps: gl.constexpr):
-        gl.static_assert(STAGES >= 2, "block j+1 loads while block j is in use")
-        pid = gl.program_id(0)
-        bh = gl.program_id(1)
-        q_row = bh * nq_pad + pid * BLOCK_M
-        kv_row = bh * nkv_pad
-        v_row = bh * HEAD_DIM
-        scale_row = bh * (nkv_pad // BLOCK_N)
-        n_blocks = gl.cdiv(n_kv, BLOCK_N)
-
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-
-        if WARP_SPECIALIZE:
-            gl.warp_specialize([
-                (_consume, (q_smem, k_smem, v_smem, q_bar, bars, empty, k_desc, v_desc, q_scale_ptr, k_scale_ptr,
-                            v_scale_ptr, out_ptr, pid, bh, q_row, kv_row, v_row, scale_row, n_blocks, n_q, n_kv, heads,
-                            stride_ob, stride_oh, stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, num_warps)),
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, bars, empty, q_row, kv_row, v_row,
-                           n_blocks, BLOCK_N, STAGES)),
-            ], [1], [24])
-        else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-            for i in gl.static_range(STAGES):
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
-            _consume(q_smem, k_smem, v_smem, q_bar, bars, empty, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-                     out_ptr, pid, bh, q_row, kv_row, v_row, scale_row, n_blocks, n_q, n_kv, heads, stride_ob,
-                     stride_oh, stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False, num_warps)
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-            mbarrier.invalidate(empty.index(i))
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -206,8 +172,7 @@ def _descriptor(tensor: torch.Tensor, block: list, dtype) -> "TensorDescriptor":
 def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, config=None) -> torch.Tensor:
     """triton8.attend's contract (operands from triton8.prepare with pv="fp8"), this kernel. config: (BLOCK_M,
     BLOCK_N, warps, STAGES); its BLOCK_N must be the one the operands were prepared with."""
-    block_m, block_n, warps, stages, *rest = config or CONFIGS[dim]
-    warp_specialize = bool(rest and rest[0])
+    block_m, block_n, warps, stages = config or CONFIGS[dim]
     if block_n != prepared["block_n"]:
         raise ValueError(f"operands prepared for key blocks of {prepared['block_n']}, config has {block_n}")
     if prepared["v"].dtype != torch.float8_e4m3fn:
@@ -219,8 +184,7 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
     _attention_kernel[grid](q_desc, k_desc, v_desc, prepared["q_scale"], prepared["k_scale"], prepared["v_scale"],
                             out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
-                            BLOCK_N=block_n, STAGES=stages, WARP_SPECIALIZE=warp_specialize, num_warps=warps,
-                            **({"maxnreg": 128} if warp_specialize else {}))
+                            BLOCK_N=block_n, STAGES=stages, num_warps=warps)
     return out
 
 

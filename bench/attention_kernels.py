@@ -83,8 +83,8 @@ def sweep_gluon(shape, q, k, v, ref):
     prepared = triton8.prepare(q, k, v, d ** -0.5, "fp8", 128)
     out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
     rows = []
-    for config in [(64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2, True),
-                   (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True)]:
+    for config in [(64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 2), (128, 128, 8, 2),
+                   (128, 128, 8, 3)]:
         try:
             ms = timed(gluon8.attend, prepared, b, h, d, out, config)
             err = reference.relative_error(out.transpose(1, 2), ref)

@@ -37,15 +37,13 @@ def test_backend_matches_fp32_attention(shape, backend):
     assert err < bound, err
 
 
-@pytest.mark.parametrize("warp_specialize", [False, True])
 @pytest.mark.parametrize("shape", [(1, 2, 1024, 128), (2, 3, 1000, 64), (1, 2, 100, 128), (1, 2, 300, 64)])
-def test_gluon_kernel_computes_the_triton_kernels_scheme(shape, warp_specialize):
+def test_gluon_kernel_computes_the_triton_kernels_scheme(shape):
     """Same prepared operands, same arithmetic, another schedule: against the scheme's torch reference as tightly as
     the Triton kernel is. One key block (the loop never runs), a partial last block, several blocks."""
     q, k, v = inputs(shape, seed=1)
     scheme = reference.quantized_attention(q, k, v, block_n=gluon8.CONFIGS[shape[-1]][1], pv="fp8")
-    config = (*gluon8.CONFIGS[shape[-1]], warp_specialize)
-    gluon_err = reference.relative_error(gluon8.attention(q, k, v, config=config).transpose(1, 2), scheme)
+    gluon_err = reference.relative_error(gluon8.attention(q, k, v).transpose(1, 2), scheme)
     triton_err = reference.relative_error(triton8.attention(q, k, v, pv="fp8").transpose(1, 2), scheme)
     assert gluon_err < max(2 * triton_err, 0.01), (gluon_err, triton_err)
 

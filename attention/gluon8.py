@@ -63,26 +63,6 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [v_row, block * BLOCK_N], bar, v_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _step(j, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, k_desc, v_desc, k_scale_ptr, scale_row,
-              kv_row, v_row, n_blocks, n_kv, s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-        """One key block: S(j+1) and P(j)·V(j) issued together, the softmax of S(j+1) under P(j)·V(j), then the
-        accumulator's rescale and the refill of block j's stage (see the module's docstring)."""
-        nxt = j + 1
-        k_scale = gl.load(k_scale_ptr + scale_row + nxt)  # issued first: its latency hides under the waits
-        mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-        # the scores' registers are free (P(j) is out of them): S(j+1) is written over them
-        s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s, use_acc=False, is_async=True)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        acc = warpgroup_mma(p8, v_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s, ))  # S(j+1) is ready; P(j)·V(j) runs on under the softmax
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, q_scale, k_scale, nxt * BLOCK_N, n_kv, s_layout, BLOCK_N, MASKED)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
-        return s, p, acc, m_i, l_i
-
-    @gluon.jit
     def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                           n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -132,15 +112,25 @@ if gluon is not None:
         s = warpgroup_mma_wait(0, deps=(s, ))
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, q_scale, gl.load(k_scale_ptr + scale_row), 0, n_kv, s_layout,
                                       BLOCK_N, True)
-        # the last key block is the only partial one: its step alone masks
-        for j in range(0, last - 1):
-            s, p, acc, m_i, l_i = _step(j, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, k_desc, v_desc,
-                                        k_scale_ptr, scale_row, kv_row, v_row, n_blocks, n_kv, s_layout, p_layout,
-                                        o_rows, BLOCK_N, STAGES, False)
-        if last > 0:
-            s, p, acc, m_i, l_i = _step(last - 1, s, p, acc, m_i, l_i, q_scale, q_smem, k_smem, v_smem, bars, k_desc,
-                                        v_desc, k_scale_ptr, scale_row, kv_row, v_row, n_blocks, n_kv, s_layout,
-                                        p_layout, o_rows, BLOCK_N, STAGES, True)
+        for j in range(0, last):
+            nxt = j + 1
+            mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+            # the scores' registers are free (P(j) is out of them): S(j+1) is written over them
+            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s, use_acc=False, is_async=True)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            acc = warpgroup_mma(p8, v_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s, ))  # S(j+1) is ready; P(j)·V(j) runs on under the softmax
+            k_scale = gl.load(k_scale_ptr + scale_row + nxt)
+            if nxt == last:
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, q_scale, k_scale, nxt * BLOCK_N, n_kv, s_layout, BLOCK_N,
+                                              True)
+            else:
+                p, alpha, l_i, m_i = _softmax(s, m_i, l_i, q_scale, k_scale, nxt * BLOCK_N, n_kv, s_layout, BLOCK_N,
+                                              False)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            # block j's stage is free now: refill it STAGES blocks ahead
+            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES, n_blocks, kv_row, v_row, BLOCK_N, STAGES)
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         acc = warpgroup_mma(p8, v_smem.index(last % STAGES).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))

@@ -239,10 +239,9 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None, pv: str = "fp8",
-              config=None, attend=attend) -> torch.Tensor:
+              config=None) -> torch.Tensor:
     """softmax(q·kᵀ · sm_scale)·v for (batch, heads, tokens, head dim) inputs (views with the head dim contiguous),
-    returned as (batch, tokens, heads, head dim), contiguous, in q's dtype. `attend`: the kernel over the prepared
-    operands (this module's, or gluon8's)."""
+    returned as (batch, tokens, heads, head dim), contiguous, in q's dtype."""
     batch, heads, n_q, dim = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     config = config or CONFIGS[dim, pv]

@@ -1,6 +1,6 @@
 """Attention kernels side by side on the GPU, per shape: torch SDPA (cuDNN, flash), cuDNN fp8 through
-nvidia-cudnn-frontend, SageAttention 1.0.6 (if installed) and Overdrive's 8-bit kernels (Triton, Gluon); per-call
-relative error against fp32 attention, and (--sweep) the kernels' block/warp/stage configurations.
+nvidia-cudnn-frontend, SageAttention 1.0.6 (if installed) and Overdrive's Triton 8-bit kernel; per-call relative
+error against fp32 attention, and (--sweep) the Triton kernel's block/warp/stage configurations.
 
     PYTHONPATH=<folder holding overdrive> python bench/attention_kernels.py --out bench/results/DATE_GPU_attention_kernels.json [--sweep]
 """
@@ -15,7 +15,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from overdrive.attention import cudnn8, gluon8, reference, triton8
+from overdrive.attention import cudnn8, reference, triton8
 from overdrive.attention.choice import _median_ms
 
 SHAPES = {  # name: (batch, heads, tokens, head dim)
@@ -78,29 +78,10 @@ def sweep(shape, q, k, v, pv, ref):
     return rows
 
 
-def sweep_gluon(shape, q, k, v, ref):
-    b, h, n, d = shape
-    prepared = triton8.prepare(q, k, v, d ** -0.5, "fp8", 128)
-    out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
-    rows = []
-    for config in [(64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 2), (128, 128, 8, 2),
-                   (128, 128, 8, 3)]:
-        try:
-            ms = timed(gluon8.attend, prepared, b, h, d, out, config)
-            err = reference.relative_error(out.transpose(1, 2), ref)
-            rows.append({"kernel": "gluon", "config": config, "ms": ms, "tflops": flops(shape) / ms / 1e9,
-                         "rel_err": err})
-        except Exception as error:  # noqa: BLE001 - a config the compiler refuses (shared memory, registers)
-            rows.append({"kernel": "gluon", "config": config, "error": f"{type(error).__name__}: {str(error)[:200]}"})
-    rows.sort(key=lambda r: r.get("ms", 1e9))
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--sweep-gluon", action="store_true", help="the Gluon kernel's configurations alone")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -117,8 +98,7 @@ def main():
         ref = reference.exact_attention(q, k, v)
         backends = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
                     "triton8_fp8pv": triton8.attention,
-                    "triton8_fp16pv": lambda q, k, v: triton8.attention(q, k, v, pv="fp16"),
-                    "gluon8_fp8pv": gluon8.attention}
+                    "triton8_fp16pv": lambda q, k, v: triton8.attention(q, k, v, pv="fp16")}
         if cudnn8.supports(q, k, v) is None:
             backends["cudnn_fp8"] = cudnn8.attention
         else:
@@ -143,8 +123,6 @@ def main():
             prepared = triton8.prepare(q, k, v, d ** -0.5, pv)
             row["prepare_ms"] = timed(triton8.prepare, q, k, v, d ** -0.5, pv)
             row["kernel_ms"] = timed(triton8.attend, prepared, b, h, d, out)
-            if pv == "fp8" and "ms" in rows["gluon8_fp8pv"]:
-                rows["gluon8_fp8pv"]["kernel_ms"] = timed(gluon8.attend, prepared, b, h, d, out)
         if "ms" in rows.get("cudnn_fp8", {}):  # its parts: the Triton casts, cuDNN's graph, the output's pass
             graph, stream = cudnn8._graph(q.shape, k.shape, d ** -0.5, q.device), torch.cuda.current_stream()
             operands = graph.operands_for(stream)
@@ -162,8 +140,6 @@ def main():
         entry = {"shape": shape, "backends": rows}
         if args.sweep:
             entry["sweep"] = sweep(shape, q, k, v, "fp8", ref) + sweep(shape, q, k, v, "fp16", ref)
-        if args.sweep or args.sweep_gluon:
-            entry["sweep_gluon"] = sweep_gluon(shape, q, k, v, ref)
         result["shapes"][name] = entry
         base = rows["sdpa_cudnn"].get("ms")
         print(f"{name} {shape}")
@@ -178,8 +154,6 @@ def main():
             row = rows[f"triton8_{pv}pv"]
             print(f"  triton8 {pv} P·V: prepare {row.get('prepare_ms', 0):.4f} ms, kernel {row.get('kernel_ms', 0):.4f} "
                   f"ms, vs scheme reference {row.get('rel_err_vs_scheme_reference', float('nan')):.4f}")
-        if "kernel_ms" in rows["gluon8_fp8pv"]:
-            print(f"  gluon8 fp8 P·V: kernel {rows['gluon8_fp8pv']['kernel_ms']:.4f} ms")
         if "graph_ms" in rows.get("cudnn_fp8", {}):
             row = rows["cudnn_fp8"]
             print(f"  cudnn fp8: casts {row['prepare_ms']:.4f} ms, graph {row['graph_ms']:.4f} ms, output "
@@ -190,9 +164,6 @@ def main():
                 failed = [r for r in entry["sweep"] if r["pv"] == pv and "error" in r]
                 print(f"  sweep {pv}: best {[(r['config'], round(r['ms'], 4)) for r in best]}, {len(failed)} failed"
                       + (f" e.g. {failed[0]['error'][:150]}" if failed else ""))
-        if "sweep_gluon" in entry:
-            print("  sweep gluon: " + ", ".join(f"{r['config']} {r['ms']:.4f} ms err {r['rel_err']:.4f}" if "ms" in r
-                                              else f"{r['config']} {r['error'][:120]}" for r in entry["sweep_gluon"]))
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 

@@ -30,14 +30,18 @@ class AttentionConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     mode: str = "auto"
-    max_error: float = 0.03  # relative error per call, against SDPA on the same inputs
+    # Relative error per call, against SDPA on the same inputs. 5 %: cuDNN's fp8 attention (3.7-3.8 % per call on
+    # Flux's and Qwen-Image's own inputs) left the whole model call's error and the final latent's unchanged to three
+    # digits (1.56e-2 / 1.06e-2 and 1.23e-2 / 9.8e-3 against CompileModel, bench/README.md): next to the fp8 GEMMs
+    # it adds nothing measurable, while a 3 % bound kept SDPA on both.
+    max_error: float = 0.05
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise AttentionConfigError(f"attention mode {self.mode!r} is not one of {', '.join(MODES)}")
         if not 0.0 < self.max_error <= 1.0:
             raise AttentionConfigError(f"attention_max_error must be in (0, 1], got {self.max_error}: it is a "
-                                       "relative error per call (0.03 = 3 %)")
+                                       "relative error per call (0.05 = 5 %)")
 
 
 class OnePerConfig:

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from overdrive.attention.choice import AttentionConfig
 from overdrive.builtin_models import dit
 from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
 from report import add_speedups, compile_phases, environment, finish, profile_run, write_report
@@ -203,13 +204,13 @@ def main():
         window = next((p for p in parts if p.startswith("window")), None)
         start_percent, end_percent = (map(float, window[len("window"):].split("-")) if window
                                       else (args.cache_start, args.cache_end))
-        # "attn0.05": QuantizeModel's attention=auto with that error bound; "attn8bit0.05": attention=8bit.
+        # "attn0.05": QuantizeModel's attention=auto with that error bound ("attn": the default); "attn8bit0.05": 8bit.
         attn = next((p for p in parts if p.startswith("attn")), None)
         attention = {"attention": "sdpa"}
         if attn:
             mode = "8bit" if attn.startswith("attn8bit") else "auto"
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
-            attention = {"attention": mode, "attention_max_error": float(bound or 0.03)}
+            attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
         unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
                                  "float-memory-bound", window, "tanh-gelu"}
                    - set(compile_options))

@@ -18,7 +18,7 @@ def attention_(target, config: AttentionConfig | None = None) -> None:
     config = AttentionConfig() if config is None else config
     if not isinstance(config, AttentionConfig):
         raise TypeError(f"attention_: config must be an AttentionConfig, not {type(config).__name__}; e.g. "
-                        "AttentionConfig(mode='auto', max_error=0.03). Nothing was changed.")
+                        "AttentionConfig(mode='auto', max_error=0.05). Nothing was changed.")
     routed = None if config.mode == "sdpa" else config
     install_each([(module, (installed_stack(module) or Stack()).with_attention(routed))
                   for _, module in target_modules(target, "attention_")])

@@ -26,18 +26,16 @@ except Exception:  # noqa: BLE001 - not installed, or its native module does not
 
 _graphs: dict = {}
 _lock = threading.Lock()
-BLOCK = 64  # tokens per program of the output's kernel
-CAST_BLOCK, CAST_WARPS = 64, 4  # tokens and warps per program of the amax and cast kernels
-CAST_HEADS_FIRST = False  # program order: neighbouring programs take neighbouring heads (else token blocks)
+BLOCK = 64  # tokens per program of the Triton kernels below
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
     def _amax_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, n_q, n_kv, heads, q_strides, k_strides, v_strides,
-                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         """amax[0..2] (zeroed before) = the largest magnitude of Q, K, V (program_id(2) picks the tensor)."""
-        pid, bh, which = _program(HEADS_FIRST)
+        pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = tl.arange(0, HEAD_DIM)
         if which == 0:
@@ -50,10 +48,9 @@ if triton is not None:
 
     @triton.jit
     def _cast_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, q8_ptr, k8_ptr, v8_ptr, scales_ptr, n_q, n_kv, heads, q_strides,
-                     k_strides, v_strides, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                     HEADS_FIRST: tl.constexpr):
+                     k_strides, v_strides, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         """Q, K, V over their descales (amax / 448) into contiguous e4m3 copies; scales = [dq, dk, dv, 1 / dv]."""
-        pid, bh, which = _program(HEADS_FIRST)
+        pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         descale = tl.maximum(tl.load(amax_ptr + which) / FP8_MAX, 1e-20)
         if which == 0:
             _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, HEAD_DIM, BLOCK)
@@ -65,13 +62,6 @@ if triton is not None:
             tl.store(scales_ptr + which, descale)
             if which == 2:
                 tl.store(scales_ptr + 3, 1.0 / descale)
-
-    @triton.jit
-    def _program(HEADS_FIRST: tl.constexpr):
-        """(token block, batch*head, tensor) of this program."""
-        if HEADS_FIRST:
-            return tl.program_id(1), tl.program_id(0), tl.program_id(2)
-        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
     @triton.jit
     def _cast_block(src, strides, dst, n, descale, pid, bh, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
@@ -211,12 +201,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, casts: _Casts | 
     n_kv = k.shape[2]
     o = casts or _Casts(q.shape, k.shape, q.device)
     strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
-    blocks = triton.cdiv(max(n_q, n_kv), CAST_BLOCK)
-    grid = (batch * heads, blocks, 3) if CAST_HEADS_FIRST else (blocks, batch * heads, 3)
-    options = dict(HEAD_DIM=dim, BLOCK=CAST_BLOCK, HEADS_FIRST=CAST_HEADS_FIRST, num_warps=CAST_WARPS)
-    _amax_kernel[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, **options)
+    grid = (triton.cdiv(max(n_q, n_kv), BLOCK), batch * heads, 3)
+    _amax_kernel[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
     _cast_kernel[grid](q, k, v, o.amax, o.q8, o.k8, o.v8, o.scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX,
-                       **options)
+                       HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
     return o.q8, o.k8, o.v8, o.scales
 
 

@@ -1,4 +1,4 @@
-"""Which UNet calls run the full model and which the shallow one, and what happened in each run.
+"""Which model calls (UNet or DiT) run the full model and which the shallow one, and what happened in each run.
 
 A *step* is one distinct sigma: every call at the same sigma (cond and uncond, batched together or called one after
 the other; a second-order sampler's repeat evaluation at that sigma) shares the decision of the first. The decision is
@@ -206,7 +206,7 @@ class DeepCacheSchedule:
         s = stats or self.stats
         line = (f"DeepCache: {s.steps} steps, {s.full_steps} full / {s.shallow_steps} shallow, "
                 f"{self.config.describe()}; "
-                f"{s.full_calls + s.shallow_calls + s.fallback_calls} UNet calls: {s.full_calls} full, "
+                f"{s.full_calls + s.shallow_calls + s.fallback_calls} model calls: {s.full_calls} full, "
                 f"{s.shallow_calls} shallow")
         if s.fallback_calls:
             reasons = "; ".join(f"{n}x {r}" for r, n in s.fallback_reasons.most_common())

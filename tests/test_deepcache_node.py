@@ -281,7 +281,7 @@ def test_compile_deepcache_workflow_over_http(client, server):
 
     # A second size on the same DeepCache model (ComfyUI reuses the node's output): a fresh cache; the new run logs
     # the schedule of the previous one.
-    schedule = "DeepCache: 3 steps, 1 full / 2 shallow, interval 3, depth 1; 3 UNet calls: 1 full, 2 shallow"
+    schedule = "DeepCache: 3 steps, 1 full / 2 shallow, interval 3, depth 1; 3 model calls: 1 full, 2 shallow"
     planned = "DeepCache: 3 steps, 1 full / 2 shallow, interval 3, depth 1 (planned)"
     runs = server.log_text().count(planned)  # each run's plan as it starts
     client.run(set_inputs(eager, "EmptyLatentImage", width=RES + 32, height=RES + 32))

@@ -68,7 +68,16 @@ if ! pip_install -r "$requirements" -c "$constraints" 2>/dev/null; then
 fi
 rm -f "$constraints" "$requirements"
 
-# 4. Overdrive as a custom node of that ComfyUI, and as the importable package `overdrive`.
+# 4. On a Hopper or newer NVIDIA GPU: NVIDIA's cuDNN frontend, for the 8-bit attention's cuDNN fp8 backend (chosen by
+#    default on Flux and Qwen-Image, bench/README.md). Without its declared dependencies (CUTLASS's DSL, TVM FFI:
+#    hundreds of MB this graph does not use); without it that backend is simply not offered.
+hopper='import sys, torch; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)))'
+if "$py" -c "$hopper" 2>/dev/null && ! "$py" -c "import cudnn" 2>/dev/null; then
+  pip_install --no-deps "nvidia-cudnn-frontend==${CUDNN_FRONTEND_VERSION:-1.32.0}" ||
+    echo "WARNING: nvidia-cudnn-frontend does not install here; 8-bit attention keeps its Triton backend." >&2
+fi
+
+# 5. Overdrive as a custom node of that ComfyUI, and as the importable package `overdrive`.
 link="$COMFYUI_PATH/custom_nodes/overdrive"
 if [ ! -e "$link" ]; then ln -s "$repo" "$link"; fi
 pip_install --no-deps --no-build-isolation -e .

@@ -3,12 +3,22 @@ torch ships). Its optional dependencies (cutlass-dsl, tvm-ffi) are not needed fo
 `pip install --no-deps nvidia-cudnn-frontend`.
 
 On Hopper cuDNN's fp8 graph takes one scale per tensor and writes its output in fp8, so its error per call is ~6 %
-(bench/README.md): the chooser uses it only where the user's error bound allows. Scales are computed per call
-(amax of Q, K, V); the output's scale follows from V's, since each output row is a convex combination of V's rows.
-One cuDNN graph is built per shape and kept.
+(bench/README.md): the chooser uses it only where the user's error bound allows. One cuDNN graph is built per shape
+and kept.
+
+Scales: each tensor's scale is carried from the call before at that shape (on that stream) while it fits: the cast
+reads Q, K and V once, casting with the carried scale and taking their maxima as it goes; where a maximum shows the
+carried scale would clip (more than `HEADROOM` x the maximum it came from) or waste range (more than `WINDOW` x the
+tensor's own maximum), a second pass casts that tensor again at its own maximum, which is then carried. Taking the
+maxima before casting would read Q, K and V twice at every call: on Flux at 1024² that pass alone is ~28 us of the
+~80 us the casts cost per call. e4m3 keeps its 3-bit mantissa from 2^-6 to 448, so a scale `WINDOW` times too large
+loses precision only on values below 1/3500 of the tensor's largest (1/28000 at its own). The output's scale follows
+from V's, since each output row is a convex combination of V's rows. All of it runs on the GPU (no host sync), so
+CUDA graphs replay it.
 
 Around the graph, three Triton launches instead of ~30 torch ops (whose launches made the backend host-bound): the
-three tensors' amax in one, their casts and scales in one, the output's dequantization into the op's layout in one.
+casts with their maxima, the second pass (which returns at once where it has nothing to do), and the output's
+dequantization into the op's layout, which also carries the scales to the next call.
 """
 from __future__ import annotations
 
@@ -28,55 +38,74 @@ _graphs: dict = {}
 _lock = threading.Lock()
 BLOCK = 64  # tokens per program of the Triton kernels below
 
+HEADROOM = 2.0  # a carried scale maps this many times the maximum it came from to 448 (values may grow that much)
+WINDOW = 8.0  # ... and is kept while the tensor's own maximum is at least 1/WINDOW of what it maps to 448
+
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _amax_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, n_q, n_kv, heads, q_strides, k_strides, v_strides,
-                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        """amax[0..2] (zeroed before) = the largest magnitude of Q, K, V (program_id(2) picks the tensor)."""
-        pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        cols = tl.arange(0, HEAD_DIM)
-        if which == 0:
-            x = tl.load(_token_block(q_ptr, q_strides, bh, heads, rows, cols), mask=(rows < n_q)[:, None], other=0.0)
-        elif which == 1:
-            x = tl.load(_token_block(k_ptr, k_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None], other=0.0)
-        else:
-            x = tl.load(_token_block(v_ptr, v_strides, bh, heads, rows, cols), mask=(rows < n_kv)[:, None], other=0.0)
-        tl.atomic_max(amax_ptr + which, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0), sem="relaxed")
+    def _recast_needed(amax, carried, HEADROOM: tl.constexpr, WINDOW: tl.constexpr):
+        """Whether a tensor whose maximum is `amax` needs its own scale instead of the one carried from `carried`
+        (0 before the first call: always)."""
+        return (amax > carried * HEADROOM) | (amax * WINDOW < carried * HEADROOM)
 
     @triton.jit
-    def _cast_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, q8_ptr, k8_ptr, v8_ptr, scales_ptr, n_q, n_kv, heads, q_strides,
-                     k_strides, v_strides, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        """Q, K, V over their descales (amax / 448) into contiguous e4m3 copies; scales = [dq, dk, dv, 1 / dv]."""
+    def _cast_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, carried_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_kv, heads, q_strides,
+                     k_strides, v_strides, FP8_MAX: tl.constexpr, HEADROOM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """Q, K, V at their carried scales into contiguous e4m3 copies; amax[0..2] (zero before) = their maxima."""
         pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        descale = tl.maximum(tl.load(amax_ptr + which) / FP8_MAX, 1e-20)
+        descale = tl.maximum(tl.load(carried_ptr + which) * HEADROOM / FP8_MAX, 1e-20)
         if which == 0:
-            _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, HEAD_DIM, BLOCK)
+            block_max = _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
         elif which == 1:
-            _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, HEAD_DIM, BLOCK)
+            block_max = _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
         else:
-            _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, HEAD_DIM, BLOCK)
+            block_max = _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+        tl.atomic_max(amax_ptr + which, block_max, sem="relaxed")
+
+    @triton.jit
+    def _recast_kernel(q_ptr, k_ptr, v_ptr, amax_ptr, carried_ptr, q8_ptr, k8_ptr, v8_ptr, scales_ptr, n_q, n_kv,
+                       heads, q_strides, k_strides, v_strides, FP8_MAX: tl.constexpr, HEADROOM: tl.constexpr,
+                       WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """scales = [dq, dk, dv, 1 / dv] of this call; a tensor whose carried scale does not fit is cast again at its
+        own (every program of the others returns after two loads)."""
+        pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        amax, carried = tl.load(amax_ptr + which), tl.load(carried_ptr + which)
+        recast = _recast_needed(amax, carried, HEADROOM, WINDOW)
+        descale = tl.maximum(tl.where(recast, amax, carried * HEADROOM) / FP8_MAX, 1e-20)
         if pid == 0 and bh == 0:
             tl.store(scales_ptr + which, descale)
             if which == 2:
                 tl.store(scales_ptr + 3, 1.0 / descale)
+        if recast:
+            if which == 0:
+                _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+            elif which == 1:
+                _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+            else:
+                _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
 
     @triton.jit
-    def _cast_block(src, strides, dst, n, descale, pid, bh, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    def _cast_block(src, strides, dst, n, descale, pid, bh, heads, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        """One block of tokens over `descale` into e4m3 (clamped: a clipping scale is recast after); its maximum."""
         rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = tl.arange(0, HEAD_DIM)
         valid = (rows < n)[:, None]
         x = tl.load(_token_block(src, strides, bh, heads, rows, cols), mask=valid, other=0.0).to(tl.float32)
-        tl.store(dst + (bh * n + rows)[:, None] * HEAD_DIM + cols[None, :], (x / descale).to(dst.dtype.element_ty),
+        scaled = tl.minimum(tl.maximum(x / descale, -FP8_MAX), FP8_MAX)
+        tl.store(dst + (bh * n + rows)[:, None] * HEAD_DIM + cols[None, :], scaled.to(dst.dtype.element_ty),
                  mask=valid)
+        return tl.max(tl.max(tl.abs(x), axis=1), axis=0)
 
     @triton.jit
-    def _output_kernel(o8_ptr, scales_ptr, out_ptr, amax_ptr, n, heads, ZERO_AMAX: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    def _output_kernel(o8_ptr, scales_ptr, out_ptr, amax_ptr, carried_ptr, n, heads, CARRY: tl.constexpr,
+                       HEADROOM: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         """cuDNN's e4m3 (batch, heads, tokens, dim) output times V's descale, as (batch, tokens, heads, dim); with
-        ZERO_AMAX, amax[0..2] is reset for the next call (the casts that read it are done)."""
+        CARRY, the scales a tensor was recast at are carried to the next call and amax[0..2] is reset (the casts that
+        read them are done)."""
         pid, bh = tl.program_id(0), tl.program_id(1)
         rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = tl.arange(0, HEAD_DIM)
@@ -86,10 +115,15 @@ if triton is not None:
         b, h = bh // heads, bh % heads
         out = out_ptr + ((b * n + rows) * heads + h)[:, None] * HEAD_DIM + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=valid)
-        if ZERO_AMAX:
+        if CARRY:
             if pid == 0 and bh == 0:
                 three = tl.arange(0, 4)
-                tl.store(amax_ptr + three, tl.zeros([4], tl.float32), mask=three < 3)
+                used = three < 3
+                amax = tl.load(amax_ptr + three, mask=used, other=0.0)
+                carried = tl.load(carried_ptr + three, mask=used, other=0.0)
+                carried = tl.where(_recast_needed(amax, carried, HEADROOM, WINDOW), amax, carried)
+                tl.store(carried_ptr + three, carried, mask=used)
+                tl.store(amax_ptr + three, tl.zeros([4], tl.float32), mask=used)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -156,13 +190,15 @@ class _Graph:
 
 
 class _Casts:
-    """Contiguous e4m3 copies of Q, K and V, their maxima (zero between calls) and scales [dq, dk, dv, 1 / dv]."""
+    """Contiguous e4m3 copies of Q, K and V, their maxima (zero between calls), the maxima their carried scales come
+    from (zero: none yet) and this call's scales [dq, dk, dv, 1 / dv]."""
 
     def __init__(self, shape_q, shape_kv, device):
         e4m3 = torch.float8_e4m3fn
         self.q8 = torch.empty(shape_q, dtype=e4m3, device=device)
         self.k8, self.v8 = (torch.empty(shape_kv, dtype=e4m3, device=device) for _ in range(2))
         self.amax = torch.zeros(3, dtype=torch.float32, device=device)
+        self.carried = torch.zeros(3, dtype=torch.float32, device=device)
         self.scales = torch.empty(4, dtype=torch.float32, device=device)
 
 
@@ -170,7 +206,8 @@ class _Operands(_Casts):
     """A graph's fp8 inputs and output, scales and cuDNN variant pack for one CUDA stream, reused by each call there
     (a stream runs its calls in order): a call allocates nothing and builds no pack. Doing both at each call made
     Flux's fp8 run slower with this backend than without it (1.970 against 1.845 s per image on an H100,
-    `2026-11-26_h100_flux_1024_cudnn_attention_host_bound.json`). `amax` is zeroed again by the output kernel."""
+    `2026-11-26_h100_flux_1024_cudnn_attention_host_bound.json`). The output kernel zeroes `amax` again and
+    carries the scales."""
 
     def __init__(self, graph: _Graph, device):
         super().__init__(graph.shape_q, graph.shape_kv, device)
@@ -196,27 +233,30 @@ def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, casts: _Casts | None = None):
     """(q8, k8, v8, scales): contiguous e4m3 copies of (batch, heads, tokens, head dim) views (head dim contiguous),
     each over one descale, and scales = [dq, dk, dv, 1 / dv] (float32, on the device). Two launches; written into
-    `casts` if given (whose amax is zero), else into new tensors."""
+    `casts` if given (whose amax is zero; scales carried from its last call where they fit, module docstring), else
+    into new tensors, at each tensor's own maximum."""
     batch, heads, n_q, dim = q.shape
     n_kv = k.shape[2]
     o = casts or _Casts(q.shape, k.shape, q.device)
-    strides = [tuple(t.stride()[:3]) for t in (q, k, v)]
+    shared = (q, k, v, o.amax, o.carried, o.q8, o.k8, o.v8)
+    sizes = (n_q, n_kv, heads, *[tuple(t.stride()[:3]) for t in (q, k, v)])
     grid = (triton.cdiv(max(n_q, n_kv), BLOCK), batch * heads, 3)
-    _amax_kernel[grid](q, k, v, o.amax, n_q, n_kv, heads, *strides, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
-    _cast_kernel[grid](q, k, v, o.amax, o.q8, o.k8, o.v8, o.scales, n_q, n_kv, heads, *strides, FP8_MAX=FP8_MAX,
-                       HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
+    _cast_kernel[grid](*shared, *sizes, FP8_MAX=FP8_MAX, HEADROOM=HEADROOM, HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
+    _recast_kernel[grid](*shared, o.scales, *sizes, FP8_MAX=FP8_MAX, HEADROOM=HEADROOM, WINDOW=WINDOW, HEAD_DIM=dim,
+                         BLOCK=BLOCK, num_warps=4)
     return o.q8, o.k8, o.v8, o.scales
 
 
 def dequantize_output(out8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                      amax: torch.Tensor | None = None) -> torch.Tensor:
+                      casts: _Casts | None = None) -> torch.Tensor:
     """cuDNN's e4m3 (batch, heads, tokens, head dim) output times V's descale, as (batch, tokens, heads, head dim);
-    `amax` (the casts' maxima) is zeroed for the next call."""
+    with `casts` (the call's), its scales are carried to the next call and its maxima zeroed."""
     batch, heads, n, dim = out8.shape
     out = torch.empty((batch, n, heads, dim), dtype=dtype, device=out8.device)
-    _output_kernel[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, scales if amax is None else amax, n,
-                                                           heads, ZERO_AMAX=amax is not None, HEAD_DIM=dim,
-                                                           BLOCK=BLOCK, num_warps=4)
+    amax, carried = (scales, scales) if casts is None else (casts.amax, casts.carried)
+    _output_kernel[(triton.cdiv(n, BLOCK), batch * heads)](out8, scales, out, amax, carried, n, heads,
+                                                           CARRY=casts is not None, HEADROOM=HEADROOM, WINDOW=WINDOW,
+                                                           HEAD_DIM=dim, BLOCK=BLOCK, num_warps=4)
     return out
 
 
@@ -229,4 +269,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     operands = graph.operands_for(stream)
     quantize(q, k, v, operands)
     graph.run(operands, stream)
-    return dequantize_output(operands.out8, operands.scales, q.dtype, operands.amax)
+    return dequantize_output(operands.out8, operands.scales, q.dtype, operands)

@@ -85,6 +85,26 @@ KERNEL_CHECK = textwrap.dedent("""
         assert (x8.float() == (x / d).to(torch.float8_e4m3fn).float()).float().mean() > 0.9
     out = cudnn8.dequantize_output(q8, scales, torch.float16)
     torch.testing.assert_close(out, (q8.float() * descales[2]).transpose(1, 2).half())
+    # Scales carried between calls on one set of buffers: kept while they fit, recast where they clip or waste range.
+    casts = cudnn8._Casts(q.shape, k.shape, q.device)
+    amaxes = torch.stack([t.abs().amax() for t in (q, k, v)])
+    _, _, _, scales = cudnn8.quantize(q, k, v, casts)
+    torch.testing.assert_close(scales[:3], amaxes / 448)  # nothing carried yet: each tensor's own scale
+    cudnn8.dequantize_output(casts.v8, scales, torch.float16, casts)
+    torch.testing.assert_close(casts.carried, amaxes)
+    assert casts.amax.abs().sum() == 0
+    grown, shrunk, clipping = q * 1.5, k * 0.3, v * 20  # within headroom / within the window / beyond the headroom
+    q8, k8, v8, scales = cudnn8.quantize(grown, shrunk, clipping, casts)
+    expected = torch.stack([amaxes[0] * cudnn8.HEADROOM, amaxes[1] * cudnn8.HEADROOM, amaxes[2] * 20]) / 448
+    torch.testing.assert_close(scales[:3], expected)
+    torch.testing.assert_close(scales[3], 1 / expected[2])
+    for x, x8, d in zip((grown, shrunk, clipping), (q8, k8, v8), expected):
+        assert (x8.float() == (x / d).to(torch.float8_e4m3fn).float()).float().mean() > 0.9
+        assert x8.float().abs().max() <= 448
+    cudnn8.dequantize_output(v8, scales, torch.float16, casts)
+    torch.testing.assert_close(casts.carried, torch.stack([amaxes[0], amaxes[1], amaxes[2] * 20]))
+    _, _, _, scales = cudnn8.quantize(q, k * 0.1, v * 20, casts)  # K now wastes more than the window: recast
+    torch.testing.assert_close(scales[1], amaxes[1] * 0.1 / 448)
     print("ok")
 """)
 

@@ -63,3 +63,21 @@ def test_cudnn_fp8_reuses_its_operands_and_resets_their_maxima():
     assert torch.equal(cudnn8.attention(*small), first)
     operands = cudnn8._graph(q.shape, k.shape, 128 ** -0.5, q.device).operands_for(torch.cuda.current_stream())
     assert operands.amax.abs().sum().item() == 0
+
+
+def test_cudnn_fp8_carried_scales_cost_no_accuracy():
+    """The steady-state path (scales carried from the call before, up to WINDOW x the tensor's own) errs as little as
+    a call at its own scales: e4m3 keeps its precision over that range."""
+    q, k, v = inputs((1, 24, 4096, 128), seed=1)  # a shape of its own: its first call casts at the tensors' own scales
+    if cudnn8.supports(q, k, v) is not None:
+        pytest.skip(cudnn8.supports(q, k, v))
+    exact = reference.exact_attention(q, k, v)
+    own = reference.relative_error(cudnn8.attention(q, k, v).transpose(1, 2), exact)
+    grown = 0.49 * cudnn8.WINDOW  # a call this much larger is recast and its scales carried ...
+    cudnn8.attention(*(t * grown for t in (q, k, v)))
+    out = cudnn8.attention(q, k, v)  # ... to this one: 0.98 x WINDOW its own, still kept
+    operands = cudnn8._graph(q.shape, k.shape, 128 ** -0.5, q.device).operands_for(torch.cuda.current_stream())
+    amaxes = torch.stack([t.abs().amax().float() for t in (q, k, v)])
+    torch.testing.assert_close(operands.scales[:3], amaxes * grown * cudnn8.HEADROOM / 448, rtol=1e-2, atol=0)
+    carried = reference.relative_error(out.transpose(1, 2), exact)
+    assert carried < own * 1.15, (own, carried)

@@ -57,12 +57,8 @@ if triton is not None:
         """Q, K, V at their carried scales into contiguous e4m3 copies; amax[0..2] (zero before) = their maxima."""
         pid, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         descale = tl.maximum(tl.load(carried_ptr + which) * HEADROOM / FP8_MAX, 1e-20)
-        if which == 0:
-            block_max = _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
-        elif which == 1:
-            block_max = _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
-        else:
-            block_max = _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+        block_max = _cast_tensor_block(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_kv, heads, q_strides,
+                                       k_strides, v_strides, which, descale, pid, bh, FP8_MAX, HEAD_DIM, BLOCK)
         tl.atomic_max(amax_ptr + which, block_max, sem="relaxed")
 
     @triton.jit
@@ -80,12 +76,21 @@ if triton is not None:
             if which == 2:
                 tl.store(scales_ptr + 3, 1.0 / descale)
         if recast:
-            if which == 0:
-                _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
-            elif which == 1:
-                _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
-            else:
-                _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+            _cast_tensor_block(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_kv, heads, q_strides, k_strides,
+                               v_strides, which, descale, pid, bh, FP8_MAX, HEAD_DIM, BLOCK)
+
+    @triton.jit
+    def _cast_tensor_block(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_kv, heads, q_strides, k_strides,
+                           v_strides, which, descale, pid, bh, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """`_cast_block` of Q, K or V (`which` 0, 1, 2); its maximum."""
+        if which == 0:
+            block_max = _cast_block(q_ptr, q_strides, q8_ptr, n_q, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+        elif which == 1:
+            block_max = _cast_block(k_ptr, k_strides, k8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+        else:
+            block_max = _cast_block(v_ptr, v_strides, v8_ptr, n_kv, descale, pid, bh, heads, FP8_MAX, HEAD_DIM, BLOCK)
+        return block_max
 
     @triton.jit
     def _cast_block(src, strides, dst, n, descale, pid, bh, heads, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -1,6 +1,8 @@
-"""The weight-only int8 layers of the DiTs' modulation (a few rows times a large weight: bound by reading it) on the
-GPU: Overdrive's Triton kernel (each configuration of a small sweep), Inductor's fused reduction of the plain torch
-formula (what compiled code ran before the kernel), and the bf16 layer through cuBLAS, in GB/s of weight read.
+"""The weight-only int8 layers (bound by reading the weight) on the GPU: the DiTs' modulation (a row or two) and
+Qwen-Image's text stream (64 tokens, two with CFG: 128 rows), with more rows to find where a GEMM wins. Overdrive's
+Triton kernel (each configuration of a small sweep), the path above its row limit (the weight dequantized to bf16,
+then cuBLAS), Inductor's fused reduction of the plain torch formula (what compiled code runs for a few rows without
+the kernel), and the bf16 layer through cuBLAS; in GB/s of int8 weight read.
 
     PYTHONPATH=<folder holding overdrive> python bench/quantize_gemv.py --out bench/results/DATE_GPU_quantize_gemv.json
 """
@@ -22,9 +24,23 @@ SHAPES = {  # name: (rows, out features, in features)
     "flux_single_mod": (1, 9216, 3072),
     "qwen_image_mod_cfg": (2, 18432, 3072),
     "wan22_time_proj": (2, 30720, 5120),
+    "qwen_image_txt_qkv_cfg": (128, 3072, 3072),
+    "qwen_image_txt_mlp_in_cfg": (128, 12288, 3072),
+    "qwen_image_txt_mlp_out_cfg": (128, 3072, 12288),
+    "rows_32": (32, 3072, 3072),
+    "rows_64": (64, 3072, 3072),
+    "rows_256": (256, 3072, 3072),
+    "rows_512": (512, 3072, 3072),
 }
-CONFIGS = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4, 5))
-           if not (bn == 128 and bk == 256 and s == 5)]
+SMEM = 200 * 1024
+
+
+def configs(rows):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) worth trying for this many rows, within shared memory."""
+    block_ms = [bm for bm in (16, 32, 64, 128) if bm == 16 or bm // 2 < rows]
+    return [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(block_ms, (16, 32, 64, 128), (64, 128, 256),
+                                                                           (4, 8), (3, 4))
+            if (bm * bk * 2 + bn * bk) * s <= SMEM]
 
 
 def inductor_reduction(x, wq, ws, bias):
@@ -38,7 +54,7 @@ def main():
     args = parser.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "timing": "triton.testing.do_bench median, x bf16",
-              "default_config": triton_kernels.GEMV_CONFIG, "shapes": {}}
+              "default_configs": triton_kernels.WEIGHT_ONLY_CONFIGS, "shapes": {}}
     compiled = torch.compile(inductor_reduction, dynamic=False)
     for name, (m, n, k) in SHAPES.items():
         torch.manual_seed(0)
@@ -49,25 +65,34 @@ def main():
         w16, b16 = w.bfloat16(), bias.bfloat16()
         gb = lambda ms, nbytes: nbytes / ms / 1e6  # noqa: E731
         rows = {"bf16_cublas_ms": do_bench(lambda: F.linear(x, w16, b16), return_mode="median"),
-                "inductor_reduction_ms": do_bench(lambda: compiled(x, wq, ws, bias), return_mode="median"),
+                "dequantized_cublas_ms": do_bench(lambda: kernels._dequantized_linear(x, wq, ws, bias, torch.bfloat16),
+                                                  return_mode="median"),
                 "sweep": []}
-        for config in CONFIGS:
+        if m <= kernels.WEIGHT_ONLY_REDUCTION_ROWS:
+            rows["inductor_reduction_ms"] = do_bench(lambda: compiled(x, wq, ws, bias), return_mode="median")
+        for config in configs(m):
             try:
-                y = triton_kernels.weight_only_gemv(x, wq, ws, bias, torch.bfloat16, config)
+                y = triton_kernels.weight_only_matmul(x, wq, ws, bias, torch.bfloat16, config)
                 err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-                ms = do_bench(lambda: triton_kernels.weight_only_gemv(x, wq, ws, bias, torch.bfloat16, config),
-                              return_mode="median")
+                ms = do_bench(lambda: triton_kernels.weight_only_matmul(x, wq, ws, bias, torch.bfloat16, config),
+                              warmup=5, rep=20, return_mode="median")
                 rows["sweep"].append({"config": config, "ms": ms, "rel_err": err})
             except Exception as error:  # noqa: BLE001
                 rows["sweep"].append({"config": config, "error": str(error)[:200]})
         rows["sweep"].sort(key=lambda r: r.get("ms", 1e9))
-        rows["default_ms"] = next(r["ms"] for r in rows["sweep"] if r.get("config") == triton_kernels.GEMV_CONFIG)
+        default = triton_kernels.weight_only_config(m)
+        rows["default_config"] = default
+        rows["default_ms"] = next((r["ms"] for r in rows["sweep"] if tuple(r["config"]) == default), None)
         best = rows["sweep"][0]
-        print(f"{name} ({m}, {n}, {k}): bf16 cuBLAS {rows['bf16_cublas_ms'] * 1e3:.1f} us "
-              f"({gb(rows['bf16_cublas_ms'], 2 * n * k):.0f} GB/s), Inductor int8 {rows['inductor_reduction_ms'] * 1e3:.1f}"
-              f" us ({gb(rows['inductor_reduction_ms'], n * k):.0f} GB/s), Triton default {rows['default_ms'] * 1e3:.1f} us "
-              f"({gb(rows['default_ms'], n * k):.0f} GB/s), best {best['config']} {best['ms'] * 1e3:.1f} us "
-              f"({gb(best['ms'], n * k):.0f} GB/s) err {best['rel_err']:.1e}")
+        line = (f"{name} ({m}, {n}, {k}): bf16 cuBLAS {rows['bf16_cublas_ms'] * 1e3:.1f} us, dequantized + cuBLAS "
+                f"{rows['dequantized_cublas_ms'] * 1e3:.1f} us")
+        if "inductor_reduction_ms" in rows:
+            line += f", Inductor int8 {rows['inductor_reduction_ms'] * 1e3:.1f} us"
+        if rows["default_ms"]:
+            line += f", Triton default {rows['default_ms'] * 1e3:.1f} us ({gb(rows['default_ms'], n * k):.0f} GB/s)"
+        print(line + f", best {best['config']} {best['ms'] * 1e3:.1f} us ({gb(best['ms'], n * k):.0f} GB/s) "
+              f"err {best['rel_err']:.1e}; next {[(r['config'], round(r['ms'] * 1e3, 1)) for r in rows['sweep'][1:4]]}",
+              flush=True)
         result["shapes"][name] = {"shape": (m, n, k), **rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -170,7 +170,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_sca
 
 # A compiled call with at most this many rows runs a weight-only layer as one fused reduction that reads the int8
 # weight once (a matrix-vector product is bound by reading the weight); more rows make it a GEMM again. On CUDA the
-# Triton kernel below does it instead, for up to triton_kernels.GEMV_MAX_ROWS rows.
+# Triton kernel below does it instead, for up to triton_kernels.WEIGHT_ONLY_MAX_ROWS rows.
 WEIGHT_ONLY_REDUCTION_ROWS = 8
 
 
@@ -178,15 +178,15 @@ def weight_only_linear(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.T
                        out_dtype: torch.dtype) -> torch.Tensor:
     """y = x @ (W_int8 * scale)^T + b, computed in float. x2d: (M, K); w_int8: (N, K); w_scale: (1, N) float32.
 
-    With few 16-bit rows on CUDA, compiled or not: one Triton kernel that streams the int8 weight once (the custom
-    op `overdrive::weight_only_gemv`). Elsewhere under torch.compile with few rows: products summed in float32 as
+    With up to WEIGHT_ONLY_MAX_ROWS 16-bit rows on CUDA, compiled or not: one Triton kernel that streams the int8
+    weight once (the custom op `overdrive::weight_only_matmul`). Elsewhere under torch.compile with few rows: products summed in float32 as
     one Inductor reduction, output channels outermost so a weight row is read once for all of x's rows. Otherwise
     (eager, or many rows): the weight is dequantized to x's dtype and multiplied by the float GEMM (one more pass
     over the weight than the float layer)."""
     rows = x2d.shape[0]
     if (x2d.is_cuda and _triton_state["ok"] and x2d.dtype in (torch.float16, torch.bfloat16)
-            and rows <= triton_kernels.GEMV_MAX_ROWS):
-        return torch.ops.overdrive.weight_only_gemv(x2d, w_int8, w_scale, bias, out_dtype)
+            and rows <= triton_kernels.WEIGHT_ONLY_MAX_ROWS):
+        return torch.ops.overdrive.weight_only_matmul(x2d, w_int8, w_scale, bias, out_dtype)
     if torch.compiler.is_compiling() and rows <= WEIGHT_ONLY_REDUCTION_ROWS:
         products = x2d.float().unsqueeze(0) * w_int8.float().unsqueeze(1)  # (N, M, K), fused, never stored
         y = products.sum(-1).t() * w_scale
@@ -201,19 +201,19 @@ def _dequantized_linear(x2d, w_int8, w_scale, bias, out_dtype):
     return F.linear(x2d, weight, None if bias is None else bias.to(x2d.dtype)).to(out_dtype)
 
 
-@torch.library.custom_op("overdrive::weight_only_gemv", mutates_args=())
-def _weight_only_gemv(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+@torch.library.custom_op("overdrive::weight_only_matmul", mutates_args=())
+def _weight_only_matmul(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """The Triton kernel as one opaque op for torch.compile and CUDA graphs; the dequantizing path if it fails."""
     if _triton_state["ok"]:
         try:
-            return triton_kernels.weight_only_gemv(x2d, w_int8, w_scale, bias, out_dtype)
+            return triton_kernels.weight_only_matmul(x2d, w_int8, w_scale, bias, out_dtype)
         except Exception as error:  # noqa: BLE001 - a Triton build problem costs speed, never the run
             _triton_failed(error)
     return _dequantized_linear(x2d, w_int8, w_scale, bias, out_dtype)
 
 
-@_weight_only_gemv.register_fake
+@_weight_only_matmul.register_fake
 def _(x2d, w_int8, w_scale, bias, out_dtype):
     return x2d.new_empty((x2d.shape[0], w_int8.shape[0]), dtype=out_dtype)
 

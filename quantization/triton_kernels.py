@@ -9,10 +9,11 @@ cast, ...) and the int8 rescale 5 more, which costs several times the GEMM itsel
 - `quantize_tensor_fp8(x)`: one scale for the whole tensor: torch.aminmax (one reduction, no |x| copy), then one
   kernel that turns it into the scale and casts x to e4m3; `quantize_tensor_fp8_static(x, inverse_scale)`: that
   kernel alone, with a given (calibrated) scale's reciprocal.
-- `weight_only_gemv(x, w_int8, w_scale, bias, out_dtype)`: a few rows of x times an int8 weight, compiled or not
-  (kernels.weight_only_linear calls it through a custom op): the time of such a call is reading the weight, and
-  Inductor's own reduction for it read Flux's modulation weights at 0.5-1 TB/s on an H100
-  (`2026-11-26_h100_flux_1024_fp8_profile.json`).
+- `weight_only_matmul(x, w_int8, w_scale, bias, out_dtype)`: up to `WEIGHT_ONLY_MAX_ROWS` rows of x times an int8
+  weight, compiled or not (kernels.weight_only_linear calls it through a custom op): the time of such a call is
+  reading the weight, and Inductor's own reduction for it read Flux's modulation weights at 0.5-1 TB/s on an H100
+  (`2026-11-26_h100_flux_1024_fp8_profile.json`); for a text stream's hundred-odd rows (Qwen-Image's, with CFG)
+  the alternative, an int8-to-bf16 copy of the weight and a bf16 GEMM, moves 5 bytes per weight instead of 1.
 
 Numerics match the torch ops in kernels.py: float casts round to nearest even on the GPU, as torch's do. Tests run
 the kernels through Triton's interpreter (TRITON_INTERPRET=1) on CPU; the interpreter's own fp8/bf16 casts round
@@ -97,51 +98,61 @@ if triton is not None:
 
 
     @triton.jit
-    def _weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr):
-        """out[:M, cols] = (x @ w_int8[cols]ᵀ) * scale[cols] + bias[cols]: one program per BLOCK_N output channels,
-        streaming their weight rows once; x's few rows are padded to BLOCK_M (a tensor-core tile), exact since
-        int8 values are exact in 16 bits."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_M)
+    def _weight_only_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """out[rows, cols] = (x[rows] @ w_int8[cols]ᵀ) * scale[cols] + bias[cols]: one program per BLOCK_M rows and
+        BLOCK_N output channels, streaming their weight rows once; the row blocks of one weight tile are neighbours in
+        the grid, so a second one finds it in L2. Rows are padded to BLOCK_M (a tensor-core tile), exact since int8
+        values are exact in 16 bits."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
         for start in range(0, K, BLOCK_K):
             ks = start + offs
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                        other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         cmask = cols < N
         y = acc * tl.load(s_ptr + cols, mask=cmask, other=0.0)[None, :]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & cmask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) of the weight-only kernel, from bench/quantize_gemv.py's sweep on an H100.
-GEMV_CONFIG = (32, 256, 4, 3)
-GEMV_MAX_ROWS = 16  # one tensor-core tile of rows; more rows make the call a GEMM
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the weight-only kernel by the most rows they serve, from
+# bench/quantize_gemv.py's sweep on an H100 (`2026-11-26_h100_quantize_gemv_rows.json`). At 128 rows (Qwen-Image's
+# text stream with CFG) it takes 21.7 µs for 3072 x 3072 where bf16 cuBLAS takes 17.4 and the compiled dequantizing
+# path ~26 in Qwen-Image's profile (a fused int8-to-bf16 copy, then cuBLAS); at 256 rows they tie, above it the
+# GEMM wins.
+WEIGHT_ONLY_CONFIGS = {16: (16, 64, 256, 4, 3), 64: (16, 64, 256, 4, 4), 128: (64, 64, 256, 4, 3)}
+WEIGHT_ONLY_MAX_ROWS = max(WEIGHT_ONLY_CONFIGS)
 
 
-def weight_only_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                     out_dtype: torch.dtype, config=None) -> torch.Tensor:
-    """(M <= 16, K) fp16/bf16 x, (N, K) int8 weight, (1, N) float32 scales -> (M, N) in out_dtype."""
-    block_n, block_k, warps, stages = config or GEMV_CONFIG
+def weight_only_config(rows: int):
+    """The kernel's configuration for a call with this many rows."""
+    return WEIGHT_ONLY_CONFIGS[min((most for most in WEIGHT_ONLY_CONFIGS if most >= rows), default=WEIGHT_ONLY_MAX_ROWS)]
+
+
+def weight_only_matmul(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype, config=None) -> torch.Tensor:
+    """(M, K) fp16/bf16 x, (N, K) int8 weight, (1, N) float32 scales -> (M, N) in out_dtype."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
+    block_m, block_n, block_k, warps, stages = config or weight_only_config(m)
     n = w_int8.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     scale = w_scale.reshape(-1)
-    _weight_only_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _weight_only_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, w_int8, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), w_int8.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)  # without a bias, the scales stand in for the pointer, never read
     return out
 

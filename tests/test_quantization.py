@@ -250,13 +250,14 @@ TRITON_CHECK = textwrap.dedent("""
     for dtype in (torch.float16, torch.float32):
         assert torch.equal(tk.rescale(acc, xs, ws, b, dtype), (acc.float() * xs * ws + b).to(dtype))
         assert torch.equal(tk.rescale(acc, xs, ws, None, dtype), (acc.float() * xs * ws).to(dtype))
-    # The weight-only kernel: a few fp16 rows times an int8 weight (ragged N and K, bias or not), against the
-    # float64 oracle; a tile of rows at most.
-    for m, n, k, with_bias in [(1, 200, 300, True), (2, 64, 128, False), (16, 70, 1000, True)]:
+    # The weight-only kernel: fp16 rows times an int8 weight (ragged M, N and K, bias or not, one tile of rows or
+    # several), against the float64 oracle.
+    for m, n, k, with_bias, block_m in [(1, 200, 300, True, 16), (2, 64, 128, False, 16), (16, 70, 1000, True, 16),
+                                        (40, 70, 300, True, 16), (33, 50, 200, False, 32)]:
         wq, wscale = kernels.quantize_weight_int8(torch.randn(n, k))
         bias = torch.randn(n) if with_bias else None
         x = torch.randn(m, k).half()
-        y = tk.weight_only_gemv(x, wq, wscale, bias, torch.float32, config=(64, 128, 4, 1))
+        y = tk.weight_only_matmul(x, wq, wscale, bias, torch.float32, config=(block_m, 64, 128, 4, 1))
         ref = kernels.reference_weight_only_linear(x, wq, wscale, bias, torch.float32)
         assert y.shape == (m, n) and ((y - ref).norm() / ref.norm()).item() < 1e-5, (m, n, k)
     # The whole eager int8 linear with the fused kernels equals the plain torch ops.

@@ -72,12 +72,14 @@ def test_static_fp8_scales_under_compile_match_eager_and_are_timed_as_compiled()
     assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 128, 129])
 def test_weight_only_layer_compiled_and_eager_match_the_reference(rows):
-    """A modulation-like weight-only int8 layer: the Triton kernel (compiled and eager code call it through its custom
-    op) up to 16 rows, the dequantizing GEMM above; both within rounding of the float64 oracle."""
+    """A weight-only int8 layer with a modulation's rows or a text stream's: the Triton kernel (compiled and eager code
+    call it through its custom op) up to WEIGHT_ONLY_MAX_ROWS rows, the dequantizing GEMM above; both within rounding
+    of the float64 oracle."""
     from torch._inductor.utils import run_and_get_code
 
+    from overdrive.quantization.triton_kernels import WEIGHT_ONLY_MAX_ROWS
     from overdrive.quantization.weight_only import Int8WeightOnlyLinear
 
     torch.manual_seed(0)
@@ -88,4 +90,4 @@ def test_weight_only_layer_compiled_and_eager_match_the_reference(rows):
     compiled, code = run_and_get_code(torch.compile(layer, fullgraph=True), x)
     for y in (layer(x), compiled):
         assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
-    assert ("weight_only_gemv" in "".join(code)) == (rows <= 16)
+    assert ("weight_only_matmul" in "".join(code)) == (rows <= WEIGHT_ONLY_MAX_ROWS), rows

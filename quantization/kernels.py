@@ -179,10 +179,10 @@ def weight_only_linear(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.T
     """y = x @ (W_int8 * scale)^T + b, computed in float. x2d: (M, K); w_int8: (N, K); w_scale: (1, N) float32.
 
     With up to WEIGHT_ONLY_MAX_ROWS 16-bit rows on CUDA, compiled or not: one Triton kernel that streams the int8
-    weight once (the custom op `overdrive::weight_only_matmul`). Elsewhere under torch.compile with few rows: products summed in float32 as
-    one Inductor reduction, output channels outermost so a weight row is read once for all of x's rows. Otherwise
-    (eager, or many rows): the weight is dequantized to x's dtype and multiplied by the float GEMM (one more pass
-    over the weight than the float layer)."""
+    weight once (the custom op `overdrive::weight_only_matmul`). Elsewhere under torch.compile with few rows: products
+    summed in float32 as one Inductor reduction, output channels outermost so a weight row is read once for all of x's
+    rows. Otherwise (eager, or many rows): the weight is dequantized to x's dtype and multiplied by the float GEMM
+    (one more pass over the weight than the float layer)."""
     rows = x2d.shape[0]
     if (x2d.is_cuda and _triton_state["ok"] and x2d.dtype in (torch.float16, torch.bfloat16)
             and rows <= triton_kernels.WEIGHT_ONLY_MAX_ROWS):
@@ -203,7 +203,7 @@ def _dequantized_linear(x2d, w_int8, w_scale, bias, out_dtype):
 
 @torch.library.custom_op("overdrive::weight_only_matmul", mutates_args=())
 def _weight_only_matmul(x2d: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                        out_dtype: torch.dtype) -> torch.Tensor:
     """The Triton kernel as one opaque op for torch.compile and CUDA graphs; the dequantizing path if it fails."""
     if _triton_state["ok"]:
         try:

@@ -135,7 +135,8 @@ WEIGHT_ONLY_MAX_ROWS = max(WEIGHT_ONLY_CONFIGS)
 
 def weight_only_config(rows: int):
     """The kernel's configuration for a call with this many rows."""
-    return WEIGHT_ONLY_CONFIGS[min((most for most in WEIGHT_ONLY_CONFIGS if most >= rows), default=WEIGHT_ONLY_MAX_ROWS)]
+    fitting = [most for most in WEIGHT_ONLY_CONFIGS if most >= rows]
+    return WEIGHT_ONLY_CONFIGS[min(fitting) if fitting else WEIGHT_ONLY_MAX_ROWS]
 
 
 def weight_only_matmul(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -24,8 +24,9 @@ from ..storage import (CorruptEntry, atomic_file, cache_dir, cache_key, discard,
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 5  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
-#            4: storage's framing; 5: decisions carry each layer's calibration amax
+SCHEMA = 6  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
+#            4: storage's framing; 5: decisions carry each layer's calibration amax; 6: a memory-bound layer may run
+#            its 8-bit GEMM where that measured faster than weight-only storage
 REQUANTIZE = "its cached decisions stand, and the chosen layers are quantized again from the model's weights (no calibration)"
 _TENSOR_NAMES = ("weight_q", "weight_scale", "bias", "input_scale")
 

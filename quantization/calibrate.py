@@ -205,6 +205,38 @@ def _stored_in_int8(decision: LayerDecision, candidate: Candidate, sample: Layer
     return stored
 
 
+def _gemm_if_faster(decision: LayerDecision, candidate: Candidate, sample: LayerSample, stored: nn.Module,
+                    config: QuantConfig, fmt: str) -> nn.Module | None:
+    """A memory-bound layer already stored in int8: its 8-bit GEMM instead where, at the layer's input shape, that
+    measures `min_speedup` times the weight-only kernel's speed and its error passes; else None (it stays weight-only).
+    Both read the same 8-bit weight, but with tens of rows (Qwen-Image's text stream: 64 tokens, 128 with CFG) the
+    weight-only kernel's dequantize-and-multiply is slower than the tensor cores' 8-bit product. CUDA only, and only
+    with timing on (`min_speedup` > 0): density alone keeps the weight-only choice."""
+    if config.min_speedup <= 0 or sample.rows.device.type != "cuda":
+        return None
+    quantized, error = measure_layer(candidate.module, sample.rows, fmt, config, sample.amax)
+    try:
+        stored_speedup = speed.measured_speedup(candidate.module, stored, sample.input_shape, sample.rows.dtype)
+        gemm_speedup = (speed.measured_speedup(candidate.module, quantized, sample.input_shape, sample.rows.dtype)
+                        if error < decision.threshold else None)
+    except Exception as failure:  # noqa: BLE001 - timing is an optimisation check: never fail the run over it
+        raise_if_interrupt(failure)
+        log.info("Overdrive quantization: could not time %s's 8-bit GEMM (%s); it stays weight-only.",
+                 candidate.name, failure)
+        return None
+    decision.speedup = stored_speedup
+    if stored_speedup is None or gemm_speedup is None or not gemm_speedup >= config.min_speedup * stored_speedup:
+        if stored_speedup and gemm_speedup:
+            decision.reason += f"; its {fmt} GEMM measured {gemm_speedup / stored_speedup:.2f}x its speed"
+        return None
+    decision.weight_only, decision.error, decision.speedup = False, error, gemm_speedup
+    decision.input_amax = None if sample.amax is None else float(sample.amax)
+    decision.reason = (f"{fmt} GEMM (memory-bound at density {decision.density:.0f}, but measured "
+                       f"{gemm_speedup / stored_speedup:.2f}x the weight-only kernel's speed at input "
+                       f"{'x'.join(map(str, sample.input_shape))}): error {error:.2e} < {decision.threshold:g}")
+    return quantized
+
+
 def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
     """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision."""
     decisions, modules = [], {}
@@ -236,7 +268,8 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
             if config.weight_only:
                 stored = _stored_in_int8(decision, candidate, sample, config)
                 if stored is not None:
-                    modules[candidate.name] = stored
+                    gemm = _gemm_if_faster(decision, candidate, sample, stored, config, fmt)
+                    modules[candidate.name] = stored if gemm is None else gemm
             else:  # the report still shows what the 8-bit GEMM would cost in error
                 decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)[1]
             continue

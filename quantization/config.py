@@ -30,7 +30,7 @@ class QuantConfig:
       0.01 means a quantization noise 20 dB below the layer's output power (SQNR >= 20 dB).
     - compute_density_threshold: FLOP per byte moved (fp16) at or above which a layer counts as compute-bound
       (an H100 does ~990 dense fp16 TFLOP/s over 3.35 TB/s: the ridge point is ~300). Below it a layer is
-      memory-bound and lower-precision math would not speed it up.
+      memory-bound: its time is reading its weight, which `weight_only` halves.
     - min_speedup: on CUDA, a layer that passes both checks is also timed (float layer against its 8-bit path at
       its real input shape, see `overdrive.quantization.speed`) and quantized only if it runs at least this many
       times faster; 0 turns the timing off (density alone then stands for speed). Not applied on the CPU.
@@ -41,7 +41,9 @@ class QuantConfig:
       a dynamic scale per input (a reduction over every input first; no saturation possible).
     - weight_only: a memory-bound layer (below `compute_density_threshold`) whose error passes keeps its weight in
       int8 with a scale per output channel and computes in the model's precision (quantization/weight_only.py):
-      half its memory, and under Compile Model half the bytes to read. False leaves such layers in float.
+      half its memory, and under Compile Model half the bytes to read. On CUDA with timing on, one whose 8-bit GEMM
+      measures `min_speedup` times the weight-only kernel's speed runs that GEMM instead (same storage; tens of rows,
+      e.g. a text stream). False leaves such layers in float.
     """
 
     bits: int = 8

@@ -16,9 +16,10 @@ A layer whose reference output is all zeros has error 0 if y_q is zero too and i
 - linear, input (M, K), weight (N, K):  2*M*N*K / (2*(M*K + N*K + M*N))
 - conv2d, input (B, C, H, W), weight (O, C/g, kh, kw), output (B, O, Ho, Wo), g groups, as an implicit GEMM
   with M = B*Ho*Wo rows, K = C/g*kh*kw, N = O:  2*M*N*K / (2*(B*C*H*W + O*C/g*kh*kw + B*O*Ho*Wo))
-M is the largest row count seen in calibration. A layer is quantized only if error < its threshold AND
+M is the largest row count seen in calibration. A layer runs an 8-bit GEMM only if error < its threshold AND
 density >= compute_density_threshold: below the GPU's ridge point (~300 FLOP/byte on an H100 for fp16) a layer
-is memory-bound, and int8/fp8 math would only add quantization work.
+is memory-bound, and is stored weight-only instead, unless its 8-bit GEMM measures faster than that
+(calibrate._gemm_if_faster).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 product computed in the model's own precision.
 
 A layer below the compute-density threshold (Flux's and Qwen-Image's modulation linears: one row of input per call,
-a third of Flux's parameters) gains nothing from an 8-bit GEMM: its time is reading the weight. Stored in int8 it
+a third of Flux's parameters) gains nothing from an 8-bit GEMM's arithmetic: its time is reading the weight (with
+tens of rows the GEMM can still be faster; calibration times both there, calibrate._gemm_if_faster). Stored in int8 it
 takes half the memory and, under torch.compile, half the bytes to read: a call with a few rows runs as one fused
 reduction over the int8 weight (`kernels.weight_only_linear`). int8 with a scale per output channel keeps ~10x less
 error than fp8 e4m3 with one per tensor, at the same size, and needs no special kernel, so every format uses it.

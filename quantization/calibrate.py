@@ -211,8 +211,13 @@ def _gemm_if_faster(decision: LayerDecision, candidate: Candidate, sample: Layer
     measures `min_speedup` times the weight-only kernel's speed and its error passes; else None (it stays weight-only).
     Both read the same 8-bit weight, but with tens of rows (Qwen-Image's text stream: 64 tokens, 128 with CFG) the
     weight-only kernel's dequantize-and-multiply is slower than the tensor cores' 8-bit product. CUDA only, and only
-    with timing on (`min_speedup` > 0): density alone keeps the weight-only choice."""
+    with timing on (`min_speedup` > 0): density alone keeps the weight-only choice. Only where the weight outweighs
+    the input and output (rows x (K + N) <= K x N values): elsewhere, as in a final projection to a few channels over
+    every token, 8 bits on the weight save little, while the GEMM's e4m3 rounding of the input lands on the output."""
     if config.min_speedup <= 0 or sample.rows.device.type != "cuda":
+        return None
+    k, n = candidate.in_features, candidate.out_features
+    if sample.max_rows * (k + n) > k * n:
         return None
     quantized, error = measure_layer(candidate.module, sample.rows, fmt, config, sample.amax)
     try:

@@ -205,19 +205,27 @@ def _stored_in_int8(decision: LayerDecision, candidate: Candidate, sample: Layer
     return stored
 
 
+# Below a tensor-core tile of rows an 8-bit GEMM streams the same 8-bit weight as the weight-only kernel and computes
+# mostly padding: its edge is at most the kernels' bandwidth, while int8 with a scale per output channel keeps ~10x
+# less error than e4m3 with one per tensor. (Flux's modulation linears, one row a call, measured up to 1.1x faster as
+# fp8 GEMMs, and the model call's error grew from 1.66 to 1.88 %.)
+GEMM_MIN_ROWS = 16
+
+
 def _gemm_if_faster(decision: LayerDecision, candidate: Candidate, sample: LayerSample, stored: nn.Module,
                     config: QuantConfig, fmt: str) -> nn.Module | None:
     """A memory-bound layer already stored in int8: its 8-bit GEMM instead where, at the layer's input shape, that
     measures `min_speedup` times the weight-only kernel's speed and its error passes; else None (it stays weight-only).
     Both read the same 8-bit weight, but with tens of rows (Qwen-Image's text stream: 64 tokens, 128 with CFG) the
     weight-only kernel's dequantize-and-multiply is slower than the tensor cores' 8-bit product. CUDA only, and only
-    with timing on (`min_speedup` > 0): density alone keeps the weight-only choice. Only where the weight outweighs
-    the input and output (rows x (K + N) <= K x N values): elsewhere, as in a final projection to a few channels over
-    every token, 8 bits on the weight save little, while the GEMM's e4m3 rounding of the input lands on the output."""
+    with timing on (`min_speedup` > 0): density alone keeps the weight-only choice. Only with at least
+    GEMM_MIN_ROWS rows, and where the weight outweighs the input and output (rows x (K + N) <= K x N values):
+    elsewhere, as in a final projection to a few channels over every token, 8 bits on the weight save little, while
+    the GEMM's e4m3 rounding of the input lands on the output."""
     if config.min_speedup <= 0 or sample.rows.device.type != "cuda":
         return None
-    k, n = candidate.in_features, candidate.out_features
-    if sample.max_rows * (k + n) > k * n:
+    k, n, rows = candidate.in_features, candidate.out_features, sample.max_rows
+    if rows < GEMM_MIN_ROWS or rows * (k + n) > k * n:
         return None
     quantized, error = measure_layer(candidate.module, sample.rows, fmt, config, sample.amax)
     try:

@@ -33,7 +33,8 @@ TOOLTIPS = {
     "linear_mse_threshold": "Largest error a linear layer may add to be quantized (as for convs). Lower keeps more "
                             "layers in full precision; 0 quantizes none.",
     "compute_density_threshold": "FLOP per byte a layer must reach to be quantized: below it the layer is "
-                                 "memory-bound and 8-bit math would not speed it up (an H100's ridge point is ~300). "
+                                 "memory-bound: its time is reading its weight, which weight_only halves (an H100's "
+                                 "ridge point is ~300). "
                                  "0 accepts every layer whose error is low enough.",
     "min_speedup": "On NVIDIA GPUs each layer that passes both checks is also timed at its real shape, float against "
                    "8-bit, and quantized only if it runs at least this many times faster (1.1 = 10 % faster). fp8 "
@@ -42,8 +43,9 @@ TOOLTIPS = {
     "weight_only": "Layers below compute_density_threshold (memory-bound, e.g. a DiT's modulation layers, about a "
                    "quarter of Flux's weights) keep their weights in int8, one scale per output channel, and compute "
                    "in the model's precision: half their VRAM, and under Compile Model half the bytes to read. Only "
-                   "where their measured error is below linear_mse_threshold / conv_mse_threshold. Off: they stay in "
-                   "float.",
+                   "where their measured error is below linear_mse_threshold / conv_mse_threshold. On NVIDIA GPUs "
+                   "one with 16 or more rows (a text stream) runs its 8-bit GEMM instead where that measures "
+                   "min_speedup times faster. Off: they stay in float.",
     "calibration_steps": "Sampling steps of the calibration run (euler, fixed seed) that records each layer's real "
                          "inputs. 2-3 are enough. Skipped when the decisions for this model and settings are cached.",
     "positive": "Optional: your positive prompt, so calibration measures the activations of your prompt. Without "

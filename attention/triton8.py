@@ -46,9 +46,6 @@ CONFIGS = {(64, "fp8"): (64, 128, 4, 3), (128, "fp8"): (64, 128, 4, 3),
            (64, "fp16"): (64, 128, 4, 3), (128, "fp16"): (64, 128, 4, 2)}
 
 if triton is not None:
-    # 2**f ~ C0 + C1 f + C2 f² on [-0.5, 0.5], fitted for the least largest relative error (1.73e-3).
-    EXP2_C0, EXP2_C1, EXP2_C2 = tl.constexpr(1.00044296), tl.constexpr(0.70344281), tl.constexpr(0.2384257)
-
     @triton.jit
     def _stats_kernel(k_ptr, v_ptr, stats_ptr, n, heads, k_strides, v_strides, HEAD_DIM: tl.constexpr,
                       BLOCK: tl.constexpr):
@@ -119,38 +116,8 @@ if triton is not None:
         return tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
 
     @triton.jit
-    def _exp2_fma(x):
-        """2**x for x <= 9 on the FMA units instead of the special-function unit (FlashAttention-4's offload): x's
-        integer part j goes into the exponent bits, 2**f of the rest f in [-0.5, 0.5] is a quadratic. Its relative
-        error (1.7e-3) is far under e4m3's rounding of P (2**-4), where every such value ends."""
-        x = tl.maximum(x, -100.0)
-        t = x + 12582912.0  # 1.5 * 2**23: j lands in t's low mantissa bits, rounded to nearest
-        f = x - (t - 12582912.0)
-        p = (EXP2_C2 * f + EXP2_C1) * f + EXP2_C0
-        j = t.to(tl.int32, bitcast=True) - 0x4B400000
-        return (p.to(tl.int32, bitcast=True) + (j << 23)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _exp2_shared(x, ON_FMA: tl.constexpr):
-        """exp2 of a score block, ON_FMA of every 4 columns on the FMA units (0, 1 or 2), the rest on the
-        special-function unit. Columns are split even/odd (and the odd ones by halves), which keeps every element in
-        the thread that holds it."""
-        if ON_FMA == 0:
-            return tl.math.exp2(x)
-        rows: tl.constexpr = x.shape[0]
-        cols: tl.constexpr = x.shape[1]
-        even, odd = tl.split(tl.reshape(x, [rows, cols // 2, 2]))
-        if ON_FMA == 2:
-            odd = _exp2_fma(odd)
-        else:
-            first, second = tl.split(tl.permute(tl.reshape(odd, [rows, 2, cols // 4]), [0, 2, 1]))
-            pair = tl.join(tl.math.exp2(first), _exp2_fma(second))
-            odd = tl.reshape(tl.permute(pair, [0, 2, 1]), [rows, cols // 2])
-        return tl.reshape(tl.join(tl.math.exp2(even), odd), [rows, cols])
-
-    @triton.jit
     def _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row, scale_row, start_n,
-                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EXP_ON_FMA: tl.constexpr):
+                      n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         k = k_desc.load([kv_row + start_n, 0])
         # int32 -> float32 without the slow conversion instruction: for |x| < 2**22, the bits of 0x4B400000 + x
         # read as a float are 12582912 + x exactly (|q8·k8| <= 127² · 128 < 2**21), an integer add instead.
@@ -161,7 +128,7 @@ if triton is not None:
         m_new = tl.maximum(m_i, (tl.max(raw, axis=1) - 12582912.0) * c)
         # p * 448 (fp8's range, out of its subnormals) = exp2(raw * c - (12582912 * c + m_new) + log2(448)); the
         # fused multiply-add keeps the large terms' cancellation exact. The row sum carries the same 448.
-        p = _exp2_shared(raw * c[:, None] - (12582912.0 * c + m_new - 8.807354922057604)[:, None], EXP_ON_FMA)
+        p = tl.math.exp2(raw * c[:, None] - (12582912.0 * c + m_new - 8.807354922057604)[:, None])
         if MASKED:
             p = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], p, 0.0)
         alpha = tl.math.exp2(m_i - m_new)
@@ -174,7 +141,7 @@ if triton is not None:
     def _attention_kernel(q_desc, k_desc, v_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                           n_q, n_kv, heads, nq_pad, nkv_pad, stride_ob, stride_oh, stride_on,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP_ON_FMA: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         q_row = bh * nq_pad + pid * BLOCK_M
@@ -189,10 +156,10 @@ if triton is not None:
         full = (n_kv // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, full, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
-                                          scale_row, start_n, n_kv, BLOCK_N, False, EXP_ON_FMA)
+                                          scale_row, start_n, n_kv, BLOCK_N, False)
         if full < n_kv:
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row,
-                                          scale_row, full, n_kv, BLOCK_N, True, EXP_ON_FMA)
+                                          scale_row, full, n_kv, BLOCK_N, True)
         cols = tl.arange(0, HEAD_DIM)
         out = acc * (tl.load(v_scale_ptr + bh * HEAD_DIM + cols)[None, :] / l_i[:, None])
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -257,7 +224,6 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
     must be the one the operands were prepared with."""
     pv = "fp8" if prepared["v"].dtype == torch.float8_e4m3fn else "fp16"
     block_m, block_n, warps, stages, *rest = config or CONFIGS[dim, pv]
-    warp_specialize, exp_on_fma = (list(rest) + [False, 0])[:2]
     if block_n != prepared["block_n"]:
         raise ValueError(f"operands prepared for key blocks of {prepared['block_n']}, config has {block_n}")
     q_desc = TensorDescriptor.from_tensor(prepared["q"], [block_m, dim])
@@ -267,8 +233,8 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
     _attention_kernel[grid](q_desc, k_desc, v_desc, prepared["q_scale"], prepared["k_scale"], prepared["v_scale"],
                             out, prepared["n_q"], prepared["n_kv"], heads, prepared["nq_pad"], prepared["nkv_pad"],
                             out.stride(0), out.stride(2), out.stride(1), HEAD_DIM=dim, BLOCK_M=block_m,
-                            BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(warp_specialize),
-                            EXP_ON_FMA=exp_on_fma, num_warps=warps, num_stages=stages)
+                            BLOCK_N=block_n, NUM_STAGES=stages, WARP_SPECIALIZE=bool(rest and rest[0]),
+                            num_warps=warps, num_stages=stages)
     return out
 
 

@@ -83,8 +83,6 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--exp-on-fma", default="", help="comma-separated quarters of the exponentials on the FMA "
-                        "units (0, 1, 2) to time the Triton kernel with, at its default configuration")
     args = parser.parse_args()
     torch.manual_seed(0)
     sage, sage_error = sage1()
@@ -125,14 +123,6 @@ def main():
             prepared = triton8.prepare(q, k, v, d ** -0.5, pv)
             row["prepare_ms"] = timed(triton8.prepare, q, k, v, d ** -0.5, pv)
             row["kernel_ms"] = timed(triton8.attend, prepared, b, h, d, out)
-        for on_fma in filter(None, args.exp_on_fma.split(",")):
-            for pv in ("fp8", "fp16"):
-                prepared = triton8.prepare(q, k, v, d ** -0.5, pv)
-                config = (*triton8.CONFIGS[d, pv], False, int(on_fma))
-                rows[f"triton8_{pv}pv"][f"kernel_ms_exp_on_fma_{on_fma}"] = timed(
-                    triton8.attend, prepared, b, h, d, out, config)
-                rows[f"triton8_{pv}pv"][f"rel_err_exp_on_fma_{on_fma}"] = reference.relative_error(
-                    triton8.attend(prepared, b, h, d, out, config).transpose(1, 2), ref)
         if "ms" in rows.get("cudnn_fp8", {}):  # its parts: the Triton casts, cuDNN's graph, the output's pass
             graph, stream = cudnn8._graph(q.shape, k.shape, d ** -0.5, q.device), torch.cuda.current_stream()
             operands = graph.operands_for(stream)
@@ -164,9 +154,6 @@ def main():
             row = rows[f"triton8_{pv}pv"]
             print(f"  triton8 {pv} P·V: prepare {row.get('prepare_ms', 0):.4f} ms, kernel {row.get('kernel_ms', 0):.4f} "
                   f"ms, vs scheme reference {row.get('rel_err_vs_scheme_reference', float('nan')):.4f}")
-            for on_fma in filter(None, args.exp_on_fma.split(",")):
-                print(f"    exponentials on FMA {on_fma}/4: kernel {row[f'kernel_ms_exp_on_fma_{on_fma}']:.4f} ms, "
-                      f"err {row[f'rel_err_exp_on_fma_{on_fma}']:.4f}")
         if "graph_ms" in rows.get("cudnn_fp8", {}):
             row = rows["cudnn_fp8"]
             print(f"  cudnn fp8: casts {row['prepare_ms']:.4f} ms, graph {row['graph_ms']:.4f} ms, output "

@@ -72,6 +72,35 @@ def profile_run(run, steps):
         print(f"  {family:14s} {t / 1e6:7.3f} s  {100 * t / total:5.1f} %")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
+    print_idle_gaps(prof)
+
+
+def print_idle_gaps(prof, min_us: float = 20.0, top: int = 12):
+    """Where the GPU waits: its idle gaps of at least `min_us` between kernels, summed by the kernels on either side,
+    and the host's blocking calls (synchronizations, copies to the host) that may cause them."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps, end, last = {}, None, None
+    for e in kernels:
+        if end is not None and e.time_range.start - end >= min_us:
+            key = (last.name[:60], e.name[:60])
+            total, count = gaps.get(key, (0.0, 0))
+            gaps[key] = (total + e.time_range.start - end, count + 1)
+        if end is None or e.time_range.end > end:
+            end, last = e.time_range.end, e
+    total = sum(t for t, _ in gaps.values())
+    print(f"\nGPU idle gaps of >= {min_us:g} us: {total / 1e6:.3f} s in {sum(c for _, c in gaps.values())} gaps; "
+          "largest by the kernels before -> after:")
+    for (before, after), (t, count) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {t / 1e3:8.1f} ms  x{count:<5d} {before} -> {after}")
+    blocking = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and any(
+                word in e.name for word in ("Synchronize", "Memcpy", "local_scalar_dense", "EventQuery")):
+            t, count = blocking.get(e.name, (0.0, 0))
+            blocking[e.name] = (t + e.time_range.end - e.time_range.start, count + 1)
+    for name, (t, count) in sorted(blocking.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  host {name[:70]}: {t / 1e3:.1f} ms in {count} calls")
 
 
 def gpu_busy_seconds(prof) -> float:

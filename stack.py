@@ -91,6 +91,9 @@ def build(stack: Stack, host: Host, keep=None):
     hands runners to its callers; their statistics stay live). Attention routing wraps whatever runs the model."""
     if stack.empty:
         return None
+    family = host.family()
+    for fix in family.host_sync_fixes if family is not None else ():
+        fix.install()
     inner = _build(stack.with_attention(None), host, unwrapped(keep))
     if stack.attention is None:
         return inner

@@ -23,8 +23,9 @@ import torch
 
 from overdrive.attention.choice import AttentionConfig
 from overdrive.builtin_models import dit
+from overdrive.families import registered as dit_families
 from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
-from report import add_speedups, compile_phases, environment, finish, profile_run, write_report
+from report import add_speedups, compile_phases, environment, finish, profile_run, sync_sources, write_report
 
 
 def sync():
@@ -143,6 +144,8 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--verbose", action="store_true", help="ComfyUI's own log too (model loads and unloads)")
     parser.add_argument("--cprofile", action="store_true", help="print where host (Python) time goes in one run of the last variant")
+    parser.add_argument("--sync-sources", action="store_true", help="count the synchronizing CUDA calls of one "
+                        "run of the last variant by their Python stacks")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     parser.add_argument("--profile-all", action="store_true", help="with --profile: profile every variant")
     args = parser.parse_args()
@@ -194,7 +197,8 @@ def main():
         attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
         overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile]), a step cache (deepcache[N]: interval N; adaptive;
         easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
-        percent). 'float-memory-bound': QuantizeModel's weight_only off. 'tanh-gelu': DiT blocks traced with torch's
+        percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
+        where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
         tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
         `slow_activations`). 'eager' alone is the baseline."""
         parts = variant.split("+")
@@ -212,7 +216,7 @@ def main():
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
         unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
-                                 "float-memory-bound", window, "tanh-gelu"}
+                                 "float-memory-bound", window, "tanh-gelu", "comfy-syncs"}
                    - set(compile_options))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -248,6 +252,12 @@ def main():
             from comfy_extras.nodes_easycache import EasyCacheNode
             patcher = EasyCacheNode.execute(patcher, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95,
                                             verbose=False)[0]
+        # The families' host-sync fixes are global once an Overdrive forward was built: a variant without Overdrive's
+        # forward, or 'comfy-syncs', runs ComfyUI's own functions.
+        if "comfy-syncs" in parts or not set(parts) & ({"int8", "fp8", fixed, adaptive} | set(compile_options)):
+            for family in dit_families():
+                for fix in family.host_sync_fixes:
+                    fix.uninstall()
         return patcher
 
     def per_step_errors(patcher):
@@ -351,6 +361,8 @@ def main():
             profile_run(lambda: sample(patcher), args.steps)
         if args.cprofile and variant == args.variants.split(",")[-1]:
             cprofile_run(lambda: sample(patcher))
+        if args.sync_sources and cuda and variant == args.variants.split(",")[-1]:
+            sync_sources(lambda: sample(patcher))
         step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
         if step_cache and args.arch in dit.FAMILIES:
             row["per_call_rel_err"] = per_step_errors(patcher)

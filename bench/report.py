@@ -103,6 +103,35 @@ def print_idle_gaps(prof, min_us: float = 20.0, top: int = 12):
         print(f"  host {name[:70]}: {t / 1e3:.1f} ms in {count} calls")
 
 
+def sync_sources(run, top: int = 12):
+    """Where one run blocks the host on the GPU: every synchronizing CUDA call torch sees (`.item()`, a copy to the
+    host, a tensor used as a Python bool...), counted by its Python call stack. After such a call the GPU idles until
+    the host has launched the next work, so one a step shows as idle time in the profile."""
+    import collections
+    import traceback
+    import warnings
+    sources = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        sources[" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                            for f in reversed(frames[-8:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"\nSynchronizing calls in one run: {sum(sources.values())}")
+    for stack, count in sources.most_common(top):
+        print(f"  x{count:<4d} {stack}")
+
+
 def gpu_busy_seconds(prof) -> float:
     """Length of the union of all GPU activity intervals (kernels, copies) in a profile."""
     intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()

@@ -7,9 +7,14 @@ between blocks with it. Adding a family is one file here plus its fixture in bui
 the family is one more Family in that file (`DIFFUSERS` in flux, wan, sd3, zimage), registered below, unless
 ComfyUI's class has diffusers' name and layout (Qwen-Image's).
 """
+import logging
+import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+log = logging.getLogger("overdrive")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,40 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class HostSyncFix:
+    """A function of the model's own code that blocks the host on the GPU at every model call (a copy from the CPU,
+    `.item()`), replaced wherever Overdrive runs the model by one that computes the same values without blocking. After
+    such a call the GPU idles until the host has queued the next work; with one a step, every step pays that.
+
+    module, name: where the model's code looks the function up (every module that imported it by name).
+    replacement: the function that takes its place; its output must equal the original's bit for bit (tested)."""
+    module: str
+    name: str
+    replacement: Callable
+    why: str
+
+    def install(self) -> None:
+        """Idempotent; a module not imported yet (its model never loaded) or without the function is left alone."""
+        module = sys.modules.get(self.module)
+        current = getattr(module, self.name, None)
+        if current is None or current is self.replacement:
+            return
+        _ORIGINALS.setdefault((self.module, self.name), current)
+        setattr(module, self.name, self.replacement)
+        log.info("Overdrive: %s.%s replaced by a version that does not block the host (%s)", self.module, self.name,
+                 self.why)
+
+    def uninstall(self) -> None:
+        """Puts the original back (benchmarks' A/B)."""
+        original = _ORIGINALS.pop((self.module, self.name), None)
+        if original is not None:
+            setattr(sys.modules[self.module], self.name, original)
+
+
+_ORIGINALS: dict = {}
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     classes: frozenset  # the diffusion model's class names (ComfyUI's; diffusers' where the layout matches)
@@ -63,6 +102,8 @@ class Family:
     # ((qualified-name prefix, why)): layers that quantization leaves in float because the model's own code needs
     # them as they are.
     float_layers: tuple = ()
+    # HostSyncFix-es for the family's model code, installed when Overdrive first builds a forward for such a model.
+    host_sync_fixes: tuple = ()
 
     def blocks(self, model: torch.nn.Module) -> list:
         """[(stack, path, block)] of every block in run order."""
@@ -70,7 +111,8 @@ class Family:
                 for stack in self.stacks for i, block in enumerate(getattr(model, stack.attribute))]
 
 
-def _registered() -> tuple:
+def registered() -> tuple:
+    """Every family plug-in: ComfyUI's classes, then diffusers'."""
     from . import flux, qwen_image, sd3, wan, zimage
     return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage))
             + (flux.DIFFUSERS, wan.DIFFUSERS, sd3.DIFFUSERS, zimage.DIFFUSERS))
@@ -79,7 +121,7 @@ def _registered() -> tuple:
 def family_of(model: torch.nn.Module) -> Family | None:
     """The family plug-in for this diffusion model, or None (the SD UNets are handled by DeepCache's own paths)."""
     name = type(model).__name__
-    for family in _registered():
+    for family in registered():
         if name in family.classes and all(isinstance(getattr(model, s.attribute, None), torch.nn.ModuleList)
                                           for s in family.stacks):
             return family

@@ -1,10 +1,29 @@
 """Wan 2.1 / 2.2 (ComfyUI's `WanModel`, diffusers' `WanTransformer3DModel`): one stack of attention blocks over the
 video tokens."""
-from . import Family, Stack
+import torch
+
+from . import Family, HostSyncFix, Stack
+
+
+def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's `sinusoidal_embedding_1d` with its frequency exponents made on the position's device. ComfyUI's makes
+    them on the CPU and copies them over at every model call: a copy from pageable memory, which waits until the GPU
+    has drained, so the GPU then idles while the host runs the model's preamble (Wan 2.2 480p: one such wait a call,
+    bench/README.md). The same operations on the same values (integers below 2**24 are exact in float32): the output
+    equals ComfyUI's bit for bit."""
+    half = dim // 2
+    position = position.float()
+    exponents = torch.arange(half, device=position.device, dtype=torch.float32).div(half)
+    angles = torch.outer(position, torch.pow(10000, -exponents))
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+
+
+_WHY = "ComfyUI's copies its frequencies from the CPU at every model call, which waits for the GPU to drain"
 
 FAMILY = Family("wan", frozenset({"WanModel"}), (
     Stack("blocks", streams=(("x", 0),), returns=("x",)),
-))
+), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY)
+                         for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")))
 
 DIFFUSERS = Family("wan", frozenset({"WanTransformer3DModel"}), (
     Stack("blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),

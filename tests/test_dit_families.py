@@ -340,3 +340,27 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
     with pytest.raises(InterruptProcessingException):
         run(stop_after_the_reused_step)
     assert torch.equal(run(), expected)
+
+
+def test_wans_time_embedding_runs_without_a_host_copy_and_equals_comfyuis(comfy, nodes, base, sample, family):
+    """Overdrive's forward for a Wan model puts its family's host-sync fix in place of ComfyUI's
+    `sinusoidal_embedding_1d` (which copies its frequencies from the CPU at every call: tests/test_host_syncs_gpu.py
+    shows the wait), with ComfyUI's output bit for bit, alone and in a whole sampled run."""
+    import comfy.ldm.wan.model as comfy_wan
+
+    from overdrive.families import _ORIGINALS, wan
+
+    if family != "wan22":
+        pytest.skip("a Wan fix")
+    for fix in wan.FAMILY.host_sync_fixes:
+        fix.uninstall()
+    comfys = comfy_wan.sinusoidal_embedding_1d
+    before, _ = sample(base.clone())
+    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=1)[0]  # builds Overdrive's forward
+    assert comfy_wan.sinusoidal_embedding_1d is wan.time_embedding and _ORIGINALS[comfy_wan.__name__,
+                                                                                  "sinusoidal_embedding_1d"] is comfys
+    for dim in (256, 64):
+        for position in (torch.rand(2 * 3510) * 1000, torch.arange(0, 1000, 37), torch.tensor([999.0, 0.5])):
+            assert torch.equal(wan.time_embedding(dim, position), comfys(dim, position))
+    after, _ = sample(cached)
+    assert torch.equal(after, before)

@@ -1,0 +1,30 @@
+"""The families' host-sync fixes on a GPU: ComfyUI's function blocks the host on the GPU (torch's sync debug mode
+raises at it), the replacement does not, and both give the same values."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from overdrive.runner.inprocess import import_comfy
+    return import_comfy(cpu=False)
+
+
+def test_wans_time_embedding_does_not_wait_for_the_gpu(comfy):
+    import comfy.ldm.wan.model as comfy_wan
+
+    from overdrive.families import _ORIGINALS, wan
+
+    comfys = _ORIGINALS.get((comfy_wan.__name__, "sinusoidal_embedding_1d"), comfy_wan.sinusoidal_embedding_1d)
+    assert comfys is not wan.time_embedding
+    position = torch.rand(2 * 3510, device="cuda") * 1000
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            comfys(256, position)
+        fixed = wan.time_embedding(256, position)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(fixed, comfys(256, position))

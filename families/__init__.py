@@ -62,17 +62,32 @@ class HostSyncFix:
     such a call the GPU idles until the host has queued the next work; with one a step, every step pays that.
 
     module, name: where the model's code looks the function up (every module that imported it by name).
-    replacement: the function that takes its place; its output must equal the original's bit for bit (tested)."""
+    replacement: the function that takes its place; its output must equal the original's bit for bit (tested).
+    probe: arguments both are called with on the CPU before the swap: a ComfyUI whose function computes something
+           else (another version) keeps its own."""
     module: str
     name: str
     replacement: Callable
     why: str
+    probe: tuple = ()
 
     def install(self) -> None:
         """Idempotent; a module not imported yet (its model never loaded) or without the function is left alone."""
         module = sys.modules.get(self.module)
         current = getattr(module, self.name, None)
         if current is None or current is self.replacement:
+            return
+        try:
+            same = torch.equal(current(*self.probe), self.replacement(*self.probe))
+        except Exception as error:  # noqa: BLE001 - another signature: keep the model's own function
+            same, why_not = False, f"{type(error).__name__}: {error}"
+        else:
+            why_not = "its output differs from the replacement's"
+        if not same:
+            if (self.module, self.name, current) not in _DECLINED:
+                _DECLINED.add((self.module, self.name, current))
+                log.warning("Overdrive: %s.%s is not the function its host-sync fix replaces (%s); it stays as it is",
+                            self.module, self.name, why_not)
             return
         _ORIGINALS.setdefault((self.module, self.name), current)
         setattr(module, self.name, self.replacement)
@@ -86,7 +101,8 @@ class HostSyncFix:
             setattr(sys.modules[self.module], self.name, original)
 
 
-_ORIGINALS: dict = {}
+_ORIGINALS: dict = {}  # (module, name) -> the function a fix replaced
+_DECLINED: set = set()  # (module, name, function) a fix found different: warned about once
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ _WHY = "ComfyUI's copies its frequencies from the CPU at every model call, which
 
 FAMILY = Family("wan", frozenset({"WanModel"}), (
     Stack("blocks", streams=(("x", 0),), returns=("x",)),
-), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY)
+), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY,
+                                     probe=(16, torch.tensor([0.0, 0.5, 999.0])))
                          for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")))
 
 DIFFUSERS = Family("wan", frozenset({"WanTransformer3DModel"}), (

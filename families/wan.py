@@ -11,6 +11,7 @@ def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
     has drained, so the GPU then idles while the host runs the model's preamble (Wan 2.2 480p: one such wait a call,
     bench/README.md). The same operations on the same values (integers below 2**24 are exact in float32): the output
     equals ComfyUI's bit for bit."""
+    assert dim % 2 == 0, f"an even embedding width is needed, got {dim}"  # as ComfyUI's asserts
     half = dim // 2
     position = position.float()
     exponents = torch.arange(half, device=position.device, dtype=torch.float32).div(half)

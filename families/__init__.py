@@ -75,7 +75,7 @@ class HostSyncFix:
         """Idempotent; a module not imported yet (its model never loaded) or without the function is left alone."""
         module = sys.modules.get(self.module)
         current = getattr(module, self.name, None)
-        if current is None or current is self.replacement:
+        if current is None or current is self.replacement or (self.module, self.name, current) in _DECLINED:
             return
         try:
             same = torch.equal(current(*self.probe), self.replacement(*self.probe))
@@ -84,10 +84,9 @@ class HostSyncFix:
         else:
             why_not = "its output differs from the replacement's"
         if not same:
-            if (self.module, self.name, current) not in _DECLINED:
-                _DECLINED.add((self.module, self.name, current))
-                log.warning("Overdrive: %s.%s is not the function its host-sync fix replaces (%s); it stays as it is",
-                            self.module, self.name, why_not)
+            _DECLINED.add((self.module, self.name, current))
+            log.warning("Overdrive: %s.%s is not the function its host-sync fix replaces (%s); it stays as it is",
+                        self.module, self.name, why_not)
             return
         _ORIGINALS.setdefault((self.module, self.name), current)
         setattr(module, self.name, self.replacement)
@@ -102,7 +101,7 @@ class HostSyncFix:
 
 
 _ORIGINALS: dict = {}  # (module, name) -> the function a fix replaced
-_DECLINED: set = set()  # (module, name, function) a fix found different: warned about once
+_DECLINED: set = set()  # (module, name, function) a fix found different: probed and warned about once
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,10 @@ if triton is not None:
     @triton.jit
     def _quantize_kernel(q_ptr, k_ptr, v_ptr, stats_ptr, q8_ptr, q_scale_ptr, k8_ptr, k_scale_ptr, v8_ptr,
                          v_scale_ptr, n_q, n_kv, heads, q_strides, k_strides, v_strides, nq_pad, nkv_pad, q_mult,
-                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, QK_FP8: tl.constexpr = False):
+                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         """One launch for the three operands (program_id(2): 0 = Q, 1 = K, 2 = V), BLOCK tokens per program:
         Q to int8 with a scale per token (times q_mult: the softmax scale and log2 e), K smoothed and to int8 with
-        one scale per BLOCK tokens (the attention kernel's key block), V over its channel scales, transposed. With
-        QK_FP8, Q and K go to e4m3 over the same scales instead."""
+        one scale per BLOCK tokens (the attention kernel's key block), V over its channel scales, transposed."""
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         which = tl.program_id(2)
@@ -86,10 +85,9 @@ if triton is not None:
             if pid * BLOCK < nq_pad:
                 x = tl.load(_token_block(q_ptr, q_strides, bh, heads, rows, cols), mask=(rows < n_q)[:, None],
                             other=0.0).to(tl.float32)
-                scale = tl.maximum(tl.max(tl.abs(x), axis=1) / (448.0 if QK_FP8 else 127.0), 1e-20)
+                scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 127.0, 1e-20)
                 out_rows = bh * nq_pad + rows
-                tl.store(q8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :],
-                         _to_8bit(x / scale[:, None], q8_ptr, QK_FP8))
+                tl.store(q8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :], _round_int8(x / scale[:, None]))
                 tl.store(q_scale_ptr + out_rows, scale * q_mult)
         elif which == 1:
             if pid * BLOCK < nkv_pad:
@@ -97,9 +95,9 @@ if triton is not None:
                 mean = tl.load(stats_ptr + bh * HEAD_DIM + cols) / n_kv
                 x = tl.load(_token_block(k_ptr, k_strides, bh, heads, rows, cols), mask=valid, other=0.0)
                 x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
-                scale = tl.maximum(tl.max(tl.abs(x)) / (448.0 if QK_FP8 else 127.0), 1e-20)
+                scale = tl.maximum(tl.max(tl.abs(x)) / 127.0, 1e-20)
                 out_rows = bh * nkv_pad + rows
-                tl.store(k8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :], _to_8bit(x / scale, k8_ptr, QK_FP8))
+                tl.store(k8_ptr + out_rows[:, None] * HEAD_DIM + cols[None, :], _round_int8(x / scale))
                 tl.store(k_scale_ptr + bh * (nkv_pad // BLOCK) + pid, scale)
         else:
             if pid * BLOCK < nkv_pad:
@@ -113,15 +111,6 @@ if triton is not None:
                     tl.store(v_scale_ptr + bh * HEAD_DIM + cols, scale)
 
     @triton.jit
-    def _to_8bit(y, ptr, FP8: tl.constexpr):
-        """y (|y| <= 127, or 448 with FP8) in the 8-bit type `ptr` points to."""
-        if FP8:
-            out = y.to(ptr.dtype.element_ty)
-        else:
-            out = _round_int8(y).to(ptr.dtype.element_ty)
-        return out
-
-    @triton.jit
     def _round_int8(y):
         """Round half away from zero; |y| <= 127 by construction."""
         return tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
@@ -130,21 +119,18 @@ if triton is not None:
     def _attend_block(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_ptr, kv_row, v_row, scale_row, start_n,
                       n_kv, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         k = k_desc.load([kv_row + start_n, 0])
+        # int32 -> float32 without the slow conversion instruction: for |x| < 2**22, the bits of 0x4B400000 + x
+        # read as a float are 12582912 + x exactly (|q8·k8| <= 127² · 128 < 2**21), an integer add instead.
+        raw = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
         c = q_scale * tl.load(k_scale_ptr + scale_row + start_n // BLOCK_N)  # per row: log2-domain score per unit
-        if k.dtype == tl.int8:
-            # int32 -> float32 without the slow conversion instruction: for |x| < 2**22, the bits of 0x4B400000 + x
-            # read as a float are 12582912 + x exactly (|q8·k8| <= 127² · 128 < 2**21), an integer add instead.
-            raw = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-            offset = 12582912.0 * c
-        else:  # e4m3 Q and K: fp32 scores
-            raw = tl.dot(q, k.T)
-            offset = tl.zeros_like(c)
         if MASKED:
-            raw = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], raw, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(raw, axis=1) * c - offset)
-        # p * 448 (fp8's range, out of its subnormals) = exp2(raw * c - (offset + m_new) + log2(448)); the fused
-        # multiply-add keeps the large terms' cancellation exact. The row sum carries the same 448.
-        p = tl.math.exp2(raw * c[:, None] - (offset + m_new - 8.807354922057604)[:, None])
+            raw = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], raw, 0.0)
+        m_new = tl.maximum(m_i, (tl.max(raw, axis=1) - 12582912.0) * c)
+        # p * 448 (fp8's range, out of its subnormals) = exp2(raw * c - (12582912 * c + m_new) + log2(448)); the
+        # fused multiply-add keeps the large terms' cancellation exact. The row sum carries the same 448.
+        p = tl.math.exp2(raw * c[:, None] - (12582912.0 * c + m_new - 8.807354922057604)[:, None])
+        if MASKED:
+            p = tl.where((start_n + tl.arange(0, BLOCK_N) < n_kv)[None, :], p, 0.0)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = v_desc.load([v_row, start_n])
@@ -195,32 +181,29 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
-def _padded(n: int, block: int = PAD) -> int:
-    multiple = max(PAD, block)
-    return -(-n // multiple) * multiple
+def _padded(n: int) -> int:
+    return -(-n // PAD) * PAD
 
 
 PV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16}
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, pv: str = "fp8",
-            block_n: int | None = None, qk: str = "int8") -> dict:
+            block_n: int | None = None) -> dict:
     """The kernel's operands: int8 Q with a scale per token (carrying the softmax scale and log2 e), int8 smoothed K
-    with a scale per key block (both e4m3 with qk="fp8"), V transposed over its per-channel scales in e4m3 or fp16
-    (`pv`). Token counts are padded to a multiple of 128 and of the key block. Inputs are
+    with a scale per key block, V transposed over its per-channel scales in e4m3 or fp16 (`pv`). Inputs are
     (batch, heads, tokens, head dim) views with the head dim contiguous. Three launches: a zeroing, the statistics
     (K's mean, V's channel amax), the quantization of all three."""
     batch, heads, n_q, dim = q.shape
     n_kv = k.shape[2]
     block_n = block_n or CONFIGS[dim, pv][1]
-    nq_pad, nkv_pad = _padded(n_q, block_n), _padded(n_kv, block_n)
+    nq_pad, nkv_pad = _padded(n_q), _padded(n_kv)
     bh = batch * heads
-    qk_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[qk]
     device = q.device
     out = {"n_q": n_q, "n_kv": n_kv, "nq_pad": nq_pad, "nkv_pad": nkv_pad, "block_n": block_n,
-           "q": torch.empty((bh * nq_pad, dim), dtype=qk_dtype, device=device),
+           "q": torch.empty((bh * nq_pad, dim), dtype=torch.int8, device=device),
            "q_scale": torch.empty((bh * nq_pad,), dtype=torch.float32, device=device),
-           "k": torch.empty((bh * nkv_pad, dim), dtype=qk_dtype, device=device),
+           "k": torch.empty((bh * nkv_pad, dim), dtype=torch.int8, device=device),
            "k_scale": torch.empty((bh * (nkv_pad // block_n),), dtype=torch.float32, device=device),
            "v": torch.empty((bh * dim, nkv_pad), dtype=PV_DTYPES[pv], device=device),
            "v_scale": torch.empty((bh * dim,), dtype=torch.float32, device=device)}
@@ -231,8 +214,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     blocks = max(nq_pad, nkv_pad) // block_n
     _quantize_kernel[(blocks, bh, 3)](q, k, v, stats, out["q"], out["q_scale"], out["k"], out["k_scale"], out["v"],
                                       out["v_scale"], n_q, n_kv, heads, *strides, nq_pad, nkv_pad, sm_scale * LOG2E,
-                                      HEAD_DIM=dim, BLOCK=block_n, QK_FP8=qk == "fp8",
-                                      num_warps=8 if block_n * dim >= 16384 else 4)
+                                      HEAD_DIM=dim, BLOCK=block_n, num_warps=8 if block_n * dim >= 16384 else 4)
     return out
 
 
@@ -257,12 +239,12 @@ def attend(prepared: dict, batch: int, heads: int, dim: int, out: torch.Tensor, 
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None, pv: str = "fp8",
-              config=None, qk: str = "int8") -> torch.Tensor:
+              config=None) -> torch.Tensor:
     """softmax(q·kᵀ · sm_scale)·v for (batch, heads, tokens, head dim) inputs (views with the head dim contiguous),
     returned as (batch, tokens, heads, head dim), contiguous, in q's dtype."""
     batch, heads, n_q, dim = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     config = config or CONFIGS[dim, pv]
-    prepared = prepare(q, k, v, dim ** -0.5 if sm_scale is None else sm_scale, pv, config[1], qk)
+    prepared = prepare(q, k, v, dim ** -0.5 if sm_scale is None else sm_scale, pv, config[1])
     out = torch.empty((batch, n_q, heads, dim), dtype=q.dtype, device=q.device)
     return attend(prepared, batch, heads, dim, out, config)

@@ -1,7 +1,6 @@
 """Attention kernels side by side on the GPU, per shape: torch SDPA (cuDNN, flash), cuDNN fp8 through
-nvidia-cudnn-frontend, SageAttention 1.0.6 (if installed), Overdrive's Triton 8-bit kernel and the same scheme in
-Gluon with FlashAttention-3's ping-pong schedule; per-call relative error against fp32 attention, and (--sweep) the
-Triton kernel's block/warp/stage configurations, (--sweep-gluon) the Gluon kernel's.
+nvidia-cudnn-frontend, SageAttention 1.0.6 (if installed) and Overdrive's Triton 8-bit kernel; per-call relative
+error against fp32 attention, and (--sweep) the Triton kernel's block/warp/stage configurations.
 
     PYTHONPATH=<folder holding overdrive> python bench/attention_kernels.py --out bench/results/DATE_GPU_attention_kernels.json [--sweep]
 """
@@ -16,7 +15,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from overdrive.attention import cudnn8, gluon8, reference, triton8
+from overdrive.attention import cudnn8, reference, triton8
 from overdrive.attention.choice import _median_ms
 
 SHAPES = {  # name: (batch, heads, tokens, head dim)
@@ -81,30 +80,10 @@ def sweep(shape, q, k, v, pv, ref):
     return rows
 
 
-def sweep_gluon(shape, q, k, v, ref):
-    b, h, n, d = shape
-    prepared = {(bn, qk): triton8.prepare(q, k, v, d ** -0.5, "fp8", bn, qk) for bn in (64, 128)
-                for qk in ("int8", "fp8")}
-    out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device)
-    rows = []
-    for qk, *config in itertools.product(("int8", "fp8"), (64, 128), (2, 3), (224, 240)):
-        try:
-            ms = timed(gluon8.attend, prepared[config[0], qk], b, h, d, out, config)
-            err = reference.relative_error(out.transpose(1, 2), ref)
-            rows.append({"pv": "gluon", "qk": qk, "config": config, "ms": ms, "tflops": flops(shape) / ms / 1e9,
-                         "rel_err": err})
-        except Exception as error:  # noqa: BLE001 - a config the compiler refuses (shared memory, registers)
-            rows.append({"pv": "gluon", "qk": qk, "config": config,
-                         "error": f"{type(error).__name__}: {str(error)[:200]}"})
-    rows.sort(key=lambda r: r.get("ms", 1e9))
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--sweep-gluon", action="store_true")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -120,9 +99,7 @@ def main():
         k = k + 3.0 * torch.randn((1, shape[1], 1, shape[3]), device="cuda", dtype=torch.bfloat16)  # a shared K offset
         ref = reference.exact_attention(q, k, v)
         backends = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
-                    "triton8_fp8pv": triton8.attention, "gluon8_pingpong": gluon8.attention,
-                    "triton8_fp8qk": lambda q, k, v: triton8.attention(q, k, v, qk="fp8"),
-                    "gluon8_pingpong_fp8qk": lambda q, k, v: gluon8.attention(q, k, v, qk="fp8"),
+                    "triton8_fp8pv": triton8.attention,
                     "triton8_fp16pv": lambda q, k, v: triton8.attention(q, k, v, pv="fp16")}
         if cudnn8.supports(q, k, v) is None:
             backends["cudnn_fp8"] = cudnn8.attention
@@ -148,14 +125,6 @@ def main():
             prepared = triton8.prepare(q, k, v, d ** -0.5, pv)
             row["prepare_ms"] = timed(triton8.prepare, q, k, v, d ** -0.5, pv)
             row["kernel_ms"] = timed(triton8.attend, prepared, b, h, d, out)
-        for label, qk in (("gluon8_pingpong", "int8"), ("gluon8_pingpong_fp8qk", "fp8")):
-            if "ms" in rows[label]:
-                prepared = triton8.prepare(q, k, v, d ** -0.5, "fp8", gluon8.CONFIGS[d][0], qk)
-                rows[label]["kernel_ms"] = timed(gluon8.attend, prepared, b, h, d, out)
-        if "ms" in rows["triton8_fp8qk"]:
-            prepared = triton8.prepare(q, k, v, d ** -0.5, "fp8", qk="fp8")
-            rows["triton8_fp8qk"]["prepare_ms"] = timed(triton8.prepare, q, k, v, d ** -0.5, "fp8", None, "fp8")
-            rows["triton8_fp8qk"]["kernel_ms"] = timed(triton8.attend, prepared, b, h, d, out)
         if "ms" in rows.get("cudnn_fp8", {}):  # its parts: the Triton casts, cuDNN's graph, the output's pass
             graph, stream = cudnn8._graph(q.shape, k.shape, d ** -0.5, q.device), torch.cuda.current_stream()
             operands = graph.operands_for(stream)
@@ -166,10 +135,6 @@ def main():
         for row, fn in ((rows[label], fn) for label, fn in backends.items() if "ms" in rows[label]):
             row["gpu_ms"] = _median_ms(lambda: fn(q, k, v), reps=7, calls=8)  # the chooser's timing: host hidden
         small = tuple(t[:, :2, :1024] for t in (q, k, v))  # the torch reference of the scheme, on a slice
-        if "ms" in rows["gluon8_pingpong"]:
-            rows["gluon8_pingpong"]["rel_err_vs_scheme_reference"] = reference.relative_error(
-                gluon8.attention(*small).transpose(1, 2),
-                reference.quantized_attention(*small, block_n=gluon8.CONFIGS[d][0], pv="fp8"))
         for pv in ("fp8", "fp16"):
             rows[f"triton8_{pv}pv"]["rel_err_vs_scheme_reference"] = reference.relative_error(
                 triton8.attention(*small, pv=pv).transpose(1, 2),
@@ -177,8 +142,6 @@ def main():
         entry = {"shape": shape, "backends": rows}
         if args.sweep:
             entry["sweep"] = sweep(shape, q, k, v, "fp8", ref) + sweep(shape, q, k, v, "fp16", ref)
-        if args.sweep_gluon:
-            entry["sweep_gluon"] = sweep_gluon(shape, q, k, v, ref)
         result["shapes"][name] = entry
         base = rows["sdpa_cudnn"].get("ms")
         print(f"{name} {shape}")
@@ -193,19 +156,6 @@ def main():
             row = rows[f"triton8_{pv}pv"]
             print(f"  triton8 {pv} P·V: prepare {row.get('prepare_ms', 0):.4f} ms, kernel {row.get('kernel_ms', 0):.4f} "
                   f"ms, vs scheme reference {row.get('rel_err_vs_scheme_reference', float('nan')):.4f}")
-        row = rows["gluon8_pingpong"]
-        if "ms" in row:
-            print(f"  gluon8 ping-pong: kernel {row.get('kernel_ms', 0):.4f} ms, vs scheme reference "
-                  f"{row.get('rel_err_vs_scheme_reference', float('nan')):.4f}")
-        for label in ("triton8_fp8qk", "gluon8_pingpong_fp8qk"):
-            if "ms" in rows[label]:
-                print(f"  {label}: prepare {rows[label].get('prepare_ms', float('nan')):.4f} ms, kernel "
-                      f"{rows[label]['kernel_ms']:.4f} ms")
-        if args.sweep_gluon:
-            best = [r for r in entry["sweep_gluon"] if "ms" in r][:5]
-            failed = [r for r in entry["sweep_gluon"] if "error" in r]
-            print(f"  sweep gluon: best {[(r['qk'], r['config'], round(r['ms'], 4)) for r in best]}, {len(failed)} failed"
-                  + (f" e.g. {failed[0]['error'][:150]}" if failed else ""))
         if "graph_ms" in rows.get("cudnn_fp8", {}):
             row = rows["cudnn_fp8"]
             print(f"  cudnn fp8: casts {row['prepare_ms']:.4f} ms, graph {row['graph_ms']:.4f} ms, output "

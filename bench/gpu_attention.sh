@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Attention kernels and whole-model runs with 8-bit attention, on the GPU machine, from the repository root:
-#   [SWEEP=1] [SWEEP_GLUON=1] [SHAPES=a,b] bash bench/gpu_attention.sh kernels "$OUT"   # bench/attention_kernels.py
+#   [SWEEP=1] [SHAPES=a,b] bash bench/gpu_attention.sh kernels "$OUT"   # bench/attention_kernels.py
 #   bash bench/gpu_attention.sh gemv "$OUT"   # bench/quantize_gemv.py: the weight-only int8 kernel
 #   bash bench/gpu_attention.sh norm "$OUT"   # bench/norm_epilogue.py: the blocks' layer-norm kernel
 # The wheels the machine's image lacks travel in .devcarry/whl_attention (nvidia-cudnn-frontend, sageattention
@@ -9,7 +9,7 @@ set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 source bench/device_env.sh
 case "$part" in
-  kernels) python3 bench/attention_kernels.py ${SWEEP:+--sweep} ${SWEEP_GLUON:+--sweep-gluon} ${SHAPES:+--shapes $SHAPES} \
+  kernels) python3 bench/attention_kernels.py ${SWEEP:+--sweep} ${SHAPES:+--shapes $SHAPES} \
              --out "$out/${day}_${gpu}_attention_kernels.json" 2>&1 | grep -v "^W1\|warn" ;;
   gemv) python3 bench/quantize_gemv.py --out "$out/${day}_${gpu}_quantize_gemv.json" 2>&1 | grep -v "^W1\|warn" ;;
   norm) python3 bench/norm_epilogue.py --out "$out/${day}_${gpu}_norm_epilogue.json" 2>&1 | grep -v "^W1\|warn" ;;

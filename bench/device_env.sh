@@ -7,4 +7,5 @@ if [ -f .devcarry/ComfyUI-0.7.0.tar.gz ] && [ ! -f /tmp/ComfyUI/main.py ]; then
 fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
 export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH=/tmp/ComfyUI PYTHONUNBUFFERED=1
-gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo cpu)
+# the card's model (h100, h200) for result names: the name's last word is "HBM3" on an H100 SXM
+gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+\d+[A-Za-z]*\b', n.replace('NVIDIA', '')); print((m.group(0) if m else n.split()[-1]).lower())" 2>/dev/null || echo cpu)

@@ -148,6 +148,8 @@ def main():
                         "run of the last variant by their Python stacks")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     parser.add_argument("--profile-all", action="store_true", help="with --profile: profile every variant")
+    parser.add_argument("--profile-launchers", action="store_true",
+                        help="with --profile: also name the host op that launched each top kernel")
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -358,7 +360,7 @@ def main():
         # unloads then filled the profile with copies).
         if args.profile and cuda and (args.profile_all or variant == args.variants.split(",")[-1]):
             print(f"[{variant}]")
-            profile_run(lambda: sample(patcher), args.steps)
+            profile_run(lambda: sample(patcher), args.steps, launchers=args.profile_launchers)
         if args.cprofile and variant == args.variants.split(",")[-1]:
             cprofile_run(lambda: sample(patcher))
         if args.sync_sources and cuda and variant == args.variants.split(",")[-1]:

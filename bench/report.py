@@ -1,4 +1,5 @@
 """What every benchmark script reports the same way: the machine and versions, speed-ups, the table, the JSON."""
+import collections
 import json
 import pathlib
 import platform
@@ -49,10 +50,12 @@ def compile_phases(min_s: float = 0.5) -> dict:
     return dict(sorted(phases.items(), key=lambda item: -item[1]))
 
 
-def profile_run(run, steps):
-    """Where the time goes: CUDA kernel time of one sampling run, grouped by kernel family, and the top kernels."""
+def profile_run(run, steps, launchers: bool = False):
+    """Where the time goes: CUDA kernel time of one sampling run, grouped by kernel family, and the top kernels; with
+    `launchers`, the host ops that launched each of them (CPU ops are recorded too, which slows the run)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if launchers else [])
+    with profile(activities=activities) as prof:
         torch.cuda.synchronize()
         start = time.perf_counter()
         run()
@@ -70,9 +73,28 @@ def profile_run(run, steps):
     print(f"\nCUDA time of one run ({steps} steps): {total / 1e6:.3f} s")
     for family, t in sorted(families.items(), key=lambda kv: -kv[1]):
         print(f"  {family:14s} {t / 1e6:7.3f} s  {100 * t / total:5.1f} %")
+    launched_by = kernel_launchers(prof) if launchers else {}
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:<5d} {e.key[:110]}")
+        if launchers:
+            ops = launched_by.get(e.key, collections.Counter())
+            for op, count in ops.most_common(3):
+                print(f"{'':22s}launched by {op[:100]} (x{count})")
+            if e.count > sum(ops.values()):  # a graph replays its kernels with no host op around each
+                print(f"{'':22s}x{e.count - sum(ops.values())} with no host op (CUDA-graph replays)")
     print_idle_gaps(prof)
+
+
+def kernel_launchers(prof) -> dict:
+    """kernel name -> Counter of the innermost host ops that launched it (a copy, a custom op, a compiled graph);
+    the CUDA runtime's own events (launch calls, a full command buffer) are not ops."""
+    launched_by = {}
+    for e in prof.events():
+        if (e.device_type == torch.autograd.DeviceType.CPU and e.kernels
+                and not e.name.startswith(("cuda", "Command Buffer"))):
+            for kernel in e.kernels:
+                launched_by.setdefault(kernel.name, collections.Counter())[e.name] += 1
+    return launched_by
 
 
 def print_idle_gaps(prof, min_us: float = 20.0, top: int = 12):

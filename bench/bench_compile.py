@@ -358,12 +358,13 @@ def main():
         row["weights_gib_on_gpu"] = first_call[1]
         # Profiled here, before the per-call errors below load the float model beside this one (its loads and
         # unloads then filled the profile with copies).
-        if args.profile and cuda and (args.profile_all or variant == args.variants.split(",")[-1]):
+        last = variant == args.variants.split(",")[-1]  # the one the host and sync analyses look at
+        if args.profile and cuda and (args.profile_all or last):
             print(f"[{variant}]")
             profile_run(lambda: sample(patcher), args.steps, launchers=args.profile_launchers)
-        if args.cprofile and variant == args.variants.split(",")[-1]:
+        if args.cprofile and last:
             cprofile_run(lambda: sample(patcher))
-        if args.sync_sources and cuda and variant == args.variants.split(",")[-1]:
+        if args.sync_sources and cuda and last:
             sync_sources(lambda: sample(patcher))
         step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
         if step_cache and args.arch in dit.FAMILIES:

@@ -129,7 +129,6 @@ def sync_sources(run, top: int = 12):
     """Where one run blocks the host on the GPU: every synchronizing CUDA call torch sees (`.item()`, a copy to the
     host, a tensor used as a Python bool...), counted by its Python call stack. After such a call the GPU idles until
     the host has launched the next work, so one a step shows as idle time in the profile."""
-    import collections
     import traceback
     import warnings
     sources = collections.Counter()

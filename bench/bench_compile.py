@@ -146,6 +146,8 @@ def main():
     parser.add_argument("--cprofile", action="store_true", help="print where host (Python) time goes in one run of the last variant")
     parser.add_argument("--sync-sources", action="store_true", help="count the synchronizing CUDA calls of one "
                         "run of the last variant by their Python stacks")
+    parser.add_argument("--host-timers", action="store_true", help="host time inside ComfyUI's and Overdrive's "
+                        "load, dispatch and cleanup functions in one run of each variant (bench/host_timers.py)")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one run of the last variant")
     parser.add_argument("--profile-all", action="store_true", help="with --profile: profile every variant")
     parser.add_argument("--profile-launchers", action="store_true",
@@ -158,6 +160,9 @@ def main():
     comfy = import_comfy(cpu=not cuda)
     import comfy.sample
     from overdrive.compiler import dynamo_graph_count
+    if args.host_timers:  # before any model is built: callbacks keep the bound methods of install time
+        from host_timers import HostTimers
+        host_timers = HostTimers()
     from overdrive.compiler.regions import uninstall_regions
 
     if not args.warm_cache:
@@ -362,6 +367,9 @@ def main():
         if args.profile and cuda and (args.profile_all or last):
             print(f"[{variant}]")
             profile_run(lambda: sample(patcher), args.steps, launchers=args.profile_launchers)
+        if args.host_timers:
+            print(f"[{variant}]")
+            row["host_timers"] = host_timers.run(lambda: sample(patcher), args.steps)
         if args.cprofile and last:
             cprofile_run(lambda: sample(patcher))
         if args.sync_sources and cuda and last:

@@ -17,6 +17,7 @@ import ast
 import base64
 import json
 import marshal
+import re
 import sys
 import types
 import weakref
@@ -137,30 +138,50 @@ def _anchor(source: str) -> tuple[str | None, str]:
     return None, source
 
 
+_STRUCTURE = re.compile(r"module(\._modules\[(?:'[^']*'|\"[^\"]*\")\])*(\._modules|\._parameters|\._buffers)?")
+
+
+def _structural(kind: str, source: str) -> bool:
+    """A type read of the model's module tree itself (a submodule, or one of its dicts of submodules, parameters or
+    buffers): it changes only when a submodule is replaced, which weights_watch sees."""
+    return kind == "type" and _STRUCTURE.fullmatch(source) is not None
+
+
 class ValuesRead:
     """The plain values, types and empty hook dicts a frame read when it was traced, as (kind, Dynamo guard source,
-    printed form) entries. `matches(call)` reads them all for a call of the frame (module, method, args, kwargs) and
+    printed form) entries. `matches(call)` reads them for a call of the frame (module, method, args, kwargs) and
     compares them with what was read when the frame was built or, after a restart, first checked.
 
-    Cost: an SD1.5 UNet's frame reads ~750 of them (450 types, 300 values; 1,200 more with hook guards on); read through
-    their whole guard sources (chains of `_modules[...]`) they took ~0.6 ms a call on a 2-core CPU, which made SD1.5
-    on the H200 33 % slower per image (0.2075 against 0.1566 s). So the submodules and Python modules they start from (anchors) are looked up
-    once per model and module tree (again when another model calls, or a submodule or Parameter was replaced anywhere:
-    weights_watch) and held weakly; each call reads every value from its anchor."""
+    Cost: an SD1.5 UNet's frame reads ~1,800 of them (3,000 on the GPU), an SDXL's up to 7,360. Read through their
+    whole guard sources (chains of `_modules[...]`) they took ~0.6 ms a call on a 2-core CPU, which made SD1.5 on the
+    H200 33 % slower per image (0.2075 against 0.1566 s). So the submodules and Python modules they start from
+    (anchors) are looked up once per model and module tree (again when another model calls, or a submodule or Parameter
+    was replaced anywhere: weights_watch) and held weakly; each call reads the values from their anchors.
+    The types of the submodules themselves (58 % of SD1.5's entries) change only with the tree, so they are read only
+    when the anchors are looked up again: reading all took 1.48 ms of the GPU machine's host per SD1.5 call
+    (bench/host_timers.py). Not seen, as with the anchors: a module's `__class__` reassigned in place."""
 
     def __init__(self, entries, compiled=None):
         """`compiled`: `.compiled` of a ValuesRead of the same entries (saved with a frame), so that a restart neither
         parses nor compiles their sources again (7,360 synthetic entries: 0.197 -> 0.009 s on a 2-core CPU)."""
         self.entries = [tuple(e) for e in entries]
-        self.compiled = compiled or compile(self._source(), "<overdrive value reads>", "exec")
+        self.structural = [i for i, (kind, source, _) in enumerate(self.entries) if _structural(kind, source)]
+        structural = set(self.structural)
+        self.per_call = [i for i in range(len(self.entries)) if i not in structural]
         scope = {"type": type, "len": len, "ref": weakref.ref}
-        exec(self.compiled, scope)  # noqa: S102 - defines find() and read() from Dynamo's own guard sources
-        self._find, self._read = scope["find"], scope["read"]
+        if compiled is not None:
+            exec(compiled, scope)  # noqa: S102 - defines the functions of _source() from Dynamo's own guard sources
+        if "read_structure" not in scope:  # none saved, or saved before the structure was read apart
+            compiled = compile(self._source(), "<overdrive value reads>", "exec")
+            exec(compiled, scope)  # noqa: S102 - as above
+        self.compiled = compiled
+        self._find, self._read, self._read_structure = scope["find"], scope["read"], scope["read_structure"]
         self._anchored = None  # (the model, weights generation, its anchors): weak references all
-        self.expected = None  # the values read at the last accepted check
+        self._structure_ok = None  # whether the structure read as expected, since the anchors were last looked up
+        self.expected = None  # (per-call values, structure) read at the last accepted check
 
     def _source(self) -> str:
-        """Two functions: find the anchors, read every entry from them."""
+        """Three functions: find the anchors; read the per-call entries from them; read the structural ones."""
         anchors: dict[str, int] = {}
         reads = []
         for kind, source, _ in self.entries:
@@ -170,18 +191,34 @@ class ValuesRead:
             else:
                 index = anchors.setdefault(anchor, len(anchors))
                 reads.append(_READ[kind].format(f"a{index}{rest}"))
-        return (f"def find(G, module): return ({''.join(f'ref({a}), ' for a in anchors)})\n"
-                f"def read(A, G, {', '.join(_LOCALS)}):\n"
-                + "".join(f"    a{i} = A[{i}]()\n" for i in range(len(anchors)))
-                + f"    return ({''.join(r + ', ' for r in reads)})\n")
+        unpack = "".join(f"    a{i} = A[{i}]()\n" for i in range(len(anchors)))
 
-    def _read_call(self, call):
-        module = call[0]
+        def reader(name, indices):
+            return (f"def {name}(A, G, {', '.join(_LOCALS)}):\n" + unpack
+                    + f"    return ({''.join(reads[i] + ', ' for i in indices)})\n")
+        return (f"def find(G, module): return ({''.join(f'ref({a}), ' for a in anchors)})\n"
+                + reader("read", self.per_call) + reader("read_structure", self.structural))
+
+    def _anchors(self, module):
         generation = weights_generation()
         anchored = self._anchored
         if anchored is None or anchored[0]() is not module or anchored[1] != generation:
             anchored = self._anchored = (weakref.ref(module), generation, self._find(_G, module))
-        return self._read(anchored[2], _G, *call)
+            self._structure_ok = None
+        return anchored[2]
+
+    def _read_parts(self, call) -> tuple[tuple, tuple]:
+        anchors = self._anchors(call[0])
+        return self._read(anchors, _G, *call), self._read_structure(anchors, _G, *call)
+
+    def _read_call(self, call) -> tuple:
+        """Every entry's value for `call`, in the entries' order."""
+        per_call, structure = self._read_parts(call)
+        values = [None] * len(self.entries)
+        for indices, part in ((self.per_call, per_call), (self.structural, structure)):
+            for i, value in zip(indices, part):
+                values[i] = value
+        return tuple(values)
 
     @classmethod
     def from_guards(cls, guard_entries, call) -> "ValuesRead":
@@ -204,23 +241,31 @@ class ValuesRead:
         differ = read.changed(call)
         if differ:
             raise ValueError(f"cannot read back what the traced code read: {differ[0]}")
-        read.expected = read._read_call(call)
+        read.expected = read._read_parts(call)
+        read._structure_ok = True
         return read
 
     def matches(self, call) -> bool:
-        """At every call: one generated read and one tuple comparison (the first check after a restart compares
-        printed forms instead)."""
+        """At every call: one generated read and one tuple comparison; the structure too where the anchors were just
+        looked up again (the first check after a restart compares printed forms instead)."""
         try:
-            now = self._read_call(call)
+            anchors = self._anchors(call[0])
+            now = self._read(anchors, _G, *call)
+            structure = (self._read_structure(anchors, _G, *call)
+                         if self._structure_ok is None or self.expected is None else None)
         except Exception:  # noqa: BLE001 - an attribute or module that is gone: not what was traced
             return False
         if self.expected is None:
-            if [_printed(kind, value) for (kind, _, _), value in zip(self.entries, now)] != [
+            read = dict(zip(self.per_call, now))
+            read.update(zip(self.structural, structure))
+            if [_printed(kind, read[i]) for i, (kind, _, _) in enumerate(self.entries)] != [
                     printed for _, _, printed in self.entries]:
                 return False
-            self.expected = now
+            self.expected, self._structure_ok = (now, structure), True
             return True
-        return now == self.expected
+        if self._structure_ok is None:
+            self._structure_ok = structure == self.expected[1]
+        return self._structure_ok and now == self.expected[0]
 
     def changed(self, call) -> list[str]:
         """"source: traced -> now" for each entry that reads differently for this call (for the log)."""

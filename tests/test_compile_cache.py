@@ -397,6 +397,44 @@ def test_value_reads_are_anchored_at_the_deepest_submodule_or_python_module_they
     assert now == (4, Inner)
 
 
+def test_value_reads_check_the_module_tree_s_types_only_when_the_tree_changed():
+    """The types of the submodules are read again only after a submodule was replaced (weights_watch); plain values and
+    hook dicts at every call. A replaced submodule of another class, and a changed value, each fail the check."""
+    from overdrive.compiler.traced_reads import ValuesRead
+
+    class Inner(torch.nn.Module):
+        heads = 4
+
+    class Other(torch.nn.Module):
+        heads = 4
+    outer = torch.nn.Module()
+    outer.add_module("a", Inner())
+    call = (outer, "forward", (), {})
+    entries = [("value", "module._modules['a'].heads", "4"), ("type", "module._modules['a']", "x"),
+               ("type", "module._modules['a']._parameters", "x"), ("type", "module._modules['a'].forward", "x"),
+               ("empty", "module._modules['a']._forward_hooks", "0")]
+    read = ValuesRead(entries)
+    assert [read.entries[i][1] for i in read.structural] == ["module._modules['a']", "module._modules['a']._parameters"]
+    read.expected = read._read_parts(call)
+    read._structure_ok = True
+    structure_reads = []
+    original = read._read_structure
+    read._read_structure = lambda *args: structure_reads.append(1) or original(*args)
+    assert read.matches(call) and read.matches(call) and not structure_reads  # nothing replaced since the last look
+
+    outer.a = Other()  # a registration: the structure is read again, and differs
+    assert not read.matches(call) and not read.matches(call) and len(structure_reads) == 1
+    outer.a = Inner()  # back to the traced class
+    assert read.matches(call) and len(structure_reads) == 2
+    Inner.heads = 8  # a plain value: read at every call
+    assert not read.matches(call)
+    Inner.heads = 4
+    handle = outer.a.register_forward_hook(lambda *args: None)
+    assert not read.matches(call)
+    handle.remove()
+    assert read.matches(call) and len(structure_reads) == 2
+
+
 def test_value_reads_restart_from_their_saved_compiled_functions_and_rebuild_when_those_do_not_fit():
     """A saved frame keeps its value reads' compiled functions for this Python: a restart neither parses nor compiles
     them again. Another Python's (or an unreadable) copy is ignored and the reads are compiled from the entries."""

@@ -1,6 +1,7 @@
 """The on-disk compile cache: a new process loads what an earlier one compiled; corrupt entries are rebuilt."""
 import json
 import logging
+import marshal
 import os
 import pathlib
 import subprocess
@@ -397,19 +398,22 @@ def test_value_reads_are_anchored_at_the_deepest_submodule_or_python_module_they
     assert now == (4, Inner)
 
 
+def model_with_heads():
+    """(a module with one submodule "a", the submodule's class (fresh at each call, with a class attribute heads = 4),
+    a call of the module as precompiled frames see it)."""
+    inner = type("Inner", (torch.nn.Module,), {"heads": 4})
+    outer = torch.nn.Module()
+    outer.add_module("a", inner())
+    return outer, inner, (outer, "forward", (), {})
+
+
 def test_value_reads_check_the_module_tree_s_types_only_when_the_tree_changed():
     """The types of the submodules are read again only after a submodule was replaced (weights_watch); plain values and
     hook dicts at every call. A replaced submodule of another class, and a changed value, each fail the check."""
     from overdrive.compiler.traced_reads import ValuesRead
 
-    class Inner(torch.nn.Module):
-        heads = 4
-
-    class Other(torch.nn.Module):
-        heads = 4
-    outer = torch.nn.Module()
-    outer.add_module("a", Inner())
-    call = (outer, "forward", (), {})
+    outer, Inner, call = model_with_heads()
+    Other = type("Other", (torch.nn.Module,), {"heads": 4})
     entries = [("value", "module._modules['a'].heads", "4"), ("type", "module._modules['a']", "x"),
                ("type", "module._modules['a']._parameters", "x"), ("type", "module._modules['a'].forward", "x"),
                ("empty", "module._modules['a']._forward_hooks", "0")]
@@ -443,18 +447,18 @@ def test_value_reads_restart_from_their_saved_compiled_functions_and_rebuild_whe
 
     from overdrive.compiler.traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
 
-    class Inner(torch.nn.Module):
-        heads = 4
-    outer = torch.nn.Module()
-    outer.add_module("a", Inner())
-    call = (outer, "forward", (), {})
+    outer, Inner, call = model_with_heads()
     entries = [("value", "module._modules['a'].heads", "4"), ("type", "module._modules['a']", "x"),
                ("empty", "module._modules['a']._forward_hooks", "0")]
     saved = json_module.loads(to_bytes(GlobalsRead([]), ValuesRead(entries)))
 
     _, restored = from_bytes(json_module.dumps(saved).encode())
     assert restored.compiled is not None and restored._read_call(call) == (4, Inner, 0)
-    for broken in ({"tag": "cpython-0"}, {"marshal": base64.b64encode(b"junk").decode()}):
+    # Saved before the structure was read apart: no read_structure among the saved functions.
+    older = compile("def find(G, module): return ()\ndef read(A, G, module, method, args, kwargs): return ()", "<x>",
+                    "exec")
+    for broken in ({"tag": "cpython-0"}, {"marshal": base64.b64encode(b"junk").decode()},
+                   {"marshal": base64.b64encode(marshal.dumps(older)).decode()}):
         copy = dict(saved, values_compiled=dict(saved["values_compiled"], **broken))
         _, rebuilt = from_bytes(json_module.dumps(copy).encode())
         assert rebuilt._read_call(call) == (4, Inner, 0)

@@ -24,6 +24,9 @@ class CallInfo:
     kind: tuple | None = None            # what the first-call verification is keyed on (None: the runner's default)
     finish: Callable | None = None       # applied to a path's output before it is returned (e.g. the caller's
                                          # return type); the native forward's output is returned as it is
+    clock: Any = None                    # the caller's StepClock (deepcache/clock.py), if it keeps one
+    host_fingerprint: tuple | None = None  # the conditioning named on the host (ComfyUI's cond uuids): with a clock,
+                                         # in place of `fingerprint`, whose values would be read from the GPU
 
 
 class UNetPaths(Protocol):

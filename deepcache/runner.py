@@ -6,6 +6,7 @@ from collections import Counter
 import torch
 
 from .cache import FeatureCache
+from .clock import StepClockCheck
 from .config import DeepCacheConfig, DeepCacheConfigError
 from .paths import CallInfo, UNetPaths
 from .schedule import DeepCacheSchedule, RunStats, host_floats
@@ -55,6 +56,8 @@ class DeepCacheRunner:
         self._warned: set = set()
         self._occurrences: Counter = Counter()
         self._lock = threading.RLock()
+        self._clock = None  # the StepClock of the run in progress, when the caller keeps one
+        self._clock_check = StepClockCheck()
 
     @classmethod
     def for_openai_unet(cls, unet, config: DeepCacheConfig | None = None, *, forward_timestep_embed, timestep_embedding,
@@ -127,7 +130,7 @@ class DeepCacheRunner:
         if self.disabled is not None:
             return self.native(*args, **kwargs)
         info = self.paths.inspect(args, kwargs)
-        sigmas, fingerprint, sample_sigmas = self._read(info)
+        sigmas, fingerprint, sample_sigmas = self._from_clock(info) or self._read(info)
         unsupported = info.unsupported
         if unsupported is None and len(set(sigmas)) > 1:
             unsupported = "per-sample sigmas differ within the batch"
@@ -170,6 +173,31 @@ class DeepCacheRunner:
         sigmas, *rest = host_floats([info.sigma, *info.fingerprint, *sample])
         fingerprint = [value for values in rest[:len(info.fingerprint)] for value in values]
         return sigmas, fingerprint, (rest[-1] if sample else None)
+
+    def _from_clock(self, info: CallInfo):
+        """As `_read`, without waiting for the GPU, from the caller's StepClock: the step's sigma from the run's
+        schedule, the conditioning named by the caller's host ids. None (then `_read`) without a clock, past the
+        schedule's end, or once the clock has proven not to match the sampler's calls."""
+        clock = info.clock
+        if clock is None or info.host_fingerprint is None:
+            return None
+        mismatch = self._clock_check.poll()
+        if mismatch is not None:
+            if "clock" not in self._warned:
+                self._warned.add("clock")
+                log.warning("DeepCache: this sampler's model calls do not follow its sigma schedule step by step (%s); "
+                            "each call's sigma is read from the GPU from now on (exact, but the host waits a step)",
+                            mismatch)
+            return None
+        sigma = clock.sigma()
+        if sigma is None:
+            return None
+        with self._lock:
+            if clock is not self._clock:  # a sampling run of its own, whatever its sigmas
+                self._clock = clock
+                self.schedule.reset()
+        self._clock_check.expect(info.sigma, sigma)
+        return [sigma], list(info.host_fingerprint), clock.values()
 
     def _native_call(self, full_step: bool, reason: str, args, kwargs):
         if self.config.on_unsupported == "error":

@@ -48,6 +48,10 @@ class DeferredFloats:
             self._host = staged
         self._values = None
 
+    def ready(self) -> bool:
+        """Whether `values()` can return without waiting for the GPU."""
+        return self._ready is None or self._ready.query()
+
     def values(self) -> list[list[float]]:
         if self._values is None:
             if self._ready is not None:

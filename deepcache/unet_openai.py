@@ -25,6 +25,7 @@ skipped transformers, so per-block patches see the same indices as in a full for
 import torch
 import torch.nn as nn
 
+from .clock import STEP_CLOCK, StepClock
 from .config import DeepCacheConfigError
 from .paths import CallInfo
 from ..weights_watch import WeightsWatch
@@ -222,6 +223,9 @@ class OpenAIUNetPaths(nn.Module):
                         path_kwargs=dict(context=context, y=y, transformer_options=options, **extra),
                         sample_sigmas=sample_sigmas if isinstance(sample_sigmas, torch.Tensor) else None)
         info.unsupported = self._unsupported(timesteps, control, options, extra)
+        uuids = options.get("uuids")
+        if isinstance(options.get(STEP_CLOCK), StepClock) and isinstance(uuids, list) and uuids:
+            info.clock, info.host_fingerprint = options[STEP_CLOCK], tuple(uuids)  # one uuid per cond in the batch
         return info
 
     def weights_token(self) -> int:

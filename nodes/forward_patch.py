@@ -12,7 +12,7 @@ from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
 from ..stack import Host, Stack, build, stack_of
-from . import conds_on_device
+from . import conds_on_device, step_clock
 from .progress import comfy_progress
 
 FORWARD = "diffusion_model.forward"
@@ -62,14 +62,16 @@ def foreign_forward(model):
 
 def install(model, stack: Stack):
     """`stack` built over `model`'s diffusion model and installed as its forward patch, with its sampling's conds on
-    the GPU (conds_on_device); returns the forward."""
+    the GPU (conds_on_device) and a step clock in each sampling run (step_clock); returns the forward."""
     forward = build(stack, ComfyHost(model))
     if forward is None:
         model.object_patches.pop(FORWARD, None)
         conds_on_device.remove(model)
+        step_clock.remove(model)
     else:
         model.add_object_patch(FORWARD, forward)
         conds_on_device.add(model)
+        step_clock.add(model)
     return forward
 
 

@@ -125,6 +125,58 @@ def test_interval_3_follows_the_schedule_within_the_stated_error_and_logs_each_r
     assert deepcache_lines(caplog) == [PLANNED_10] * 2  # the runs went as planned: no end-of-run summary
 
 
+def test_the_sampler_s_step_clock_decides_as_the_sigma_reads_do_without_reading_them(comfy, base, sample, caplog):
+    """With a one-call-per-step sampler (euler) the runner takes each call's step from the sampler's callback: no
+    per-call read of the sigma (the schedule is read once per run); decisions and latent are those of the reads. A
+    sampler whose calls do not follow its schedule step by step (heun) keeps its calls read, and a clock that proves
+    wrong is dropped with a warning."""
+    import comfy.sample
+
+    from overdrive.deepcache.clock import STEP_CLOCK, StepClock
+    from overdrive.nodes import step_clock
+
+    def reads_of(model, **run):
+        runner, counted = runner_of(model), []
+        original = runner._read
+        runner._read = lambda info: counted.append(1) or original(info)
+        out = sample(model, **run) if "sampler" not in run else sampler_run(model, run["sampler"])
+        runner._read = original
+        return out, len(counted), runner.last_stats or runner.stats
+
+    positive, negative = conditioning("sd15", RES, RES, seed=1)
+
+    def sampler_run(model, sampler_name):
+        latent = torch.zeros(1, 4, RES // 8, RES // 8)
+        return comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 6, 7.0, sampler_name, "normal",
+                                   positive, negative, latent, seed=7, disable_pbar=True)
+
+    clocked = deepcache(base, interval=3)
+    out, reads, stats = reads_of(clocked)
+    assert reads == 0 and stats.decisions == [F, S, S] * 3 + [F]
+    unclocked = deepcache(base, interval=3)
+    step_clock.remove(unclocked)
+    reference, reads, reference_stats = reads_of(unclocked)
+    assert reads == STEPS and torch.equal(out, reference) and reference_stats.decisions == stats.decisions
+
+    _, reads, _ = reads_of(deepcache(base, interval=3), sampler="heun")
+    assert reads > 0  # no clock for heun: every call is read
+
+    # A clock the calls do not follow (here one that never moves on): the check sees it without waiting, the runner
+    # warns once and reads every later call.
+    wrong = deepcache(base, interval=3)
+    step_clock.remove(wrong)
+    runner = runner_of(wrong)
+    stuck = StepClock(torch.linspace(14.6, 0.0, STEPS + 1))
+
+    def with_stuck_clock(apply_model, call):
+        call["c"]["transformer_options"][STEP_CLOCK] = stuck
+        return apply_model(call["input"], call["timestep"], **call["c"])
+    wrong.set_model_unet_function_wrapper(with_stuck_clock)
+    with caplog.at_level(logging.WARNING, logger="overdrive.deepcache"):
+        _, reads, _ = reads_of(wrong)
+    assert 0 < reads < STEPS and "do not follow its sigma schedule" in caplog.text, caplog.text
+
+
 def test_two_prompts_of_different_sizes_each_get_a_fresh_cache(base, sample):
     model = deepcache(base, interval=3)
     runner = runner_of(model)

@@ -21,6 +21,10 @@ class StepClock:
     and calls `finished(i)` as step i ends; a sampler whose calls do not evaluate sigmas[i] at step i must not get one
     (StepClockCheck catches those that do)."""
 
+    # It rides in transformer_options, which compiled forwards receive; they never call it, so a precompiled frame is
+    # keyed by its type only (compiler/precompiled.py), not made unkeyable by it.
+    forward_inert = True
+
     def __init__(self, schedule: torch.Tensor):
         self.schedule = schedule
         self.step = 0

@@ -62,7 +62,8 @@ def foreign_forward(model):
 
 def install(model, stack: Stack):
     """`stack` built over `model`'s diffusion model and installed as its forward patch, with its sampling's conds on
-    the GPU (conds_on_device) and a step clock in each sampling run (step_clock); returns the forward."""
+    the GPU (conds_on_device) and, under DeepCache, a step clock in each sampling run (step_clock); returns the
+    forward."""
     forward = build(stack, ComfyHost(model))
     if forward is None:
         model.object_patches.pop(FORWARD, None)
@@ -71,7 +72,10 @@ def install(model, stack: Stack):
     else:
         model.add_object_patch(FORWARD, forward)
         conds_on_device.add(model)
-        step_clock.add(model)
+        if stack.cache is not None:  # only DeepCache reads the clock
+            step_clock.add(model)
+        else:
+            step_clock.remove(model)
     return forward
 
 

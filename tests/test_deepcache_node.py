@@ -294,6 +294,9 @@ def test_compile_and_deepcache_compose_in_both_orders_with_one_compile_per_path(
     assert runner.full_path.graph.graphs_compiled == runner.shallow_path.graph.graphs_compiled == 1
     sample(first, steps=steps)  # a second prompt: no recompile
     assert dynamo_graph_count() - graphs == 2
+    # The sampler's step clock rides in transformer_options: both paths still run precompiled (guard-free) frames.
+    for path in (runner.full_path, runner.shallow_path):
+        assert path.graph.frames is not None and path.graph.frames.frames and path.graph.frames.failure is None
 
     # DeepCache, then Compile Model: the compile node gives its clone a copy of the runner with compiled paths.
     cached = deepcache(base, interval=3)

@@ -213,7 +213,9 @@ class ValuesRead:
 
     def _read_call(self, call) -> tuple:
         """Every entry's value for `call`, in the entries' order."""
-        per_call, structure = self._read_parts(call)
+        return self._in_entry_order(*self._read_parts(call))
+
+    def _in_entry_order(self, per_call: tuple, structure: tuple) -> tuple:
         values = [None] * len(self.entries)
         for indices, part in ((self.per_call, per_call), (self.structural, structure)):
             for i, value in zip(indices, part):
@@ -256,9 +258,8 @@ class ValuesRead:
         except Exception:  # noqa: BLE001 - an attribute or module that is gone: not what was traced
             return False
         if self.expected is None:
-            read = dict(zip(self.per_call, now))
-            read.update(zip(self.structural, structure))
-            if [_printed(kind, read[i]) for i, (kind, _, _) in enumerate(self.entries)] != [
+            read = self._in_entry_order(now, structure)
+            if [_printed(kind, value) for (kind, _, _), value in zip(self.entries, read)] != [
                     printed for _, _, printed in self.entries]:
                 return False
             self.expected, self._structure_ok = (now, structure), True

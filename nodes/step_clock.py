@@ -4,7 +4,7 @@ from comfy.patcher_extension import WrappersMP
 
 from ..deepcache.clock import STEP_CLOCK, StepClock
 
-KEY = "overdrive_step_clock"
+KEY = STEP_CLOCK  # the wrapper's key among ComfyUI's, named as the option it sets
 # ComfyUI's k-diffusion samplers that evaluate the model once per step, at sigmas[i]. Others (heun, dpmpp_2s_ancestral,
 # dpmpp_sde, ...) evaluate more sigmas per step than the schedule has: their calls keep being read from the GPU.
 ONE_CALL_PER_STEP = frozenset({"euler", "euler_ancestral", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_gpu",

@@ -1,4 +1,4 @@
-"""Built-in DiT families (Flux.1-dev, Qwen-Image, Wan 2.2, Z-Image, SD3.5): diffusion-model files for
+"""Built-in DiT families (Flux.1-dev, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video): diffusion-model files for
 UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
 
 The layout is read off ComfyUI's own classes, built on the meta device (no memory, no weights) at the config
@@ -8,7 +8,7 @@ checkpoints in checkpoint.py do not).
 
 "tiny" is as small as detection allows: several families fix their width in detection (Flux 3072, Qwen-Image
 3072, Z-Image 3840), so only their depth shrinks (one block of each kind: Flux 0.5 B parameters, Qwen-Image
-0.4 B, Z-Image 1 B); Wan and SD3.5 read their width from the weights and shrink to a few million.
+0.4 B, Z-Image 1 B); Wan, SD3.5 and LTX-Video read their width from the weights and shrink to a few million.
 Text encoders are not built: ComfyUI builds them at fixed full sizes (T5-XXL alone is 4.7 B parameters);
 the `OverdriveBuiltinConditioning` node gives these models conditioning of the right shape instead.
 """
@@ -34,7 +34,8 @@ GENERATOR_VERSION = 2
 # model call (H200, bf16, compiled vs eager: bench/results/2026-11-25_h200_flux_1024.json); trained DiTs keep gates
 # small (adaLN-Zero starts them at 0), so these weights are drawn 10x smaller.
 MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|time_projection|norm_out)(\.|$)"
-                        r"|(^|\.)(norm1|norm1_context|norm)\.linear\.")  # the last: diffusers' Flux adaLN layers
+                        r"|(^|\.)(norm1|norm1_context|norm)\.linear\."  # diffusers' Flux adaLN layers
+                        r"|(^|\.)adaln_single\.linear\.")  # LTX-Video's (its blocks add a small learned table)
 MODULATION_GAIN = SMALL_GAIN
 
 
@@ -43,9 +44,12 @@ class Family(NamedTuple):
     full: dict           # the unet_config of the real model, as detection returns it
     tiny: dict           # what "tiny" overrides
     vae: str             # key of VAES
-    cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance
+    cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance, and the prompt's
+                         # share of the tokens where the encoder also gives an attention mask (LTX-Video's T5 pads
+                         # to 128 tokens and masks the padding; its model requires the mask)
     latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis, and
-                         # whether that axis holds a video's frames (Qwen-Image's has one image frame)
+                         # whether that axis holds a video's frames (Qwen-Image's has one image frame), and the
+                         # VAE's temporal compression ("temporal", 4 unless given)
     sampling: dict       # CFG and steps as the family is usually sampled (Flux.1-dev and Z-Image Turbo are
                          # guidance-distilled: CFG 1, one model call a step)
 
@@ -93,6 +97,12 @@ FAMILIES: Dict[str, Family] = {
              num_patches=1024, pos_embed_max_size=32),
         "flux_ae", dict(tokens=154, width=4096, pooled=2048), dict(channels=16, spatial=8, frames=False),
         dict(cfg=4.5, steps=20)),
+    "ltxv": Family(  # LTX-Video 13B (0.9.7/0.9.8): 48 blocks of 32 heads x 128; detection reads depth and widths
+        "LTXV", dict(image_model="ltxv", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
+        dict(num_layers=2, attention_head_dim=8, cross_attention_dim=256),
+        "ltxv", dict(tokens=128, width=4096, prompt_share=0.25),
+        dict(channels=128, spatial=32, frames=True, video=True, temporal=8),
+        dict(cfg=3.0, steps=20)),
 }
 
 # VAE configs as ComfyUI's comfy.sd.VAE builds them from the file's shapes.
@@ -105,8 +115,13 @@ VAES = {
                             temperal_downsample=[False, True, True], image_channels=3, dropout=0.0)),
     "wan22": ("wan22", dict(dim=160, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                             temperal_downsample=[False, True, True], dropout=0.0)),
+    # LTX-Video's causal video VAE as ComfyUI builds it for the 0.9.5+ files (version 2: it picks the version from the
+    # weights' shapes and fixes every width, so it has no tiny size).
+    "ltxv": ("ltxv", dict(version=2)),
 }
-TINY_VAE = {"wan21": dict(dim=16)}  # the Wan 2.1 VAE reads its width from the weights; the others fix it
+# The Wan 2.1 VAE reads its width from the weights; LTX-Video's smallest is its first version (0.4 B parameters against
+# 1.2 B), which ComfyUI also loads for these latents; the others fix their width.
+TINY_VAE = {"wan21": dict(dim=16), "ltxv": dict(version=0)}
 
 
 def unet_config(family: str, size: str) -> dict:
@@ -190,6 +205,9 @@ def vae_layout(name: str, size: str) -> Specs:
         elif kind == "wan21":
             import comfy.ldm.wan.vae
             module = comfy.ldm.wan.vae.WanVAE(**cfg)
+        elif kind == "ltxv":
+            import comfy.ldm.lightricks.vae.causal_video_autoencoder as ltxv_vae
+            module = ltxv_vae.VideoVAE(**cfg)
         else:
             import comfy.ldm.wan.vae2_2
             module = comfy.ldm.wan.vae2_2.WanVAE(**cfg)
@@ -248,16 +266,20 @@ def conditioning(family: str, seed: int, tokens: int = 0) -> list:
         extras["pooled_output"] = torch.randn(1, cond["pooled"], generator=generator)
     if "guidance" in cond:
         extras["guidance"] = cond["guidance"]
-    return [[torch.randn(1, tokens or cond["tokens"], cond["width"], generator=generator), extras]]
+    tokens = tokens or cond["tokens"]
+    if "prompt_share" in cond:  # ComfyUI's encoders give 1 for the prompt's tokens, 0 for the padding after them
+        extras["attention_mask"] = (torch.arange(tokens) < max(1, round(tokens * cond["prompt_share"]))).long()[None]
+    return [[torch.randn(1, tokens, cond["width"], generator=generator), extras]]
 
 
 def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: int = 1) -> torch.Tensor:
-    """Zeros of the family's latent shape: (batch, channels, height/s, width/s), with a time axis for the Wan-VAE
-    families: (frames - 1) / 4 + 1 latent frames for a video family, as ComfyUI's Wan latent nodes make, and one for
-    an image family (Qwen-Image: what ComfyUI's fix_empty_latent_channels makes of an empty image latent)."""
+    """Zeros of the family's latent shape: (batch, channels, height/s, width/s), with a time axis for the video-VAE
+    families: (frames - 1) / t + 1 latent frames for a video family (t = 4 for Wan, 8 for LTX-Video), as ComfyUI's
+    latent nodes make, and one for an image family (Qwen-Image: what ComfyUI's fix_empty_latent_channels makes of an
+    empty image latent)."""
     latent = FAMILIES[family].latent
     s = latent["spatial"]
     if latent["frames"]:
-        time = (frames - 1) // 4 + 1 if latent["video"] else 1
+        time = (frames - 1) // latent.get("temporal", 4) + 1 if latent["video"] else 1
         return torch.zeros(batch, latent["channels"], time, height // s, width // s)
     return torch.zeros(batch, latent["channels"], height // s, width // s)

@@ -104,8 +104,11 @@ def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "check
     for name, tensor in reference.items():  # deepcopy uses these instead of copying the old weights
         new = state[name]
         memo[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else new
-    for attr, value in module.__dict__.items():  # instance-level forwarders (compiled methods) are not copied
-        if not attr.startswith("_") and callable(value) and not isinstance(value, torch.nn.Module):
+    # Instance-level forwarders (compiled methods shadowing the class's own) are not copied; other callables the
+    # model keeps as attributes (LTX-Video's frequency-grid function) are part of the model and are.
+    for attr, value in module.__dict__.items():
+        if (not attr.startswith("_") and callable(value) and not isinstance(value, torch.nn.Module)
+                and hasattr(type(module), attr)):
             memo[id(value)] = None
     twin = copy.deepcopy(module, memo)
     for attr in [a for a, v in twin.__dict__.items() if v is None and callable(getattr(module, a, None))]:

@@ -128,8 +128,8 @@ class Family:
 
 def registered() -> tuple:
     """Every family plug-in: ComfyUI's classes, then diffusers'."""
-    from . import flux, qwen_image, sd3, wan, zimage
-    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage))
+    from . import flux, ltxv, qwen_image, sd3, wan, zimage
+    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage, ltxv))
             + (flux.DIFFUSERS, wan.DIFFUSERS, sd3.DIFFUSERS, zimage.DIFFUSERS))
 
 

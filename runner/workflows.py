@@ -13,7 +13,8 @@ DIT_FAMILIES = tuple(FAMILIES)
 BUILTIN_DIT_NAMES = {family: (f"overdrive-builtin-{family}.safetensors", f"overdrive-builtin-{family}-vae.safetensors")
                      for family in DIT_FAMILIES}
 MODEL_FOLDERS = ("checkpoints", "diffusion_models", "vae")
-LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent")  # the examples' empty latents
+LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent",  # the examples' empty latents
+                "EmptyLTXVLatentVideo")
 
 
 def set_latent_size(workflow: dict, width: int, height: int, frames=None) -> dict:

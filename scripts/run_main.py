@@ -25,7 +25,8 @@ from overdrive.runner.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "flux": "compile_flux_api.json",
-            "qwen_image": "compile_qwen_image_api.json", "wan22": "compile_wan22_api.json"}
+            "qwen_image": "compile_qwen_image_api.json", "wan22": "compile_wan22_api.json",
+            "ltxv": "compile_ltxv_api.json"}
 
 
 def dit_workflow(family: str) -> dict:

@@ -61,20 +61,31 @@ class HostSyncFix:
     `.item()`), replaced wherever Overdrive runs the model by one that computes the same values without blocking. After
     such a call the GPU idles until the host has queued the next work; with one a step, every step pays that.
 
-    module, name: where the model's code looks the function up (every module that imported it by name).
+    module, name: where the model's code looks the function up (every module that imported it by name); a method is
+                  named "Class.method" and replaced on its class.
     replacement: the function that takes its place; its output must equal the original's bit for bit (tested).
-    probe: arguments both are called with on the CPU before the swap: a ComfyUI whose function computes something
-           else (another version) keeps its own."""
+    probe: arguments both are called with on the CPU before the swap (for a method, an object with the attributes it
+           reads first): a ComfyUI whose function computes something else (another version) keeps its own."""
     module: str
     name: str
     replacement: Callable
     why: str
     probe: tuple = ()
 
+    def _owner(self):
+        """The module, or the class in it, that holds the function; None where either is missing."""
+        owner = sys.modules.get(self.module)
+        for part in self.name.split(".")[:-1]:
+            owner = getattr(owner, part, None)
+        return owner
+
+    def current(self):
+        """The function the model's code calls now (the replacement once installed); None where it is missing."""
+        return getattr(self._owner(), self.name.rsplit(".", 1)[-1], None)
+
     def install(self) -> None:
         """Idempotent; a module not imported yet (its model never loaded) or without the function is left alone."""
-        module = sys.modules.get(self.module)
-        current = getattr(module, self.name, None)
+        current = self.current()
         if current is None or current is self.replacement or (self.module, self.name, current) in _DECLINED:
             return
         try:
@@ -89,7 +100,7 @@ class HostSyncFix:
                         self.module, self.name, why_not)
             return
         _ORIGINALS.setdefault((self.module, self.name), current)
-        setattr(module, self.name, self.replacement)
+        setattr(self._owner(), self.name.rsplit(".", 1)[-1], self.replacement)
         log.info("Overdrive: %s.%s replaced by a version that does not block the host (%s)", self.module, self.name,
                  self.why)
 
@@ -97,7 +108,7 @@ class HostSyncFix:
         """Puts the original back (benchmarks' A/B)."""
         original = _ORIGINALS.pop((self.module, self.name), None)
         if original is not None:
-            setattr(sys.modules[self.module], self.name, original)
+            setattr(self._owner(), self.name.rsplit(".", 1)[-1], original)
 
 
 _ORIGINALS: dict = {}  # (module, name) -> the function a fix replaced

@@ -2,8 +2,45 @@
 tokens, each a self-attention, a cross-attention over the T5 prompt and a gated MLP; a block updates its input in
 place and returns it. LTX-2 (`LTXAVModel`, audio and video) passes both streams to its blocks as one tuple, which a
 Stack does not describe: it runs without this plug-in (whole-model compile, no step cache)."""
-from . import Family, Stack
+from types import SimpleNamespace
+
+import torch
+
+from . import Family, HostSyncFix, Stack
+
+
+def latent_coords(self, latent_num_frames, latent_height, latent_width, batch_size, device):
+    """ComfyUI's `Patchifier.get_latent_coords` with each patch's end made by adding the patch size per axis, where
+    ComfyUI's copies a tensor of the patch sizes from the CPU at every model call. The same integers: the output equals
+    ComfyUI's bit for bit ((batch, 3, tokens), or (batch, 3, tokens, 2) with each patch's start and end)."""
+    sizes = (latent_num_frames, latent_height, latent_width)
+    axes = [torch.arange(0, size, step, device=device) for size, step in zip(sizes, self._patch_size)]
+    start = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=0)  # (3, frames, height, width)
+
+    def per_sample(grid):
+        return grid.flatten(1).unsqueeze(0).repeat(batch_size, 1, 1)
+    if not self.start_end:
+        return per_sample(start)
+    end = torch.stack([coords + step for coords, step in zip(start, self._patch_size)], dim=0)
+    return torch.stack((per_sample(start), per_sample(end)), dim=-1)
+
+
+def pixel_coords(latent_coords, scale_factors, causal_fix=False):
+    """ComfyUI's `latent_to_pixel_coords` with each axis scaled by its Python factor, where ComfyUI's copies a tensor of
+    the factors from the CPU at every model call. Same products in the same dtype: bit for bit ComfyUI's output."""
+    pixel = torch.stack([latent_coords[:, axis] * factor for axis, factor in enumerate(scale_factors)], dim=1)
+    if causal_fix:  # the first frame's temporal scale is 1 (causal VAE), as ComfyUI's
+        pixel[:, 0, ...] = (pixel[:, 0, ...] + 1 - scale_factors[0]).clamp(min=0)
+    return pixel
+
+
+_WHY = "ComfyUI's copies a small tensor from the CPU at every model call, which waits for the GPU to drain"
 
 FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
     Stack("transformer_blocks", streams=(("x", 0),), returns=("x",)),
+), host_sync_fixes=(
+    HostSyncFix("comfy.ldm.lightricks.symmetric_patchifier", "Patchifier.get_latent_coords", latent_coords, _WHY,
+                probe=(SimpleNamespace(_patch_size=(1, 2, 2), start_end=True), 3, 4, 6, 2, "cpu")),
+    HostSyncFix("comfy.ldm.lightricks.model", "latent_to_pixel_coords", pixel_coords, _WHY,
+                probe=(torch.arange(2 * 3 * 5 * 2).reshape(2, 3, 5, 2), (8, 32, 32), True)),
 ))

@@ -1,5 +1,5 @@
-"""Every Overdrive node on every DiT family (Flux.1, Qwen-Image, Wan 2.2, Z-Image, SD3.5), on the built-in tiny
-diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
+"""Every Overdrive node on every DiT family (Flux.1, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video), on the built-in
+tiny diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
 sampler, on the CPU. Fidelity is checked per model call: every call's output against eager's for the same input."""
 import logging
 
@@ -342,25 +342,61 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
     assert torch.equal(run(), expected)
 
 
-def test_wans_time_embedding_runs_without_a_host_copy_and_equals_comfyuis(comfy, nodes, base, sample, family):
-    """Overdrive's forward for a Wan model puts its family's host-sync fix in place of ComfyUI's
-    `sinusoidal_embedding_1d` (which copies its frequencies from the CPU at every call: tests/test_host_syncs_gpu.py
-    shows the wait), with ComfyUI's output bit for bit, alone and in a whole sampled run."""
+def test_host_sync_fixes_replace_comfyuis_functions_and_sample_the_same(nodes, base, sample, family):
+    """Overdrive's forward for a model puts its family's host-sync fixes in place of ComfyUI's functions (Wan's time
+    embedding, LTX-Video's token coordinates: each copies a tensor from the CPU at every model call, which waits for
+    the GPU, tests/test_host_syncs_gpu.py), and a whole sampled run gives ComfyUI's result bit for bit."""
+    from overdrive.families import _ORIGINALS, family_of
+
+    fixes = family_of(base.model.diffusion_model).host_sync_fixes
+    if not fixes:
+        pytest.skip("no host-sync fix in this family")
+    for fix in fixes:
+        fix.uninstall()
+    comfys = {fix.name: fix.current() for fix in fixes}
+    before, _ = sample(base.clone())
+    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=1)[0]  # builds Overdrive's forward
+    for fix in fixes:
+        assert fix.current() is fix.replacement and _ORIGINALS[fix.module, fix.name] is comfys[fix.name]
+    after, _ = sample(cached)
+    assert torch.equal(after, before)
+
+
+def test_wans_time_embedding_equals_comfyuis(comfy, family):
     import comfy.ldm.wan.model as comfy_wan
 
     from overdrive.families import _ORIGINALS, wan
 
     if family != "wan22":
         pytest.skip("a Wan fix")
-    for fix in wan.FAMILY.host_sync_fixes:
-        fix.uninstall()
-    comfys = comfy_wan.sinusoidal_embedding_1d
-    before, _ = sample(base.clone())
-    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=1)[0]  # builds Overdrive's forward
-    assert comfy_wan.sinusoidal_embedding_1d is wan.time_embedding and _ORIGINALS[comfy_wan.__name__,
-                                                                                  "sinusoidal_embedding_1d"] is comfys
+    comfys = _ORIGINALS.get((comfy_wan.__name__, "sinusoidal_embedding_1d"), comfy_wan.sinusoidal_embedding_1d)
     for dim in (256, 64):
         for position in (torch.rand(2 * 3510) * 1000, torch.arange(0, 1000, 37), torch.tensor([999.0, 0.5])):
             assert torch.equal(wan.time_embedding(dim, position), comfys(dim, position))
-    after, _ = sample(cached)
-    assert torch.equal(after, before)
+
+
+def test_ltx_videos_token_coordinates_equal_comfyuis(comfy, family):
+    """Both fixes against ComfyUI's functions at the layouts LTX-Video runs (start and end of each patch; a causal
+    first frame) and others: same values, same dtype."""
+    from comfy.ldm.lightricks import symmetric_patchifier
+
+    from overdrive.families import _ORIGINALS, ltxv
+
+    if family != "ltxv":
+        pytest.skip("an LTX-Video fix")
+    comfys_coords, comfys_pixels = (_ORIGINALS.get((fix.module, fix.name), fix.current())
+                                    for fix in ltxv.FAMILY.host_sync_fixes)
+    assert comfys_pixels is symmetric_patchifier.latent_to_pixel_coords
+    for patch in ((1, 1, 1), (1, 2, 2)):
+        for start_end in (True, False):
+            patchifier = symmetric_patchifier.SymmetricPatchifier(patch[1], start_end=start_end)
+            for frames, height, width, batch in ((13, 16, 24, 2), (1, 2, 2, 1), (5, 4, 6, 3)):
+                args = (frames, height, width, batch, "cpu")
+                expected, got = comfys_coords(patchifier, *args), ltxv.latent_coords(patchifier, *args)
+                assert got.dtype == expected.dtype and torch.equal(got, expected)
+                for latent in (expected, expected.float()):
+                    for factors in ((8, 32, 32), (1, 16, 16), (8.0, 32, 32)):
+                        for causal in (True, False):
+                            want = comfys_pixels(latent.clone(), factors, causal)
+                            have = ltxv.pixel_coords(latent.clone(), factors, causal)
+                            assert have.dtype == want.dtype and torch.equal(have, want)

@@ -51,3 +51,20 @@ def test_another_signature_or_a_module_not_loaded_is_left_alone(model_code):
     assert model_code.embed is not same_on_the_device
     HostSyncFix("overdrive_no_such_module", "embed", same_on_the_device, "test", probe=(8,)).install()
     assert "overdrive_no_such_module" not in sys.modules
+
+
+def test_a_method_is_replaced_on_its_class_and_restored(model_code):
+    class Patchifier:
+        def coords(self, n):
+            return torch.arange(n) * self.step
+
+    def coords_elsewhere(self, n):
+        return torch.arange(0, n * self.step, self.step)
+
+    model_code.Patchifier, original = Patchifier, Patchifier.coords
+    fix = HostSyncFix(model_code.__name__, "Patchifier.coords", coords_elsewhere, "test",
+                      probe=(types.SimpleNamespace(step=3), 5))
+    fix.install()
+    assert Patchifier.coords is coords_elsewhere and fix.current() is coords_elsewhere
+    fix.uninstall()
+    assert Patchifier.coords is original

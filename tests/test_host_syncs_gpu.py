@@ -28,3 +28,26 @@ def test_wans_time_embedding_does_not_wait_for_the_gpu(comfy):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(fixed, comfys(256, position))
+
+
+def test_ltx_videos_token_coordinates_do_not_wait_for_the_gpu(comfy):
+    from comfy.ldm.lightricks import symmetric_patchifier
+
+    from overdrive.families import _ORIGINALS, ltxv
+
+    comfys_coords, comfys_pixels = (_ORIGINALS.get((fix.module, fix.name), fix.current())
+                                    for fix in ltxv.FAMILY.host_sync_fixes)
+    patchifier = symmetric_patchifier.SymmetricPatchifier(1, start_end=True)
+    args = (13, 16, 24, 2, torch.device("cuda"))  # 768x512, 97 frames, CFG
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            comfys_coords(patchifier, *args)
+        coords = ltxv.latent_coords(patchifier, *args)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            comfys_pixels(coords, (8, 32, 32), True)
+        pixels = ltxv.pixel_coords(coords, (8, 32, 32), True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(coords, comfys_coords(patchifier, *args))
+    assert torch.equal(pixels, comfys_pixels(coords, (8, 32, 32), True))

@@ -1,4 +1,4 @@
-"""Built-in DiT families (Flux.1-dev, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video): diffusion-model files for
+"""Built-in DiT families (Flux.1-dev, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video): diffusion-model files for
 UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
 
 The layout is read off ComfyUI's own classes, built on the meta device (no memory, no weights) at the config
@@ -35,7 +35,8 @@ GENERATOR_VERSION = 2
 # small (adaLN-Zero starts them at 0), so these weights are drawn 10x smaller.
 MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|time_projection|norm_out)(\.|$)"
                         r"|(^|\.)(norm1|norm1_context|norm)\.linear\."  # diffusers' Flux adaLN layers
-                        r"|(^|\.)adaln_single\.linear\.")  # LTX-Video's (its blocks add a small learned table)
+                        r"|(^|\.)adaln_single\.linear\."  # LTX-Video's (its blocks add a small learned table)
+                        r"|(^|\.)distilled_guidance_layer\.out_proj\.")  # Chroma's approximator, every block's
 MODULATION_GAIN = SMALL_GAIN
 
 
@@ -44,9 +45,10 @@ class Family(NamedTuple):
     full: dict           # the unet_config of the real model, as detection returns it
     tiny: dict           # what "tiny" overrides
     vae: str             # key of VAES
-    cond: dict           # conditioning shapes: context (tokens, width), pooled width, guidance, and the prompt's
-                         # share of the tokens where the encoder also gives an attention mask (LTX-Video's T5 pads
-                         # to 128 tokens and masks the padding; its model requires the mask)
+    cond: dict           # conditioning shapes: context (tokens, width), pooled width (None: the key without a
+                         # vector), guidance, and the prompt's share of the tokens where the encoder also gives an
+                         # attention mask (LTX-Video's T5 pads to 128 tokens and masks the padding; its model
+                         # requires the mask)
     latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis, and
                          # whether that axis holds a video's frames (Qwen-Image's has one image frame), and the
                          # VAE's temporal compression ("temporal", 4 unless given)
@@ -64,6 +66,16 @@ FAMILIES: Dict[str, Family] = {
         dict(depth=1, depth_single_blocks=1),
         "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False),
         dict(cfg=1.0, steps=20)),
+    "chroma": Family(  # Chroma1 (Flux.1-schnell's blocks without per-block modulation layers: one approximator makes
+        # every block's modulation from the timestep), T5-XXL only and unpadded, sampled with real CFG
+        "Chroma",
+        dict(image_model="chroma", in_channels=64, out_channels=64, in_dim=64, out_dim=3072, hidden_dim=5120,
+             n_layers=5, hidden_size=3072, context_in_dim=4096, mlp_ratio=4.0, num_heads=24, depth=19,
+             depth_single_blocks=38, axes_dim=[16, 56, 56], theta=10000, qkv_bias=True, patch_size=2,
+             txt_ids_dims=[], vec_in_dim=None),
+        dict(depth=1, depth_single_blocks=1),
+        "flux_ae", dict(tokens=64, width=4096, pooled=None), dict(channels=16, spatial=8, frames=False),
+        dict(cfg=4.0, steps=26)),
     "qwen_image": Family(
         "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=2),
         "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True, video=False),  # Wan 2.1 VAE
@@ -262,8 +274,8 @@ def conditioning(family: str, seed: int, tokens: int = 0) -> list:
     cond = FAMILIES[family].cond
     generator = torch.Generator().manual_seed(seed)
     extras = {}
-    if "pooled" in cond:
-        extras["pooled_output"] = torch.randn(1, cond["pooled"], generator=generator)
+    if "pooled" in cond:  # None: the key with no vector, as a T5-only encoder gives it (Chroma)
+        extras["pooled_output"] = cond["pooled"] and torch.randn(1, cond["pooled"], generator=generator)
     if "guidance" in cond:
         extras["guidance"] = cond["guidance"]
     tokens = tokens or cond["tokens"]

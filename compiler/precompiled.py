@@ -25,6 +25,7 @@ That is what Dynamo's guards check, less two things (compiler/traced_reads.py); 
 (`CompileOptions.precompile`).
 """
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import logging
@@ -73,6 +74,11 @@ def _describe(value, parts: list) -> bool:
     elif isinstance(value, (list, tuple)):
         parts.append((type(value).__name__, len(value)))
         return all(_describe(item, parts) for item in value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Plain records of tensors (Flux's ModulationOut, which Chroma hands its blocks): keyed by class and fields,
+        # as a tuple is; the frame reads the fields at every call.
+        parts.append(("D", type(value).__module__, type(value).__qualname__))
+        return all(_describe(getattr(value, field.name), parts) for field in dataclasses.fields(value))
     elif isinstance(value, dict):
         parts.append(("dict", len(value)))
         for key, item in value.items():

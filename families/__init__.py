@@ -140,7 +140,7 @@ class Family:
 def registered() -> tuple:
     """Every family plug-in: ComfyUI's classes, then diffusers'."""
     from . import flux, ltxv, qwen_image, sd3, wan, zimage
-    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage, ltxv))
+    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage, ltxv)) + (flux.CHROMA,)
             + (flux.DIFFUSERS, wan.DIFFUSERS, sd3.DIFFUSERS, zimage.DIFFUSERS))
 
 

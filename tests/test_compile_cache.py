@@ -312,6 +312,31 @@ def test_precompiled_call_signature_keys_what_a_guard_free_frame_is_specialised_
     assert call_signature("forward", (x,), {"transformer_options": patched}) is None
 
 
+def test_a_record_of_tensors_is_keyed_by_its_class_and_fields():
+    """Chroma hands its blocks Flux's ModulationOut records (a dataclass of shift, scale and gate tensors)."""
+    import dataclasses
+
+    from overdrive.compiler.precompiled import call_signature
+
+    @dataclasses.dataclass
+    class Modulation:
+        shift: torch.Tensor
+        gate: torch.Tensor
+
+    @dataclasses.dataclass
+    class Other:
+        shift: torch.Tensor
+        gate: torch.Tensor
+
+    x, v = torch.zeros(1, 16, 8), torch.zeros(1, 1, 8)
+    base = call_signature("forward", (x,), {"vec": (Modulation(v, v), Modulation(v, v))})
+    assert base is not None
+    assert call_signature("forward", (x,), {"vec": (Modulation(v + 1, v), Modulation(v, v))}) == base  # values: inputs
+    assert call_signature("forward", (x,), {"vec": (Modulation(v.half(), v), Modulation(v, v))}) != base
+    assert call_signature("forward", (x,), {"vec": (Other(v, v), Modulation(v, v))}) != base
+    assert call_signature("forward", (x,), {"vec": (Modulation(v, lambda: v), Modulation(v, v))}) is None
+
+
 def test_precompiled_frames_are_keyed_by_the_model_code():
     from overdrive.compiler.precompiled import code_digest
     mlp = code_digest(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))

@@ -274,8 +274,9 @@ def conditioning(family: str, seed: int, tokens: int = 0) -> list:
     cond = FAMILIES[family].cond
     generator = torch.Generator().manual_seed(seed)
     extras = {}
-    if "pooled" in cond:  # None: the key with no vector, as a T5-only encoder gives it (Chroma)
-        extras["pooled_output"] = cond["pooled"] and torch.randn(1, cond["pooled"], generator=generator)
+    if "pooled" in cond:  # None: the key without a vector, as a T5-only encoder gives it (Chroma)
+        width = cond["pooled"]
+        extras["pooled_output"] = None if width is None else torch.randn(1, width, generator=generator)
     if "guidance" in cond:
         extras["guidance"] = cond["guidance"]
     tokens = tokens or cond["tokens"]

@@ -30,7 +30,8 @@ WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "f
 
 
 def dit_workflow(family: str) -> dict:
-    """Z-Image and SD3.5 share Flux's graph: their own diffusion model, VAE and conditioning, cfg as they are used."""
+    """Chroma, Z-Image and SD3.5 share Flux's graph: their own diffusion model, VAE and conditioning, cfg and steps as
+    they are used."""
     workflow = load_workflow("compile_flux_api.json")
     model, vae = BUILTIN_DIT_NAMES[family]
     set_inputs(workflow, "UNETLoader", unet_name=model)

@@ -1,7 +1,8 @@
-"""LTX-Video (ComfyUI's `LTXVModel`, Lightricks' 2B and 13B video DiTs): one stack of attention blocks over the video
-tokens, each a self-attention, a cross-attention over the T5 prompt and a gated MLP; a block updates its input in
-place and returns it. LTX-2 (`LTXAVModel`, audio and video) passes both streams to its blocks as one tuple, which a
-Stack does not describe: it has no plug-in (Compile Model compiles it whole, DeepCache passes it through; untested)."""
+"""LTX-Video (ComfyUI's `LTXVModel`, Lightricks' 2B and 13B video DiTs; diffusers' `LTXVideoTransformer3DModel`): one
+stack of attention blocks over the video tokens, each a self-attention, a cross-attention over the T5 prompt and a gated
+MLP; ComfyUI's block updates its input in place and returns it. LTX-2 (`LTXAVModel`, audio and video) passes both
+streams to its blocks as one tuple, which a Stack does not describe: it has no plug-in (Compile Model compiles it whole,
+DeepCache passes it through; untested)."""
 from types import SimpleNamespace
 
 import torch
@@ -44,3 +45,7 @@ FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
     HostSyncFix("comfy.ldm.lightricks.model", "latent_to_pixel_coords", pixel_coords, _WHY,
                 probe=(torch.arange(2 * 3 * 5 * 2).reshape(2, 3, 5, 2), (8, 32, 32), True)),
 ))
+
+DIFFUSERS = Family("ltxv", frozenset({"LTXVideoTransformer3DModel"}), (
+    Stack("transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
+), noise_timestep=1000.0)

@@ -178,10 +178,32 @@ def tiny_zimage_pipeline(seed: int = 0):
     return pipe
 
 
+def tiny_ltx_pipeline(seed: int = 0):
+    """An LTXPipeline of a tiny LTXVideoTransformer3DModel (3 blocks) and LTX video VAE (4x spatial and temporal
+    compression), fixed-seed random, without a text encoder: it is run with `dit_prompt()`'s embeddings and masks."""
+    from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
+                           LTXVideoTransformer3DModel)
+    torch.manual_seed(seed)
+    transformer = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2,
+                                             attention_head_dim=16, cross_attention_dim=32, num_layers=3,
+                                             caption_channels=32)
+    four = (1, 1, 1, 1)
+    vae = AutoencoderKLLTXVideo(latent_channels=8, block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4,
+                                layers_per_block=four + (1,), decoder_layers_per_block=four + (1,),
+                                spatio_temporal_scaling=(True, True, False, False),
+                                decoder_spatio_temporal_scaling=(True, True, False, False),
+                                decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4,
+                                upsample_factor=four)
+    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=None, tokenizer=None,
+                       transformer=transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def dit_prompt(family: str) -> dict:
     """Fixed-seed prompt and negative-prompt embeddings (8 tokens of width 32) in the arguments each tiny pipeline
-    takes, with classifier-free guidance on: every step calls the transformer twice, cond then uncond (SD3 and
-    Z-Image: once, on both as a batch of 2)."""
+    takes, with classifier-free guidance on: every step calls the transformer twice, cond then uncond (SD3, Z-Image
+    and LTX-Video: once, on both as a batch of 2)."""
     g = torch.Generator().manual_seed(0)
     positive, negative = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 32, generator=g)
     if family == "zimage":  # one caption tensor per image, width 16
@@ -195,5 +217,8 @@ def dit_prompt(family: str) -> dict:
         return {"prompt_embeds": positive, "negative_prompt_embeds": negative, "guidance_scale": 3.0,
                 "num_frames": 5}
     mask = torch.ones(1, 8, dtype=torch.long)
+    if family == "ltxv":  # cond and uncond as one batch of 2
+        return {"prompt_embeds": positive, "prompt_attention_mask": mask, "negative_prompt_embeds": negative,
+                "negative_prompt_attention_mask": mask, "guidance_scale": 3.0, "num_frames": 9}
     return {"prompt_embeds": positive, "prompt_embeds_mask": mask, "negative_prompt_embeds": negative,
             "negative_prompt_embeds_mask": mask, "true_cfg_scale": 3.0}

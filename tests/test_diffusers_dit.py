@@ -1,13 +1,13 @@
-"""overdrive.api on real diffusers DiT pipelines (CPU, tiny fixed-seed transformers): Wan, Qwen-Image and SD3 compile
-block by block through their family plug-ins and switch to another checkpoint without compiling again; the DiT step
-cache (deepcache_) on them and on Flux reads its steps from the timestep diffusers passes, with classifier-free
-guidance's two calls per step each reusing their own residuals. Fidelity is checked per transformer call against the
-eager transformer on the same inputs."""
+"""overdrive.api on real diffusers DiT pipelines (CPU, tiny fixed-seed transformers): Wan, Qwen-Image, SD3, Z-Image
+and LTX-Video compile block by block through their family plug-ins and switch to another checkpoint without compiling
+again; the DiT step cache (deepcache_) on them and on Flux reads its steps from the timestep diffusers passes, with
+classifier-free guidance's two calls per step each reusing their own residuals. Fidelity is checked per transformer call
+against the eager transformer on the same inputs."""
 import pytest
 import torch
 
-from diffusers_tiny import (dit_prompt, flux_prompt, tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline,
-                            tiny_wan_pipeline, tiny_zimage_pipeline)
+from diffusers_tiny import (dit_prompt, flux_prompt, tiny_flux_pipeline, tiny_ltx_pipeline, tiny_qwen_image_pipeline,
+                            tiny_sd3_pipeline, tiny_wan_pipeline, tiny_zimage_pipeline)
 from overdrive.api import CompileOptions, DeepCacheConfig, compile_, deepcache_, switch_weights_
 from overdrive.blockwise import BlockwiseForward
 from overdrive.compiler import dynamo_graph_count
@@ -19,11 +19,13 @@ COMPILE_RTOL = 1e-4  # Inductor vs eager, float32 on the CPU (measured ~2e-7)
 REUSED_RTOL = 0.065
 STEPS = 6
 PIPELINES = {"wan": tiny_wan_pipeline, "qwen_image": tiny_qwen_image_pipeline, "sd3": tiny_sd3_pipeline,
-             "zimage": tiny_zimage_pipeline}
-BLOCKS = {"wan": 3, "qwen_image": 3, "sd3": 3, "zimage": 5}  # Z-Image: 2 refiner blocks, 3 main layers
-GRAPHS = {"wan": 1, "qwen_image": 1, "sd3": 2, "zimage": 3}  # distinct blocks: SD3's last is "pre-only"
-CALLS_PER_STEP = {"wan": 2, "qwen_image": 2, "sd3": 1, "zimage": 1}  # true CFG: two calls; SD3, Z-Image: a batch of 2
-LATENT = {"wan": (1, 4, 2, 4, 4), "qwen_image": (1, 4, 1, 4, 4), "sd3": (1, 4, 4, 4), "zimage": (1, 4, 4, 4)}
+             "zimage": tiny_zimage_pipeline, "ltxv": tiny_ltx_pipeline}
+BLOCKS = {"wan": 3, "qwen_image": 3, "sd3": 3, "zimage": 5, "ltxv": 3}  # Z-Image: 2 refiner blocks, 3 main layers
+GRAPHS = {"wan": 1, "qwen_image": 1, "sd3": 2, "zimage": 3, "ltxv": 1}  # distinct blocks: SD3's last is "pre-only"
+# true CFG: two calls a step; SD3, Z-Image, LTX-Video: one, on a batch of 2
+CALLS_PER_STEP = {"wan": 2, "qwen_image": 2, "sd3": 1, "zimage": 1, "ltxv": 1}
+LATENT = {"wan": (1, 4, 2, 4, 4), "qwen_image": (1, 4, 1, 4, 4), "sd3": (1, 4, 4, 4), "zimage": (1, 4, 4, 4),
+          "ltxv": (1, 8, 2, 4, 4)}
 VIDEO_VAE = {"wan", "qwen_image"}  # families whose VAE is Wan's causal video VAE (compiler/eager_vaes.py)
 
 
@@ -34,7 +36,7 @@ def relative_error(a, b) -> float:
 def generate(pipe, family):
     out = pipe(**(flux_prompt() if family == "flux" else dit_prompt(family)), height=32, width=32,
                num_inference_steps=STEPS, output_type="latent", generator=torch.Generator().manual_seed(1))
-    return out.frames if family == "wan" else out.images
+    return out.frames if family in ("wan", "ltxv") else out.images
 
 
 def recorded_calls(pipe, family):

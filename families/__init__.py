@@ -79,9 +79,17 @@ class HostSyncFix:
             owner = getattr(owner, part, None)
         return owner
 
+    @property
+    def _attribute(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
     def current(self):
         """The function the model's code calls now (the replacement once installed); None where it is missing."""
-        return getattr(self._owner(), self.name.rsplit(".", 1)[-1], None)
+        return getattr(self._owner(), self._attribute, None)
+
+    def original(self):
+        """The model code's own function, installed or not."""
+        return _ORIGINALS.get((self.module, self.name), self.current())
 
     def install(self) -> None:
         """Idempotent; a module not imported yet (its model never loaded) or without the function is left alone."""
@@ -100,7 +108,7 @@ class HostSyncFix:
                         self.module, self.name, why_not)
             return
         _ORIGINALS.setdefault((self.module, self.name), current)
-        setattr(self._owner(), self.name.rsplit(".", 1)[-1], self.replacement)
+        setattr(self._owner(), self._attribute, self.replacement)
         log.info("Overdrive: %s.%s replaced by a version that does not block the host (%s)", self.module, self.name,
                  self.why)
 
@@ -108,7 +116,7 @@ class HostSyncFix:
         """Puts the original back (benchmarks' A/B)."""
         original = _ORIGINALS.pop((self.module, self.name), None)
         if original is not None:
-            setattr(self._owner(), self.name.rsplit(".", 1)[-1], original)
+            setattr(self._owner(), self._attribute, original)
 
 
 _ORIGINALS: dict = {}  # (module, name) -> the function a fix replaced

@@ -365,11 +365,11 @@ def test_host_sync_fixes_replace_comfyuis_functions_and_sample_the_same(nodes, b
 def test_wans_time_embedding_equals_comfyuis(comfy, family):
     import comfy.ldm.wan.model as comfy_wan
 
-    from overdrive.families import _ORIGINALS, wan
+    from overdrive.families import wan
 
     if family != "wan22":
         pytest.skip("a Wan fix")
-    comfys = _ORIGINALS.get((comfy_wan.__name__, "sinusoidal_embedding_1d"), comfy_wan.sinusoidal_embedding_1d)
+    comfys = next(fix for fix in wan.FAMILY.host_sync_fixes if fix.module == comfy_wan.__name__).original()
     for dim in (256, 64):
         for position in (torch.rand(2 * 3510) * 1000, torch.arange(0, 1000, 37), torch.tensor([999.0, 0.5])):
             assert torch.equal(wan.time_embedding(dim, position), comfys(dim, position))
@@ -380,12 +380,11 @@ def test_ltx_videos_token_coordinates_equal_comfyuis(comfy, family):
     first frame) and others: same values, same dtype."""
     from comfy.ldm.lightricks import symmetric_patchifier
 
-    from overdrive.families import _ORIGINALS, ltxv
+    from overdrive.families import ltxv
 
     if family != "ltxv":
         pytest.skip("an LTX-Video fix")
-    comfys_coords, comfys_pixels = (_ORIGINALS.get((fix.module, fix.name), fix.current())
-                                    for fix in ltxv.FAMILY.host_sync_fixes)
+    comfys_coords, comfys_pixels = (fix.original() for fix in ltxv.FAMILY.host_sync_fixes)
     assert comfys_pixels is symmetric_patchifier.latent_to_pixel_coords
     for patch in ((1, 1, 1), (1, 2, 2)):
         for start_end in (True, False):

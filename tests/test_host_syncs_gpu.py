@@ -15,9 +15,9 @@ def comfy():
 def test_wans_time_embedding_does_not_wait_for_the_gpu(comfy):
     import comfy.ldm.wan.model as comfy_wan
 
-    from overdrive.families import _ORIGINALS, wan
+    from overdrive.families import wan
 
-    comfys = _ORIGINALS.get((comfy_wan.__name__, "sinusoidal_embedding_1d"), comfy_wan.sinusoidal_embedding_1d)
+    comfys = next(fix for fix in wan.FAMILY.host_sync_fixes if fix.module == comfy_wan.__name__).original()
     assert comfys is not wan.time_embedding
     position = torch.rand(2 * 3510, device="cuda") * 1000
     torch.cuda.set_sync_debug_mode("error")
@@ -33,10 +33,9 @@ def test_wans_time_embedding_does_not_wait_for_the_gpu(comfy):
 def test_ltx_videos_token_coordinates_do_not_wait_for_the_gpu(comfy):
     from comfy.ldm.lightricks import symmetric_patchifier
 
-    from overdrive.families import _ORIGINALS, ltxv
+    from overdrive.families import ltxv
 
-    comfys_coords, comfys_pixels = (_ORIGINALS.get((fix.module, fix.name), fix.current())
-                                    for fix in ltxv.FAMILY.host_sync_fixes)
+    comfys_coords, comfys_pixels = (fix.original() for fix in ltxv.FAMILY.host_sync_fixes)
     patchifier = symmetric_patchifier.SymmetricPatchifier(1, start_end=True)
     args = (13, 16, 24, 2, torch.device("cuda"))  # 768x512, 97 frames, CFG
     torch.cuda.set_sync_debug_mode("error")

@@ -1,14 +1,15 @@
-"""Built-in DiT families (Flux.1-dev, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video): diffusion-model files for
-UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
+"""Built-in DiT families (Flux.1-dev, Flux.2, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video): diffusion-model
+files for UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
 
 The layout is read off ComfyUI's own classes, built on the meta device (no memory, no weights) at the config
 that ComfyUI's detection (comfy/model_detection.py) returns for them; `layout` checks that round trip, so a file
 ComfyUI would detect as another model is never written. So these families need ComfyUI importable (the SD
 checkpoints in checkpoint.py do not).
 
-"tiny" is as small as detection allows: several families fix their width in detection (Flux 3072, Qwen-Image
-3072, Z-Image 3840), so only their depth shrinks (one block of each kind: Flux 0.5 B parameters, Qwen-Image
-0.4 B, Z-Image 1 B); Wan, SD3.5 and LTX-Video read their width from the weights and shrink to a few million.
+"tiny" is as small as detection allows: several families fix their width in detection (Flux 3072, Flux.2 6144,
+Qwen-Image 3072, Z-Image 3840), so only their depth shrinks (one block of each kind: Flux 0.5 B parameters, Flux.2
+2.3 B, Qwen-Image 0.4 B, Z-Image 1 B); Wan, SD3.5 and LTX-Video read their width from the weights and shrink to a few
+million.
 Text encoders are not built: ComfyUI builds them at fixed full sizes (T5-XXL alone is 4.7 B parameters);
 the `OverdriveBuiltinConditioning` node gives these models conditioning of the right shape instead.
 """
@@ -36,7 +37,8 @@ GENERATOR_VERSION = 2
 MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|time_projection|norm_out)(\.|$)"
                         r"|(^|\.)(norm1|norm1_context|norm)\.linear\."  # diffusers' Flux adaLN layers
                         r"|(^|\.)adaln_single\.linear\."  # LTX-Video's (its blocks add a small learned table)
-                        r"|(^|\.)distilled_guidance_layer\.out_proj\.")  # Chroma's approximator, every block's
+                        r"|(^|\.)distilled_guidance_layer\.out_proj\."  # Chroma's approximator, every block's
+                        r"|(^|\.)(double|single)_stream_modulation(_img|_txt)?\.")  # Flux.2's global ones
 MODULATION_GAIN = SMALL_GAIN
 
 
@@ -50,10 +52,13 @@ class Family(NamedTuple):
                          # attention mask (LTX-Video's T5 pads to 128 tokens and masks the padding; its model
                          # requires the mask)
     latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis, and
-                         # whether that axis holds a video's frames (Qwen-Image's has one image frame), and the
-                         # VAE's temporal compression ("temporal", 4 unless given)
+                         # whether that axis holds a video's frames (Qwen-Image's has one image frame), the VAE's
+                         # temporal compression ("temporal", 4 unless given), and ComfyUI's empty-latent node where
+                         # Flux's example graph (EmptySD3LatentImage) would give the wrong shape ("node")
     sampling: dict       # CFG and steps as the family is usually sampled (Flux.1-dev and Z-Image Turbo are
                          # guidance-distilled: CFG 1, one model call a step)
+    cpu_suite: bool = True  # whether the CPU test suite runs the tiny file (Flux.2's, 2.3 B parameters, is the GPU
+                            # tests' alone: tests/test_flux2_gpu.py)
 
 
 FAMILIES: Dict[str, Family] = {
@@ -76,6 +81,20 @@ FAMILIES: Dict[str, Family] = {
         dict(depth=1, depth_single_blocks=1),
         "flux_ae", dict(tokens=64, width=4096, pooled=None), dict(channels=16, spatial=8, frames=False),
         dict(cfg=4.0, steps=26)),
+    "flux2": Family(  # Flux.2 [dev] (32 B): 8 double and 48 single blocks at 48 heads x 128, their modulations made once
+        # per call by three global layers; Mistral Small 3.1's three stacked hidden layers as the text (15,360 wide,
+        # padded to 512 tokens by ComfyUI); guidance-distilled. Detection fixes the heads and the rotary axes, so the
+        # width stays 6,144 and the tiny file is one block of each kind (2.3 B parameters)
+        "Flux2",
+        dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=15360,
+             hidden_size=6144, mlp_ratio=3.0, num_heads=48, depth=8, depth_single_blocks=48, axes_dim=[32, 32, 32, 32],
+             theta=2000, qkv_bias=False, guidance_embed=True, patch_size=1, txt_ids_dims=[3], yak_mlp=False,
+             txt_norm=False, global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
+             ref_index_scale=10.0),
+        dict(depth=1, depth_single_blocks=1),
+        "flux2_ae", dict(tokens=512, width=15360, pooled=None, guidance=4.0),
+        dict(channels=128, spatial=16, frames=False, node="EmptyFlux2LatentImage"),
+        dict(cfg=1.0, steps=28), cpu_suite=False),
     "qwen_image": Family(
         "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=2),
         "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True, video=False),  # Wan 2.1 VAE
@@ -117,12 +136,19 @@ FAMILIES: Dict[str, Family] = {
         dict(cfg=3.0, steps=20)),
 }
 
+CPU_SUITE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.cpu_suite)
+
 # VAE configs as ComfyUI's comfy.sd.VAE builds them from the file's shapes.
 VAES = {
     # Flux's ae.safetensors (also SD3.5's and Z-Image's layout): the SD autoencoder with 16 latent channels and
     # no quant convs.
     "flux_ae": ("sd", dict(double_z=True, z_channels=16, resolution=256, in_channels=3, out_ch=3, ch=128,
                            ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], dropout=0.0)),
+    # Flux.2's: the autoencoder with quant convs (ComfyUI's AutoencoderKL) and 32 latent channels, whose latents it
+    # patchifies 2x2 and normalises with the file's batch-norm statistics (128 channels at 16x).
+    "flux2_ae": ("sd_kl", dict(double_z=True, z_channels=32, resolution=256, in_channels=3, out_ch=3, ch=128,
+                            ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], dropout=0.0,
+                            batch_norm_latent=True)),
     "wan21": ("wan21", dict(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                             temperal_downsample=[False, True, True], image_channels=3, dropout=0.0)),
     "wan22": ("wan22", dict(dim=160, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
@@ -208,7 +234,10 @@ def vae_layout(name: str, size: str) -> Specs:
     kind, cfg = VAES[name]
     cfg = {**cfg, **(TINY_VAE.get(name, {}) if size == "tiny" else {})}
     with torch.device("meta"), _quiet():
-        if kind == "sd":
+        if kind == "sd_kl":
+            import comfy.ldm.models.autoencoder
+            module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=cfg, embed_dim=cfg["z_channels"])
+        elif kind == "sd":
             import comfy.ldm.models.autoencoder
             module = comfy.ldm.models.autoencoder.AutoencodingEngine(
                 regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},

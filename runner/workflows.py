@@ -14,7 +14,7 @@ BUILTIN_DIT_NAMES = {family: (f"overdrive-builtin-{family}.safetensors", f"overd
                      for family in DIT_FAMILIES}
 MODEL_FOLDERS = ("checkpoints", "diffusion_models", "vae")
 LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent",  # the examples' empty latents
-                "EmptyLTXVLatentVideo")
+                "EmptyLTXVLatentVideo", "EmptyFlux2LatentImage")
 
 
 def set_latent_size(workflow: dict, width: int, height: int, frames=None) -> dict:

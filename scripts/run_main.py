@@ -30,9 +30,12 @@ WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "f
 
 
 def dit_workflow(family: str) -> dict:
-    """Chroma, Z-Image and SD3.5 share Flux's graph: their own diffusion model, VAE and conditioning, cfg and steps as
-    they are used."""
+    """Flux.2, Chroma, Z-Image and SD3.5 share Flux's graph: their own diffusion model, VAE, conditioning and empty
+    latent, cfg and steps as they are used."""
     workflow = load_workflow("compile_flux_api.json")
+    latent_node = FAMILIES[family].latent.get("node")
+    if latent_node:
+        next(n for n in workflow.values() if n["class_type"] == "EmptySD3LatentImage")["class_type"] = latent_node
     model, vae = BUILTIN_DIT_NAMES[family]
     set_inputs(workflow, "UNETLoader", unet_name=model)
     set_inputs(workflow, "VAELoader", vae_name=vae)

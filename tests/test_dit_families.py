@@ -1,13 +1,13 @@
-"""Every Overdrive node on every DiT family (Flux.1, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video), on the built-in
-tiny diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
+"""Every Overdrive node on every DiT family of the CPU suite (Flux.1, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5,
+LTX-Video; Flux.2's tiny file is tests/test_flux2_gpu.py's), on the built-in tiny diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
 sampler, on the CPU. Fidelity is checked per model call: every call's output against eager's for the same input."""
 import logging
 
 import pytest
 import torch
 
-from overdrive.builtin_models.dit import (FAMILIES, conditioning, default_directory, diffusion_model_name, empty_latent,
-                                          ensure_diffusion_model)
+from overdrive.builtin_models.dit import (CPU_SUITE_FAMILIES, FAMILIES, conditioning, default_directory,
+                                          diffusion_model_name, empty_latent, ensure_diffusion_model)
 from overdrive.compiler import WeightMismatchError, dynamo_graph_count
 
 RES = 64  # pixels: 8x8 latents (4x4 for Wan 2.2's 16x VAE) keep CPU compiles short
@@ -38,7 +38,7 @@ def models_folder(comfy):
     return folder
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=CPU_SUITE_FAMILIES)
 def family(request):
     return request.param
 

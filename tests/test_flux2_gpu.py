@@ -1,0 +1,114 @@
+"""Flux.2 on a GPU, through the nodes tests/test_dit_families.py runs on the other families on the CPU: the built-in
+tiny file (one double and one single block at Flux.2's fixed width, 2.3 B parameters: too large for the CPU suite)
+loaded by ComfyUI's own loader and sampled by its sampler. Flux.2's blocks take no vector: three global layers make
+their modulations once per call and pass them as tuples of ComfyUI's ModulationOut records.
+
+Skipped without CUDA (CI has no GPU); run on the GPU machine with `python3 -m pytest tests/test_flux2_gpu.py`."""
+import logging
+
+import pytest
+import torch
+
+from overdrive.builtin_models.dit import conditioning, default_directory, empty_latent, ensure_diffusion_model
+from overdrive.compiler import dynamo_graph_count
+from test_dit_families import assert_calls_match, distinct_blocks, record_calls, relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FAMILY = "flux2"
+RES, STEPS = 256, 3  # 16x16 latent tokens; Flux.2 [dev] is guidance-distilled: CFG 1, one model call a step
+PER_CALL_TOLERANCE = 2e-2  # compiled vs eager in bf16 (the full 32 B model measures ~1e-2)
+FP8_TOLERANCE = 0.1
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from overdrive.runner.inprocess import import_comfy
+    return import_comfy(cpu=False)
+
+
+@pytest.fixture(scope="module")
+def nodes(comfy):
+    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    return NODE_CLASS_MAPPINGS
+
+
+@pytest.fixture(scope="module")
+def base(comfy):
+    import comfy.sd
+    return comfy.sd.load_diffusion_model(str(ensure_diffusion_model(FAMILY, "tiny", 0, default_directory())))
+
+
+@pytest.fixture(scope="module")
+def sample(comfy):
+    import comfy.sample
+
+    positive, negative = conditioning(FAMILY, 1), conditioning(FAMILY, 2)
+
+    def run(model):
+        latent = empty_latent(FAMILY, RES, RES)
+        noise = comfy.sample.prepare_noise(latent, 7)
+        recorded, calls = record_calls(model)
+        out = comfy.sample.sample(recorded, noise, STEPS, 1.0, "euler", "simple", positive, negative, latent, seed=7,
+                                  disable_pbar=True)
+        return out, calls
+    return run
+
+
+@pytest.fixture(scope="module")
+def eager(base, sample):
+    return sample(base.clone())
+
+
+@pytest.fixture(scope="module")
+def compiled(nodes, base):
+    return nodes["OverdriveCompileModel"]().compile(base)[0]
+
+
+def test_the_builtin_file_loads_as_flux2(base):
+    assert type(base.model.model_config).__name__ == "Flux2"
+    assert base.model.diffusion_model.params.global_modulation
+
+
+def test_compile_model_compiles_each_distinct_block_once_and_matches_eager_per_call(compiled, sample, eager):
+    graphs = dynamo_graph_count()
+    out, calls = sample(compiled)
+    assert distinct_blocks(compiled) == 2  # a double and a single block
+    assert dynamo_graph_count() - graphs <= 2
+    error = assert_calls_match(calls, eager[1], PER_CALL_TOLERANCE)
+    logging.getLogger("overdrive").info("flux2: compiled per-call error %.2e", error)
+    assert torch.isfinite(out).all()
+    graphs = dynamo_graph_count()
+    sample(compiled)
+    assert dynamo_graph_count() == graphs
+
+
+def test_step_cache_on_the_compiled_model_is_exact_on_full_steps_and_compiles_no_more(nodes, compiled, sample, eager,
+                                                                                     caplog):
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    _, compiled_calls = sample(compiled)
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+        _, calls = sample(cached)  # steps 0 and 2 full, step 1 reused
+        sample(cached)  # the first run's counts are logged when the next starts
+    assert "2 full / 1 shallow" in caplog.text, caplog.text[-2000:]
+    assert_calls_match(calls[:1], compiled_calls[:1], 1e-6)
+    reused = relative_error(calls[1][2], eager[1][1][2])
+    assert 1e-4 < reused < 0.5, reused
+    assert dynamo_graph_count() == graphs
+
+
+def test_quantize_model_fp8_runs_8bit_layers_within_the_error_bound(nodes, base, compiled, sample, eager):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    quantize = nodes["OverdriveQuantizeModel"]()
+    latent = {"samples": empty_latent(FAMILY, RES, RES)}
+    quantized = quantize.quantize(base, format="fp8_e4m3", compute_density_threshold=0.0, min_speedup=0.0,
+                                  calibration_steps=1, positive=conditioning(FAMILY, 1),
+                                  negative=conditioning(FAMILY, 2), latent=latent)[0]
+    report = quantize.last_report
+    assert report is not None and report.quantized, "quantizing fell back"
+    both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
+    error = assert_calls_match(sample(both)[1], eager[1], FP8_TOLERANCE)
+    logging.getLogger("overdrive").info("flux2: %d layers fp8, compiled per-call error %.2e", len(report.quantized),
+                                        error)

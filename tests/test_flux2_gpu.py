@@ -1,7 +1,8 @@
 """Flux.2 on a GPU, through the nodes tests/test_dit_families.py runs on the other families on the CPU: the built-in
 tiny file (one double and one single block at Flux.2's fixed width, 2.3 B parameters: too large for the CPU suite)
-loaded by ComfyUI's own loader and sampled by its sampler. Flux.2's blocks take no vector: three global layers make
-their modulations once per call and pass them as tuples of ComfyUI's ModulationOut records.
+loaded by ComfyUI's own loader and sampled by its sampler: Compile Model, the step cache over it, Switch Diffusion
+Model, QuantizeModel fp8. Flux.2's blocks take no vector: three global layers make their modulations once per call and
+pass them as tuples of ComfyUI's ModulationOut records.
 
 Skipped without CUDA (CI has no GPU); run on the GPU machine with `python3 -m pytest tests/test_flux2_gpu.py`."""
 import logging
@@ -64,6 +65,17 @@ def compiled(nodes, base):
     return nodes["OverdriveCompileModel"]().compile(base)[0]
 
 
+@pytest.fixture(scope="module")
+def other_file(comfy):
+    """Seed 1 of the tiny file, where Switch Diffusion Model looks (ComfyUI's diffusion_models folders); removed after."""
+    import folder_paths
+
+    folder_paths.add_model_folder_path("diffusion_models", str(default_directory()))
+    path = ensure_diffusion_model(FAMILY, "tiny", 1, default_directory())
+    yield path
+    path.unlink(missing_ok=True)
+
+
 def test_the_builtin_file_loads_as_flux2(base):
     assert type(base.model.model_config).__name__ == "Flux2"
     assert base.model.diffusion_model.params.global_modulation
@@ -96,6 +108,19 @@ def test_step_cache_on_the_compiled_model_is_exact_on_full_steps_and_compiles_no
     reused = relative_error(calls[1][2], eager[1][1][2])
     assert 1e-4 < reused < 0.5, reused
     assert dynamo_graph_count() == graphs
+
+
+def test_switch_diffusion_model_swaps_in_another_file_without_recompiling(comfy, nodes, compiled, other_file, sample):
+    import comfy.sd
+
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=other_file.name)[0]
+    out, calls = sample(switched)
+    assert dynamo_graph_count() == graphs
+    _, expected = sample(comfy.sd.load_diffusion_model(str(other_file)))
+    assert_calls_match(calls, expected, PER_CALL_TOLERANCE)
+    assert relative_error(out, sample(compiled)[0]) > 1e-3  # other weights, another result
 
 
 def test_quantize_model_fp8_runs_8bit_layers_within_the_error_bound(nodes, base, compiled, sample, eager):

@@ -1,6 +1,7 @@
 """Where a DiT family's 8-bit error per model call comes from. The model is quantized as QuantizeModel does (its
-defaults), then each group of quantized layers (top-level module, and the layer's name inside its block) is swapped in
-alone, and the model call compared with the float model's on the same input (a call of the first sampling steps).
+defaults and the family's float layers; `--all-layers` quantizes those too), then each group of quantized layers
+(top-level module, and the layer's name inside its block) is swapped in alone, and the model call compared with the
+float model's on the same input (a call of the first sampling steps).
 
     source bench/device_env.sh
     python3 bench/fp8_layer_groups.py --arch chroma --res 1024 --out bench/results/DATE_GPU_chroma_fp8_layer_groups.json
@@ -14,7 +15,9 @@ import time
 import torch
 
 from overdrive.builtin_models import dit
+from overdrive.families import family_of
 from overdrive.quantization import QuantConfig, plan_quantization
+from overdrive.quantization.candidates import keeping_float
 from overdrive.runner.inprocess import build_dit_model, import_comfy
 
 
@@ -71,6 +74,7 @@ def main():
     parser.add_argument("--res", type=int, default=1024)
     parser.add_argument("--frames", type=int, default=1)
     parser.add_argument("--format", default="fp8_e4m3")
+    parser.add_argument("--all-layers", action="store_true", help="quantize the family's float layers too")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -79,8 +83,9 @@ def main():
     model = patcher.model.diffusion_model
     calls = capture_calls(comfy, patcher, args.arch, args.res, args.frames, steps=3)
     started = time.perf_counter()
+    float_layers = {} if args.all_layers else dict(family_of(model).float_layers)  # as QuantizeModel leaves them
     with torch.no_grad():
-        plan = plan_quantization(model, QuantConfig(format=args.format),
+        plan = plan_quantization(model, QuantConfig(format=args.format), filter_fn=keeping_float(float_layers),
                                  calibration=lambda: [model(*a, **k) for a, k in calls])
     quantize_s = time.perf_counter() - started
     kinds = {layer.name: "weight-only" if layer.weight_only else "8-bit GEMM"
@@ -106,6 +111,7 @@ def main():
                              "kinds": dict(collections.Counter(kinds[n] for n in names)), "error": error(names)})
                 print(json.dumps(rows[-1]), flush=True)
     report = {"arch": args.arch, "size": args.size, "res": args.res, "format": args.format,
+              "float_layers": float_layers,
               "quantize_s": round(quantize_s, 1), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
               else "cpu", "torch": torch.__version__, "rows": rows}
     print("| call | group | layers | error |\n|---|---|---|---|")

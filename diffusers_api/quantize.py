@@ -7,6 +7,7 @@ import torch.nn as nn
 from ..families import family_of
 from ..quantization import QuantConfig, QuantReport
 from ..quantization import quantize_ as quantize_module_
+from ..quantization.candidates import keeping_float
 from .installed import eager_forward, rebuild
 from .targets import is_pipeline, target_modules
 
@@ -51,27 +52,16 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
             raise TypeError("quantize_: a dict of pipeline arguments calibrates a pipeline; for a module pass a "
                             "callable that runs it. Nothing was changed.")
         calibration, resolution = _pipeline_run(target, calibration, resolution)
-    float_layers = {(layer if len(denoisers) == 1 else f"{name}.{layer}"): why for name, denoiser in denoisers
+    float_layers = {(layer if len(denoisers) == 1 else rf"{name}\.{layer}"): why for name, denoiser in denoisers
                     for layer, why in getattr(family_of(denoiser), "float_layers", ())}
     with contextlib.ExitStack() as eager:
         for _, denoiser in denoisers:
             eager.enter_context(eager_forward(denoiser))
-        report = quantize_module_(module, config, calibration, _keeping(float_layers, filter_fn), cache=cache,
+        report = quantize_module_(module, config, calibration, keeping_float(float_layers, filter_fn), cache=cache,
                                   resolution=resolution)
     for _, denoiser in denoisers:
         rebuild(denoiser)  # compiled graphs keyed by the 8-bit layers now in the module
     return report
-
-
-def _keeping(float_layers: dict, filter_fn):
-    """filter_fn, with a family's float layers left alone and their reason reported."""
-    if not float_layers:
-        return filter_fn
-
-    def keep(module, name):
-        why = next((why for layer, why in float_layers.items() if name.startswith(layer)), None)
-        return why if why is not None else (filter_fn is None or filter_fn(module, name))
-    return keep
 
 
 def _pipeline_run(pipe, arguments: dict, resolution):

@@ -133,8 +133,9 @@ class Family:
     # window in that range (diffusers_api/steps.py). ComfyUI passes sigmas and ignores these.
     noise_timestep: float = 1.0
     clean_timestep: float = 0.0
-    # ((qualified-name prefix, why)): layers that quantization leaves in float because the model's own code needs
-    # them as they are.
+    # ((pattern, why)): layers that quantization leaves in float (a regular expression matched from the start of the
+    # qualified name): the model's own code needs them as they are, or their 8-bit error reaches every block at
+    # little gain (bench/fp8_layer_groups.py measures each group's share of a model call's error).
     float_layers: tuple = ()
     # HostSyncFix-es for the family's model code, installed when Overdrive first builds a forward for such a model.
     host_sync_fixes: tuple = ()

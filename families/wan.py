@@ -32,5 +32,5 @@ DIFFUSERS = Family("wan", frozenset({"WanTransformer3DModel"}), (
 ), noise_timestep=1000.0, float_layers=(
     # diffusers' Wan casts the timestep to `next(time_embedder.parameters()).dtype`: with both its linears quantized
     # (whose weights are buffers) that raises StopIteration. Two GEMVs a call: nothing to gain from 8 bits.
-    ("condition_embedder.time_embedder.", "diffusers' Wan reads the float dtype from this module's parameters"),
+    (r"condition_embedder\.time_embedder\.", "diffusers' Wan reads the float dtype from this module's parameters"),
 ))

@@ -6,7 +6,9 @@ import comfy.model_management
 
 from ..attention.choice import MODES as ATTENTION_MODES
 from ..attention.choice import AttentionConfig
+from ..families import family_of
 from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization, weights_digest
+from ..quantization.candidates import keeping_float
 from ..quantization.formats import bit_widths
 from .cache_folder import comfy_cache_dir
 from .attention_override import install_attention
@@ -89,8 +91,10 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun):
     diffusion = calib.model.diffusion_model
     digest = hashlib.sha256(f"{weights_digest(diffusion)}|{patches_digest(calib.patches)}".encode()).hexdigest()
     cache = QuantCache(quant_cache_dir())
-    plan = plan_quantization(diffusion, config, calibration=lambda: run(calib), cache=cache,
-                             resolution=run.cache_context(), device=model.load_device, weights_digest=digest)
+    float_layers = dict(getattr(family_of(diffusion), "float_layers", ()))
+    plan = plan_quantization(diffusion, config, calibration=lambda: run(calib), filter_fn=keeping_float(float_layers),
+                             cache=cache, resolution=run.cache_context(), device=model.load_device,
+                             weights_digest=digest)
     patched = model.clone()
     baked = bake_weight_patches(patched, plan.modules, model.load_device)
     install(patched, plan.modules)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import torch.nn as nn
@@ -12,6 +13,19 @@ from .config import QuantConfig
 # torchao style: filter_fn(module, qualified_name) -> keep? A string instead of False leaves the layer alone and is the
 # report's reason for it (a family's layers that must stay float say why).
 FilterFn = Callable[[nn.Module, str], "bool | str"]
+
+
+def keeping_float(float_layers: dict, filter_fn: FilterFn | None = None) -> FilterFn | None:
+    """`filter_fn`, with the layers whose qualified names `float_layers`' patterns match from their start ({pattern:
+    why}, a family's) left alone and their reason reported."""
+    if not float_layers:
+        return filter_fn
+    patterns = [(re.compile(pattern), why) for pattern, why in float_layers.items()]
+
+    def keep(module, name):
+        why = next((why for pattern, why in patterns if pattern.match(name)), None)
+        return why if why is not None else (filter_fn is None or filter_fn(module, name))
+    return keep
 
 
 @dataclasses.dataclass

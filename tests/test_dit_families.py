@@ -2,6 +2,7 @@
 LTX-Video; Flux.2's tiny file is tests/test_flux2_gpu.py's), on the built-in tiny diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
 sampler, on the CPU. Fidelity is checked per model call: every call's output against eager's for the same input."""
 import logging
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from overdrive.builtin_models.dit import (CPU_SUITE_FAMILIES, FAMILIES, conditioning, default_directory,
                                           diffusion_model_name, empty_latent, ensure_diffusion_model)
 from overdrive.compiler import WeightMismatchError, dynamo_graph_count
+from overdrive.families import family_of
 
 RES = 64  # pixels: 8x8 latents (4x4 for Wan 2.2's 16x VAE) keep CPU compiles short
 FRAMES = 5  # Wan: 2 latent frames
@@ -260,6 +262,11 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, 
     report = quantize.last_report
     assert report is not None, caplog.text  # None: quantizing failed and fell back
     assert not report.cache_hit and report.quantized, report.summary()
+    # The family's float layers (Chroma's approximator, LTX-Video's text-only projections) stay float, saying why.
+    float_layers = dict(family_of(base.model.diffusion_model).float_layers)
+    kept = [layer for layer in report.layers if any(re.match(pattern, layer.name) for pattern in float_layers)]
+    assert bool(kept) == bool(float_layers)
+    assert all(not layer.quantized and layer.reason in float_layers.values() for layer in kept), kept
     quantized_calls = sample(quantized)[1]
     error = assert_calls_match(quantized_calls, eager[1], QUANTIZED_TOLERANCE)
     logging.getLogger("overdrive").info("%s: %d layers int8, per-call error %.4f", family, len(report.quantized), error)

@@ -81,10 +81,10 @@ FAMILIES: Dict[str, Family] = {
         dict(depth=1, depth_single_blocks=1),
         "flux_ae", dict(tokens=64, width=4096, pooled=None), dict(channels=16, spatial=8, frames=False),
         dict(cfg=4.0, steps=26)),
-    "flux2": Family(  # Flux.2 [dev] (32 B): 8 double and 48 single blocks at 48 heads x 128, their modulations made once
-        # per call by three global layers; Mistral Small 3.1's three stacked hidden layers as the text (15,360 wide,
-        # padded to 512 tokens by ComfyUI); guidance-distilled. Detection fixes the heads and the rotary axes, so the
-        # width stays 6,144 and the tiny file is one block of each kind (2.3 B parameters)
+    "flux2": Family(  # Flux.2 [dev] (32 B): 8 double and 48 single blocks at 48 heads x 128, their modulations made
+        # once per call by three global layers; Mistral Small 3.1's three stacked hidden layers as the text (15,360
+        # wide, padded to 512 tokens by ComfyUI); guidance-distilled. Detection fixes the heads and the rotary axes,
+        # so the width stays 6,144 and the tiny file is one block of each kind (2.3 B parameters)
         "Flux2",
         dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=15360,
              hidden_size=6144, mlp_ratio=3.0, num_heads=48, depth=8, depth_single_blocks=48, axes_dim=[32, 32, 32, 32],

@@ -52,8 +52,8 @@ def start_server(workdir, checkpoints, env=None, other_files=None):
 
 @pytest.fixture(scope="session")
 def builtin_dit_files(comfy):
-    """The DiT families' built-in tiny diffusion models and VAEs ({folder: {name: path}}), laid out by ComfyUI (those the
-    CPU suite runs)."""
+    """The built-in tiny diffusion models and VAEs of the families the CPU suite runs ({folder: {name: path}}), laid
+    out by ComfyUI."""
     from overdrive.builtin_models.dit import CPU_SUITE_FAMILIES
     from overdrive.runner.workflows import builtin_dit_files
     return builtin_dit_files(CPU_SUITE_FAMILIES)

@@ -1,6 +1,7 @@
 """Every Overdrive node on every DiT family of the CPU suite (Flux.1, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5,
-LTX-Video; Flux.2's tiny file is tests/test_flux2_gpu.py's), on the built-in tiny diffusion-model files loaded by ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real
-sampler, on the CPU. Fidelity is checked per model call: every call's output against eager's for the same input."""
+LTX-Video; Flux.2's tiny file is tests/test_flux2_gpu.py's), on the built-in tiny diffusion-model files loaded by
+ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real sampler, on the CPU. Fidelity is checked
+per model call: every call's output against eager's for the same input."""
 import logging
 import re
 

@@ -1,7 +1,7 @@
-"""Compile VAE on the DiT families' own VAEs (CPU, the built-in fixed-seed weights in ComfyUI's VAE class): Flux's
-(also SD3.5's and Z-Image's) 16-channel autoencoder and Flux.2's (32 channels, patchified and batch-normalised to 128)
-decode like eager, compiled (not fallen back), and tiled decoding keeps working through the compiled decode; Wan 2.2's causal video VAE, which ran slower compiled, runs eager with
-channels-last convolutions and the reason logged."""
+"""Compile VAE on the DiT families' own VAEs (CPU, the built-in fixed-seed weights in ComfyUI's VAE class): Flux's (also
+SD3.5's and Z-Image's) 16-channel autoencoder and Flux.2's (32 channels, patchified and batch-normalised to 128) decode
+like eager, compiled (not fallen back), and tiled decoding keeps working through the compiled decode; Wan 2.2's causal
+video VAE, which ran slower compiled, runs eager with channels-last convolutions and the reason logged."""
 import logging
 
 import pytest

@@ -355,6 +355,39 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
     assert torch.equal(run(), expected)
 
 
+def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(comfy, nodes, family, files, sample):
+    """Load Diffusion Model's `weight_dtype` fp8_e4m3fn (how Flux is commonly run: weights stored in 8 bits, each layer
+    cast to the compute dtype as it runs): Compile Model and the step cache match that model eager per call; Switch
+    Diffusion Model puts a bf16 file's weights in at the running model's fp8, as loading that file with fp8 weights
+    does; QuantizeModel quantizes from the fp8 weights."""
+    import comfy.sd
+
+    if family != "flux":
+        pytest.skip("ComfyUI's fp8 weight storage is the same for every family")
+
+    def load_fp8(path):
+        return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
+    fp8 = load_fp8(files[0])
+    assert {t.dtype for t in fp8.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
+    _, eager_calls = sample(fp8.clone())
+    compiled = nodes["OverdriveCompileModel"]().compile(fp8)[0]
+    assert_calls_match(sample(compiled)[1], eager_calls, PER_CALL_TOLERANCE)
+    cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+    assert_calls_match(sample(cached)[1][:1], eager_calls[:1], PER_CALL_TOLERANCE)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=files[1].name)[0]
+    assert {t.dtype for t in switched.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
+    assert_calls_match(sample(switched)[1], sample(load_fp8(files[1]))[1], PER_CALL_TOLERANCE)
+    assert dynamo_graph_count() == graphs
+    quantize = nodes["OverdriveQuantizeModel"]()
+    quantized = quantize.quantize(fp8, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
+                                  calibration_steps=1, positive=conditioning(family, 1),
+                                  negative=conditioning(family, 2),
+                                  latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
+    assert quantize.last_report is not None and quantize.last_report.quantized
+    assert_calls_match(sample(quantized)[1], eager_calls, QUANTIZED_TOLERANCE)
+
+
 def test_host_sync_fixes_replace_comfyuis_functions_and_sample_the_same(nodes, base, sample, family):
     """Overdrive's forward for a model puts its family's host-sync fixes in place of ComfyUI's functions (Wan's time
     embedding, LTX-Video's token coordinates: each copies a tensor from the CPU at every model call, which waits for

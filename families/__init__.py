@@ -1,11 +1,11 @@
 """Model families as plug-ins: what the core needs to know about a diffusion model's repeated blocks.
 
-One small module per family declares its block stacks (the `nn.ModuleList`s of identical blocks, in the order the
-model runs them) and, per stack, which block arguments carry the hidden states and in what order a block returns
-them. Compile Model compiles each distinct block once from this (regional compilation), and the step cache cuts
-between blocks with it. Adding a family is one file here plus its fixture in builtin_models; a diffusers class of
-the family is one more Family in that file (`DIFFUSERS` in flux, wan, sd3, zimage, ltxv), registered below, unless
-ComfyUI's class has diffusers' name and layout (Qwen-Image's).
+One small module per family declares its block stacks (the `nn.ModuleList`s of identical blocks, in the order the model
+runs them) and, per stack, which block arguments carry the hidden states and in what order a block returns them. Compile
+Model compiles each distinct block once from this (regional compilation), and the step cache cuts between blocks with
+it. Adding a family is one file here plus its fixture in builtin_models; a diffusers class of the family is one more
+Family in that file (`DIFFUSERS` in flux, wan, sd3, zimage, ltxv; Flux.2's and Chroma's in flux), registered below,
+unless ComfyUI's class has diffusers' name and layout (Qwen-Image's).
 """
 import logging
 import sys
@@ -150,7 +150,8 @@ def registered() -> tuple:
     """Every family plug-in: ComfyUI's classes, then diffusers'."""
     from . import flux, ltxv, qwen_image, sd3, wan, zimage
     return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage, ltxv)) + (flux.CHROMA,)
-            + (flux.DIFFUSERS, wan.DIFFUSERS, sd3.DIFFUSERS, zimage.DIFFUSERS, ltxv.DIFFUSERS))
+            + (flux.DIFFUSERS, flux.DIFFUSERS_FLUX2, flux.DIFFUSERS_CHROMA, wan.DIFFUSERS, sd3.DIFFUSERS,
+               zimage.DIFFUSERS, ltxv.DIFFUSERS))
 
 
 def family_of(model: torch.nn.Module) -> Family | None:

@@ -2,7 +2,8 @@
 their modulations made once by one approximator): 19 double-stream blocks over image and text tokens, then 38
 single-stream blocks over their concatenation. Chroma calls its double blocks by keyword, which a Stack's streams
 allow. diffusers' `FluxTransformer2DModel` has the same blocks under its own names; its single blocks take and return
-both streams (they concatenate inside)."""
+both streams (they concatenate inside). diffusers' Flux.2 and Chroma pass their single blocks the streams already
+concatenated."""
 from . import Family, Stack
 
 FAMILY = Family("flux", frozenset({"Flux"}), (
@@ -24,3 +25,14 @@ DIFFUSERS = Family("flux", frozenset({"FluxTransformer2DModel"}), (
     Stack("single_transformer_blocks", streams=(("hidden_states", 0), ("encoder_hidden_states", 1)),
           returns=("encoder_hidden_states", "hidden_states"), probe="hidden_states"),
 ))
+
+# diffusers' Flux.2: the double blocks return both streams; the single blocks take the streams concatenated (their text
+# tokens included), the modulations of three global layers passed to every block.
+DIFFUSERS_FLUX2 = Family("flux2", frozenset({"Flux2Transformer2DModel"}), (
+    DIFFUSERS.stacks[0],
+    Stack("single_transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
+))
+
+# diffusers' Chroma: Flux.2's stack layout over Flux.1's blocks, and the same approximator as ComfyUI's (CHROMA).
+DIFFUSERS_CHROMA = Family("chroma", frozenset({"ChromaTransformer2DModel"}), DIFFUSERS_FLUX2.stacks,
+                          float_layers=CHROMA.float_layers)

@@ -84,6 +84,40 @@ def tiny_flux_pipeline(seed: int = 0):
                         tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer.eval())
 
 
+def tiny_flux2_pipeline(seed: int = 0):
+    """A Flux2Pipeline of a tiny Flux2Transformer2DModel (1 double block, 2 single blocks) and Flux.2 VAE (its latents
+    patchified 2x2 and batch-normalised), fixed-seed random, without the text encoder: run with `dit_prompt()`'s
+    embeddings (guidance-distilled, one call a step)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    torch.manual_seed(seed)
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                          axes_dims_rope=(4, 4, 4, 4))
+    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8)
+    pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=None,
+                         tokenizer=None, transformer=transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_chroma_pipeline(seed: int = 0):
+    """A ChromaPipeline of a tiny ChromaTransformer2DModel (1 double block, 2 single blocks, a one-layer approximator)
+    and the tiny Flux VAE, fixed-seed random, without the text encoder: run with `dit_prompt()`'s embeddings and masks
+    (true CFG: two calls a step)."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    torch.manual_seed(seed)
+    transformer = ChromaTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                           attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                           axes_dims_rope=(4, 6, 6), approximator_hidden_dim=32,
+                                           approximator_layers=1)
+    flux_vae = tiny_flux_pipeline(seed).vae
+    pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=flux_vae, text_encoder=None,
+                          tokenizer=None, transformer=transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def flux_prompt() -> dict:
     """Fixed-seed T5 and CLIP embeddings of the tiny Flux pipeline's widths."""
     g = torch.Generator().manual_seed(0)
@@ -203,7 +237,7 @@ def tiny_ltx_pipeline(seed: int = 0):
 def dit_prompt(family: str) -> dict:
     """Fixed-seed prompt and negative-prompt embeddings (8 tokens of width 32) in the arguments each tiny pipeline
     takes, with classifier-free guidance on: every step calls the transformer twice, cond then uncond (SD3, Z-Image
-    and LTX-Video: once, on both as a batch of 2)."""
+    and LTX-Video: once, on both as a batch of 2; Flux.2: once, guidance-distilled)."""
     g = torch.Generator().manual_seed(0)
     positive, negative = torch.randn(1, 8, 32, generator=g), torch.randn(1, 8, 32, generator=g)
     if family == "zimage":  # one caption tensor per image, width 16
@@ -216,7 +250,12 @@ def dit_prompt(family: str) -> dict:
     if family == "wan":
         return {"prompt_embeds": positive, "negative_prompt_embeds": negative, "guidance_scale": 3.0,
                 "num_frames": 5}
+    if family == "flux2":  # guidance-distilled: no negative prompt
+        return {"prompt_embeds": positive, "guidance_scale": 4.0}
     mask = torch.ones(1, 8, dtype=torch.long)
+    if family == "chroma":  # its pipeline passes the masks on to attention as they are: bool
+        return {"prompt_embeds": positive, "prompt_attention_mask": mask.bool(), "negative_prompt_embeds": negative,
+                "negative_prompt_attention_mask": mask.bool(), "guidance_scale": 3.0}
     if family == "ltxv":  # cond and uncond as one batch of 2
         return {"prompt_embeds": positive, "prompt_attention_mask": mask, "negative_prompt_embeds": negative,
                 "negative_prompt_attention_mask": mask, "guidance_scale": 3.0, "num_frames": 9}

@@ -1,31 +1,36 @@
-"""overdrive.api on real diffusers DiT pipelines (CPU, tiny fixed-seed transformers): Wan, Qwen-Image, SD3, Z-Image
-and LTX-Video compile block by block through their family plug-ins and switch to another checkpoint without compiling
-again; the DiT step cache (deepcache_) on them and on Flux reads its steps from the timestep diffusers passes, with
-classifier-free guidance's two calls per step each reusing their own residuals. Fidelity is checked per transformer call
-against the eager transformer on the same inputs."""
+"""overdrive.api on real diffusers DiT pipelines (CPU, tiny fixed-seed transformers): Wan, Qwen-Image, SD3, Z-Image,
+LTX-Video, Flux.2 and Chroma compile block by block through their family plug-ins and switch to another checkpoint
+without compiling again; the DiT step cache (deepcache_) on them and on Flux reads its steps from the timestep diffusers
+passes, with classifier-free guidance's two calls per step each reusing their own residuals. Fidelity is checked per
+transformer call against the eager transformer on the same inputs."""
 import pytest
 import torch
 
-from diffusers_tiny import (dit_prompt, flux_prompt, tiny_flux_pipeline, tiny_ltx_pipeline, tiny_qwen_image_pipeline,
-                            tiny_sd3_pipeline, tiny_wan_pipeline, tiny_zimage_pipeline)
-from overdrive.api import CompileOptions, DeepCacheConfig, compile_, deepcache_, switch_weights_
+from diffusers_tiny import (dit_prompt, flux_prompt, tiny_chroma_pipeline, tiny_flux2_pipeline, tiny_flux_pipeline,
+                            tiny_ltx_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline, tiny_wan_pipeline,
+                            tiny_zimage_pipeline)
+from overdrive.api import CompileOptions, DeepCacheConfig, QuantConfig, compile_, deepcache_, quantize_, switch_weights_
 from overdrive.blockwise import BlockwiseForward
 from overdrive.compiler import dynamo_graph_count
 from overdrive.deepcache.block_cache import BlockStepCache
 
 COMPILE_RTOL = 1e-4  # Inductor vs eager, float32 on the CPU (measured ~2e-7)
 # A reused call against the full transformer on the same input, interval 2 (measured 3.3-5.6 %; with one residual
-# shared by cond and uncond the cond calls measured 7.3-9.6 %).
-REUSED_RTOL = 0.065
+# shared by cond and uncond the cond calls measured 7.3-9.6 %). Chroma's tiny transformer moves more between steps:
+# 5.6-9.0 % with each branch's own residual, cond and uncond within 0.5 % of each other.
+REUSED_RTOL = {"chroma": 0.1}
 STEPS = 6
 PIPELINES = {"wan": tiny_wan_pipeline, "qwen_image": tiny_qwen_image_pipeline, "sd3": tiny_sd3_pipeline,
-             "zimage": tiny_zimage_pipeline, "ltxv": tiny_ltx_pipeline}
-BLOCKS = {"wan": 3, "qwen_image": 3, "sd3": 3, "zimage": 5, "ltxv": 3}  # Z-Image: 2 refiner blocks, 3 main layers
-GRAPHS = {"wan": 1, "qwen_image": 1, "sd3": 2, "zimage": 3, "ltxv": 1}  # distinct blocks: SD3's last is "pre-only"
-# true CFG: two calls a step; SD3, Z-Image, LTX-Video: one, on a batch of 2
-CALLS_PER_STEP = {"wan": 2, "qwen_image": 2, "sd3": 1, "zimage": 1, "ltxv": 1}
+             "zimage": tiny_zimage_pipeline, "ltxv": tiny_ltx_pipeline, "flux2": tiny_flux2_pipeline,
+             "chroma": tiny_chroma_pipeline}
+# Z-Image: 2 refiner blocks, 3 main layers; Flux.2 and Chroma: 1 double, 2 single blocks
+BLOCKS = {"wan": 3, "qwen_image": 3, "sd3": 3, "zimage": 5, "ltxv": 3, "flux2": 3, "chroma": 3}
+# distinct blocks: SD3's last is "pre-only"
+GRAPHS = {"wan": 1, "qwen_image": 1, "sd3": 2, "zimage": 3, "ltxv": 1, "flux2": 2, "chroma": 2}
+# true CFG: two calls a step; SD3, Z-Image, LTX-Video: one, on a batch of 2; Flux.2: one, guidance-distilled
+CALLS_PER_STEP = {"wan": 2, "qwen_image": 2, "sd3": 1, "zimage": 1, "ltxv": 1, "flux2": 1, "chroma": 2}
 LATENT = {"wan": (1, 4, 2, 4, 4), "qwen_image": (1, 4, 1, 4, 4), "sd3": (1, 4, 4, 4), "zimage": (1, 4, 4, 4),
-          "ltxv": (1, 8, 2, 4, 4)}
+          "ltxv": (1, 8, 2, 4, 4), "flux2": (1, 4, 4, 4), "chroma": (1, 4, 4, 4)}
 VIDEO_VAE = {"wan", "qwen_image"}  # families whose VAE is Wan's causal video VAE (compiler/eager_vaes.py)
 
 
@@ -106,7 +111,7 @@ def test_step_cache_runs_full_steps_exactly_and_each_cfg_branch_reuses_its_own_r
     full = [e for i, e in enumerate(errors) if stats.decisions[i // per_step]]
     reused = [e for i, e in enumerate(errors) if not stats.decisions[i // per_step]]
     assert full == [0.0] * len(full), errors
-    assert 0 < max(reused) < REUSED_RTOL, errors
+    assert 0 < max(reused) < REUSED_RTOL.get(family, 0.065), errors
 
 
 def test_step_cache_on_the_compiled_transformer_compiles_nothing_more_and_matches_it_eager(family):
@@ -176,3 +181,15 @@ def test_switching_a_step_cached_transformer_ends_its_run_and_runs_the_new_weigh
     switch_weights_(pipe, tmp_path)
     assert cache.last_stats is not None and cache.stats.steps == 0  # the run ended at the switch
     assert relative_error(generate(pipe, "flux"), expected) < COMPILE_RTOL
+
+
+def test_quantize_leaves_chromas_approximator_in_float_and_quantizes_the_blocks():
+    """The family's float layers (Chroma's approximator: its error reaches every block) are left alone, with the reason
+    in the report, as ComfyUI's QuantizeModel leaves them."""
+    pipe = tiny_chroma_pipeline()
+    report = quantize_(pipe, QuantConfig(format="int8", compute_density_threshold=0),
+                       calibration={**dit_prompt("chroma"), "height": 32, "width": 32, "num_inference_steps": 2})
+    approximator = [layer for layer in report.layers if layer.name.startswith("distilled_guidance_layer.")]
+    assert approximator and all(not layer.quantized and "approximator" in layer.reason for layer in approximator)
+    assert any(name.startswith("transformer_blocks.") for name in report.quantized)
+    assert any(name.startswith("single_transformer_blocks.") for name in report.quantized)

@@ -16,7 +16,7 @@ import torch
 
 from overdrive.builtin_models import dit
 from overdrive.families import family_of
-from overdrive.quantization import QuantConfig, plan_quantization
+from overdrive.quantization import QuantConfig, apply_modules, plan_quantization, restore_modules
 from overdrive.quantization.candidates import keeping_float
 from overdrive.runner.inprocess import build_dit_model, import_comfy
 
@@ -44,23 +44,6 @@ def capture_calls(comfy, patcher, arch, res, frames, steps):
 def group_of(name: str) -> tuple:
     """(top-level module, the layer's name with block indices dropped)."""
     return name.split(".")[0], re.sub(r"\.\d+(?=\.|$)", "", name)
-
-
-def swapped(model, modules: dict):
-    """Context manager: `modules` ({name: module}) in place of the model's layers, the originals back after."""
-    class Swap:
-        def __enter__(self):
-            self.originals = {}
-            for name, module in modules.items():
-                parent, _, attribute = name.rpartition(".")
-                owner = model.get_submodule(parent) if parent else model
-                self.originals[name] = (owner, attribute, owner._modules[attribute])
-                setattr(owner, attribute, module)
-
-        def __exit__(self, *exc):
-            for owner, attribute, original in self.originals.values():
-                setattr(owner, attribute, original)
-    return Swap()
 
 
 def relative_error(a, b) -> float:
@@ -98,8 +81,11 @@ def main():
             reference = model(*a, **k)
 
             def error(names):
-                with swapped(model, {n: plan.modules[n] for n in names}):
+                originals = apply_modules(model, {n: plan.modules[n] for n in names})
+                try:
                     return relative_error(model(*a, **k), reference)
+                finally:
+                    restore_modules(model, originals)
             groups = collections.defaultdict(list)
             for name in plan.modules:
                 top, layer = group_of(name)

@@ -258,13 +258,20 @@ def test_adaptive_step_cache_at_threshold_0_runs_every_step_in_full(nodes, base,
     assert_calls_match(sample(cached)[1], eager[1], 1e-6)
 
 
-def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, family, sample, eager, caplog):
-    positive, negative = conditioning(family, 1), conditioning(family, 2)
-    latent = {"samples": empty_latent(family, RES, RES, FRAMES)}
+def quantize_every_layer(nodes, model, family, fmt="int8"):
+    """QuantizeModel with no density or speed rule (every layer whose error passes is quantized), calibrated for one
+    step on the family's built-in conditioning and latent: (the node, with its report, and the quantized model)."""
     quantize = nodes["OverdriveQuantizeModel"]()
+    quantized = quantize.quantize(model, format=fmt, compute_density_threshold=0.0, min_speedup=0.0,
+                                  calibration_steps=1, positive=conditioning(family, 1),
+                                  negative=conditioning(family, 2),
+                                  latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
+    return quantize, quantized
+
+
+def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, family, sample, eager, caplog):
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        quantized = quantize.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
-                                      calibration_steps=1, positive=positive, negative=negative, latent=latent)[0]
+        quantize, quantized = quantize_every_layer(nodes, base, family)
     report = quantize.last_report
     assert report is not None, caplog.text  # None: quantizing failed and fell back
     assert not report.cache_hit and report.quantized, report.summary()
@@ -277,9 +284,7 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, 
     error = assert_calls_match(quantized_calls, eager[1], QUANTIZED_TOLERANCE)
     logging.getLogger("overdrive").info("%s: %d layers int8, per-call error %.4f", family, len(report.quantized), error)
 
-    again = nodes["OverdriveQuantizeModel"]()
-    again.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0, calibration_steps=1,
-                   positive=positive, negative=negative, latent=latent)
+    again, _ = quantize_every_layer(nodes, base, family)
     assert again.last_report.cache_hit and again.last_report.quantized == report.quantized
 
     # The step cache over the quantized model: its full step is the quantized model's, and the next step is reused
@@ -379,11 +384,7 @@ def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(
     assert {t.dtype for t in switched.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
     assert_calls_match(sample(switched)[1], sample(load_fp8(files[1]))[1], PER_CALL_TOLERANCE)
     assert dynamo_graph_count() == graphs
-    quantize = nodes["OverdriveQuantizeModel"]()
-    quantized = quantize.quantize(fp8, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
-                                  calibration_steps=1, positive=conditioning(family, 1),
-                                  negative=conditioning(family, 2),
-                                  latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
+    quantize, quantized = quantize_every_layer(nodes, fp8, family)
     assert quantize.last_report is not None and quantize.last_report.quantized
     assert_calls_match(sample(quantized)[1], eager_calls, QUANTIZED_TOLERANCE)
 

@@ -10,13 +10,12 @@ import logging
 import pytest
 import torch
 
-from overdrive.builtin_models.dit import conditioning, empty_latent
 from overdrive.compiler import dynamo_graph_count
 # The CPU suite's fixtures (files of seeds 0 and 1, the loaded model, its sampler at 64 px, eager's calls, the compiled
 # model) and its Switch Diffusion Model test, here for Flux.2 on the GPU through this module's `comfy`, `family` and
 # `per_call_tolerance`.
-from test_dit_families import (RES, assert_calls_match, base, compiled, distinct_blocks, eager, files,  # noqa: F401
-                               models_folder, nodes, relative_error, sample,
+from test_dit_families import (assert_calls_match, base, compiled, distinct_blocks, eager, files,  # noqa: F401
+                               models_folder, nodes, quantize_every_layer, relative_error, sample,
                                test_switch_diffusion_model_swaps_in_another_file_of_the_family_without_recompiling)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -77,11 +76,7 @@ def test_step_cache_on_the_compiled_model_is_exact_on_full_steps_and_compiles_no
 def test_quantize_model_fp8_runs_8bit_layers_within_the_error_bound(nodes, base, family, sample, eager):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
-    quantize = nodes["OverdriveQuantizeModel"]()
-    latent = {"samples": empty_latent(family, RES, RES)}
-    quantized = quantize.quantize(base, format="fp8_e4m3", compute_density_threshold=0.0, min_speedup=0.0,
-                                  calibration_steps=1, positive=conditioning(family, 1),
-                                  negative=conditioning(family, 2), latent=latent)[0]
+    quantize, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
     report = quantize.last_report
     assert report is not None and report.quantized, "quantizing fell back"
     both = nodes["OverdriveCompileModel"]().compile(quantized)[0]

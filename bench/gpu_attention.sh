@@ -3,6 +3,8 @@
 #   [SWEEP=1] [SHAPES=a,b] bash bench/gpu_attention.sh kernels "$OUT"   # bench/attention_kernels.py
 #   bash bench/gpu_attention.sh gemv "$OUT"   # bench/quantize_gemv.py: the weight-only int8 kernel
 #   bash bench/gpu_attention.sh norm "$OUT"   # bench/norm_epilogue.py: the blocks' layer-norm kernel
+#   [SHAPES=a,b] [MLP_VARIANTS=a,b] bash bench/gpu_attention.sh mlp "$OUT"   # bench/fp8_mlp_autotune.py: the fp8 MLP,
+#                                                                             compiled by default and with max-autotune
 # The wheels the machine's image lacks travel in .devcarry/whl_attention (nvidia-cudnn-frontend, sageattention
 # 1.0.6) and whl (bench/device_carry.sh makes them).
 set -uo pipefail
@@ -13,5 +15,7 @@ case "$part" in
              --out "$out/${day}_${gpu}_attention_kernels.json" 2>&1 | grep -v "^W1\|warn" ;;
   gemv) python3 bench/quantize_gemv.py --out "$out/${day}_${gpu}_quantize_gemv.json" 2>&1 | grep -v "^W1\|warn" ;;
   norm) python3 bench/norm_epilogue.py --out "$out/${day}_${gpu}_norm_epilogue.json" 2>&1 | grep -v "^W1\|warn" ;;
+  mlp) python3 bench/fp8_mlp_autotune.py ${SHAPES:+--shapes $SHAPES} ${MLP_VARIANTS:+--variants $MLP_VARIANTS} \
+         --out "$out/${day}_${gpu}_fp8_mlp_autotune.json" 2>&1 | grep -v "^W1\|warn" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

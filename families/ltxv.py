@@ -2,7 +2,7 @@
 stack of attention blocks over the video tokens, each a self-attention, a cross-attention over the T5 prompt and a gated
 MLP; ComfyUI's block updates its input in place and returns it. LTX-2 (`LTXAVModel`, audio and video) passes both
 streams to its blocks as one tuple, which a Stack does not describe: it has no plug-in (Compile Model compiles it whole,
-DeepCache passes it through; untested)."""
+DeepCache returns it unchanged; tests/test_ltx2.py)."""
 from types import SimpleNamespace
 
 import torch

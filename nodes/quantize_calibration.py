@@ -56,6 +56,15 @@ def natural_latent(model) -> torch.Tensor:
     return torch.zeros(1, channels, pixels // 8, pixels // 8)
 
 
+def latent_parts(samples) -> list:
+    """A LATENT's samples as tensors: itself, or the parts of a nested latent (LTX-2's video and audio, which
+    LTXVConcatAVLatent packs into a `comfy.nested_tensor.NestedTensor`, not a torch.Tensor). The first part is the
+    image or video whose size the calibration is keyed and described by."""
+    if not isinstance(samples, torch.Tensor) and getattr(samples, "is_nested", False) and hasattr(samples, "unbind"):
+        return list(samples.unbind())
+    return [samples]
+
+
 def _check_conditioning(name, value):
     if value is None:
         return
@@ -70,7 +79,7 @@ class CalibrationRun:
 
     positive: list
     negative: list
-    latent: torch.Tensor
+    latent: torch.Tensor  # or a nested latent (latent_parts)
     steps: int
     empty_conditioning: bool
     natural_size: bool
@@ -83,30 +92,37 @@ class CalibrationRun:
                              f"(2-3 are enough: the error is measured per layer on the inputs those steps produce).")
         _check_conditioning("positive", positive)
         _check_conditioning("negative", negative)
-        if latent is not None and not (isinstance(latent, dict) and isinstance(latent.get("samples"), torch.Tensor)
-                                       and latent["samples"].dim() in (4, 5)):
+        parts = latent_parts(latent.get("samples")) if isinstance(latent, dict) else [None]
+        if latent is not None and not (all(isinstance(part, torch.Tensor) for part in parts)
+                                       and parts[0].dim() in (4, 5)):
             raise ValueError("Quantize Model: latent is not a LATENT of images (batch, channels, height, width) or "
-                             "videos (batch, channels, frames, height, width); connect an Empty Latent Image, an empty "
-                             "video latent or a VAE Encode output.")
+                             "videos (batch, channels, frames, height, width), alone or with audio (LTX-2); connect an "
+                             "Empty Latent Image, an empty video latent, LTXV Concat AV Latent or a VAE Encode output.")
         samples = natural_latent(model) if latent is None else latent["samples"]
         empty = positive is None and negative is None
         if empty:
-            positive = empty_conditioning(model, samples.shape[3] * 8, samples.shape[2] * 8)
+            image = latent_parts(samples)[0]
+            positive = empty_conditioning(model, image.shape[-1] * 8, image.shape[-2] * 8)
         positive = positive if positive is not None else zero_conditioning(negative)
         negative = negative if negative is not None else zero_conditioning(positive)
         return cls(positive, negative, samples, steps, empty, latent is None)
 
     def cache_context(self) -> str:
-        """Part of the decision cache key: resolution bucket, (video) frames, steps and whether a prompt was used."""
-        shape = self.latent.shape
-        frames = f"-{shape[2]}f" if self.latent.dim() == 5 else ""
-        return (f"{resolution_bucket((shape[0], shape[-2], shape[-1]))}{frames}-{self.steps}steps-"
+        """Part of the decision cache key: resolution bucket, (video) frames, the other parts' shapes (audio), steps
+        and whether a prompt was used."""
+        image, *others = latent_parts(self.latent)
+        shape = image.shape
+        frames = f"-{shape[2]}f" if image.dim() == 5 else ""
+        others = "".join(f"+{'x'.join(map(str, part.shape[1:]))}" for part in others)
+        return (f"{resolution_bucket((shape[0], shape[-2], shape[-1]))}{frames}{others}-{self.steps}steps-"
                 f"{'empty' if self.empty_conditioning else 'prompt'}")
 
     def describe(self) -> str:
-        b, h, w = self.latent.shape[0], self.latent.shape[-2], self.latent.shape[-1]
-        frames = f"{self.latent.shape[2]} latent frames, " if self.latent.dim() == 5 else ""
+        image, *others = latent_parts(self.latent)
+        b, h, w = image.shape[0], image.shape[-2], image.shape[-1]
+        frames = f"{image.shape[2]} latent frames, " if image.dim() == 5 else ""
         size = f"{frames}{w}x{h} latent" + (" (the model's natural size)" if self.natural_size else "")
+        size += "".join(f" with a {tuple(part.shape[1:])} latent" for part in others)
         prompt = "empty (zero) conditioning" if self.empty_conditioning else "your conditioning"
         return f"{self.steps} {SAMPLER} step(s), batch {b} at {size}, on {prompt}"
 

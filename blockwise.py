@@ -58,9 +58,9 @@ class ComfySteps:
         elif sample_sigmas is not self._schedule[0]:
             self._schedule = (sample_sigmas, tuple(host_floats([sample_sigmas])[0]))
         pending = DeferredFloats([sigmas]) if isinstance(sigmas, torch.Tensor) else None
-        run_key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")), str(getattr(x, "device", "")),
-                   self._schedule[1])
-        branch = (tuple(options.get("cond_or_uncond") or ()), tuple(getattr(x, "shape", ())))
+        first = x[0] if isinstance(x, (list, tuple)) and x else x  # LTX-2 gets [video, audio]
+        run_key = (_shapes(x), str(getattr(first, "dtype", "")), str(getattr(first, "device", "")), self._schedule[1])
+        branch = (tuple(options.get("cond_or_uncond") or ()), _shapes(x))
         structural = None
         if kwargs.get("control") is not None:
             structural = "ControlNet residuals are added between blocks"
@@ -77,6 +77,14 @@ class ComfySteps:
                 unsupported = "per-sample sigmas differ within the batch"
             return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
         return read
+
+
+def _shapes(x) -> tuple:
+    """The shape of a model call's latent, or of each of its parts (LTX-2's video and audio): a run and a branch of the
+    step cache hold one size."""
+    if isinstance(x, (list, tuple)):
+        return tuple(tuple(getattr(part, "shape", ())) for part in x)
+    return tuple(getattr(x, "shape", ()))
 
 
 class BlockwiseForward:
@@ -191,9 +199,10 @@ class BlockwiseForward:
             return type(block).forward(block, *args, **kwargs)
         # Blocks only read transformer_options for such patches; its per-block entries (block_index) would make
         # every block's graph different. Overdrive's own attention override is passed alone.
+        options = kwargs.get("transformer_options") or {}
         kwargs = {k: v for k, v in kwargs.items() if k != "transformer_options"}
-        if shared:
-            kwargs["transformer_options"] = shared
+        if shared or stack.options:
+            kwargs["transformer_options"] = {**shared, **{k: options[k] for k in stack.options if k in options}}
         if self.graphs is not None:
             return self.graphs.call(path, block, stack, compiled, args, kwargs)
         return compiled(*args, **kwargs)

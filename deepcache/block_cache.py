@@ -124,7 +124,7 @@ class BlockStepCache:
         if call["reuse"]:
             carried = role.stack.carried(args, kwargs)
             if not role.last:
-                return role.stack.output({name: carried.get(name) for name in role.stack.returns})
+                return role.stack.output({name: carried.get(name) for name in role.stack.returned})
             residual = self._residuals[slot]
             return role.stack.output({name: None if r is None else carried[name] + r for name, r in residual.items()})
         if role.first_skipped:  # copies: Flux's blocks add to their inputs in place (`img += ...`)

@@ -30,28 +30,52 @@ class Stack:
     probe:     the stream whose change the adaptive step cache measures: the image tokens (default: the first
                returned stream). The text tokens change little from step to step, so measured on them nearly every
                step looked reusable.
+    parts:     ((stream, (part names)),) for a stream that a block takes and returns as one tuple of tensors (LTX-2's
+               (video, audio)): everything above and below sees its parts, by these names, instead.
+    options:   the transformer_options entries the blocks read themselves (LTX-2's switches for each stream), passed on
+               to compiled blocks, which otherwise get only Overdrive's attention override; with options declared,
+               a block always gets a transformer_options dict.
     """
     attribute: str
     streams: tuple
     returns: tuple
     cached: bool = True
     probe: str = ""
+    parts: tuple = ()
+    options: tuple = ()
 
     @property
     def probed(self) -> str:
-        return self.probe or self.returns[0]
+        return self.probe or self.returned[0]
+
+    @property
+    def returned(self) -> tuple:
+        """The names of what a block returns, a tuple stream's parts in its place."""
+        return tuple(self._split(dict.fromkeys(self.returns)))
+
+    def _split(self, values: dict) -> dict:
+        """`values` with each tuple stream replaced by its parts (a value that is None stays None in each part)."""
+        out = {}
+        for name, value in values.items():
+            names = dict(self.parts).get(name)
+            out.update({name: value} if names is None
+                       else dict(zip(names, value if value is not None else (None,) * len(names))))
+        return out
 
     def carried(self, args: tuple, kwargs: dict) -> dict:
         """The streams of one block call, by name."""
-        return {name: kwargs[name] if name in kwargs else args[position] for name, position in self.streams}
+        return self._split({name: kwargs[name] if name in kwargs else args[position]
+                            for name, position in self.streams})
 
     def named(self, out) -> dict:
         """A block's output, by stream name."""
-        return dict(zip(self.returns, out if len(self.returns) > 1 else (out,)))
+        return self._split(dict(zip(self.returns, out if len(self.returns) > 1 else (out,))))
 
     def output(self, values: dict):
         """`values` (by stream name) in the block's own output form."""
-        ordered = tuple(values[name] for name in self.returns)
+        parts = dict(self.parts)
+        ordered = tuple(tuple(values[part] for part in parts[name]) if name in parts else values[name]
+                        for name in self.returns)
         return ordered if len(ordered) > 1 else ordered[0]
 
 
@@ -149,7 +173,7 @@ class Family:
 def registered() -> tuple:
     """Every family plug-in: ComfyUI's classes, then diffusers'."""
     from . import flux, ltxv, qwen_image, sd3, wan, zimage
-    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage, ltxv)) + (flux.CHROMA,)
+    return (tuple(plugin.FAMILY for plugin in (flux, qwen_image, sd3, wan, zimage, ltxv)) + (flux.CHROMA, ltxv.LTX2)
             + (flux.DIFFUSERS, flux.DIFFUSERS_FLUX2, flux.DIFFUSERS_CHROMA, wan.DIFFUSERS, sd3.DIFFUSERS,
                zimage.DIFFUSERS, ltxv.DIFFUSERS))
 

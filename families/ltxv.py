@@ -1,8 +1,8 @@
 """LTX-Video (ComfyUI's `LTXVModel`, Lightricks' 2B and 13B video DiTs; diffusers' `LTXVideoTransformer3DModel`): one
 stack of attention blocks over the video tokens, each a self-attention, a cross-attention over the T5 prompt and a gated
-MLP; ComfyUI's block updates its input in place and returns it. LTX-2 (`LTXAVModel`, audio and video) passes both
-streams to its blocks as one tuple, which a Stack does not describe: it has no plug-in (Compile Model compiles it whole,
-DeepCache returns it unchanged; tests/test_ltx2.py)."""
+MLP; ComfyUI's block updates its input in place and returns it. LTX-2 (`LTXAVModel`, audio and video: `LTX2`) runs the
+same patchifier; its blocks take and return the video and audio tokens as one tuple, a Stack's `parts`, and attend
+across the two (tests/test_ltx2.py)."""
 from types import SimpleNamespace
 
 import torch
@@ -57,3 +57,12 @@ FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
 DIFFUSERS = Family("ltxv", frozenset({"LTXVideoTransformer3DModel"}), (
     Stack("transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
 ), noise_timestep=1000.0)
+
+# LTX-2: its prompt reaches the video and the audio tokens through a caption projection and a cross-attention each.
+LTX2 = Family("ltx2", frozenset({"LTXAVModel"}), (
+    Stack("transformer_blocks", streams=(("x", 0),), returns=("x",), parts=(("x", ("video", "audio")),),
+          options=("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")),
+), float_layers=(
+    (r"(audio_)?caption_projection\.", _TEXT_ONLY),
+    (r"transformer_blocks\.\d+\.(audio_)?attn2\.to_[kv]$", _TEXT_ONLY),
+), host_sync_fixes=FAMILY.host_sync_fixes)

@@ -193,7 +193,7 @@ def return_hook(follower: QuantizedModules):
     def hook(tree, args):
         if tree.get_submodule(name) is not original:
             return  # the quantized model (or another) runs: nothing to bring back
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = _first_device(args)
         if device is not None:
             move(originals.values(), device)
         handle.remove()
@@ -202,6 +202,18 @@ def return_hook(follower: QuantizedModules):
             live.return_hook = None
     handle = follower.tree.register_forward_pre_hook(hook)
     return handle
+
+
+def _first_device(values) -> torch.device | None:
+    """The device of the first tensor in `values`, looking into lists and tuples (LTX-2's model takes [video, audio])."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if isinstance(value, (list, tuple)):
+            device = _first_device(value)
+            if device is not None:
+                return device
+    return None
 
 
 def on_device(module) -> torch.device | None:

@@ -1,15 +1,15 @@
-"""LTX-2 (ComfyUI's LTXAV: video and audio in one model) under Overdrive's nodes, on the CPU: it has no family
-plug-in (its blocks take and return a (video, audio) tuple), so Compile Model compiles it whole, DeepCache returns it
-unchanged with a warning, and Quantize Model calibrates on its audio-video latent. None of them may fail a
-generation. The model is ComfyUI's own class at a tiny configuration of the layout its detection reads (built in
-process: the built-in files have no LTX-2, whose empty audio latent needs an audio VAE), sampled by ComfyUI's sampler on
-a latent made as LTXV Concat AV Latent makes it; fidelity is checked per model call against eager."""
+"""LTX-2 (ComfyUI's LTXAV: video and audio in one model) under every Overdrive node, on the CPU: its blocks take and
+return (video, audio) tuples (families/ltxv.py, `LTX2`), and the nodes must see both streams through compiled blocks,
+the step cache and calibration on its audio-video latent. The model is ComfyUI's own class at a tiny configuration of
+the layout its detection reads (built in process: the built-in files have no LTX-2, whose empty audio latent needs an
+audio VAE), sampled by ComfyUI's sampler on a latent made as LTXV Concat AV Latent makes it; fidelity is checked per
+model call against eager."""
 import logging
 
 import pytest
 import torch
 
-PER_CALL_TOLERANCE = 1e-4  # compiled vs eager, float32 on the CPU
+PER_CALL_TOLERANCE = 1e-4  # compiled vs eager, float32 on the CPU (tests/test_ltx2_gpu.py: bf16 on a GPU)
 QUANTIZED_TOLERANCE = 0.1  # int8 vs float per model call (tiny random model)
 STEPS, CFG = 2, 3.0
 # Detection's config for LTXAV (comfy/model_detection.py reads depth and widths from the weights and the rest from the
@@ -24,8 +24,8 @@ def relative_error(a, b):
 
 
 def parts(value) -> list:
-    """The tensors of a latent: LTX-2's is nested (video, audio). (A model call's output reaches ComfyUI's wrapper packed
-    into one tensor: both parts, flattened.)"""
+    """The tensors of a latent: LTX-2's is nested (video, audio). (A model call's output reaches ComfyUI's wrapper
+    packed into one tensor: both parts, flattened.)"""
     return list(value.unbind()) if getattr(value, "is_nested", False) else [value]
 
 
@@ -36,25 +36,36 @@ def nodes(comfy):
 
 
 @pytest.fixture(scope="module")
-def base(comfy):
+def device():
+    return torch.device("cpu"), torch.float32  # where the model runs, in what dtype
+
+
+@pytest.fixture(scope="module")
+def per_call_tolerance():
+    return PER_CALL_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def base(comfy, device):
     import comfy.model_detection
     import comfy.model_patcher
 
+    load_device, dtype = device
     config = comfy.model_detection.model_config_from_unet_config(dict(TINY_LTXAV))
     assert type(config).__name__ == "LTXAV"
-    config.set_inference_dtype(torch.float32, None)
+    config.set_inference_dtype(dtype, None)
     model = config.get_model({}, "", device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.diffusion_model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
 def latent(comfy):
-    """Video (1, 128, 2 frames, 4, 4) and audio (1, 8 channels, 5 latents, 16 bins), as LTXVConcatAVLatent packs them."""
+    """Video (1, 128, 2 frames, 4, 4) and audio (1, 8 channels, 5 latents, 16 bins), packed as LTXVConcatAVLatent
+    packs them."""
     import comfy.nested_tensor
     return comfy.nested_tensor.NestedTensor((torch.zeros(1, 128, 2, 4, 4), torch.zeros(1, 8, 5, 16)))
 
@@ -97,11 +108,12 @@ def assert_calls_match(calls, reference_calls, tolerance) -> float:
     return max(errors)
 
 
-def test_the_model_is_ltx2_with_audio_and_no_family_plug_in(base, eager):
+def test_the_model_is_ltx2_and_its_plug_in_sees_both_streams(base, eager):
     from overdrive.families import family_of
 
     assert type(base.model.diffusion_model).__name__ == "LTXAVModel"
-    assert family_of(base.model.diffusion_model) is None
+    stack, = family_of(base.model.diffusion_model).stacks
+    assert stack.returned == ("video", "audio") and stack.probed == "video"
     video, audio = eager[0]
     assert video.shape == (1, 128, 2, 4, 4) and audio.shape == (1, 8, 5, 16)
     assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in (video, audio))
@@ -109,21 +121,46 @@ def test_the_model_is_ltx2_with_audio_and_no_family_plug_in(base, eager):
     assert packed.numel() == 2 * (video.numel() + audio.numel())
 
 
-def test_compile_model_compiles_it_whole_and_matches_eager_per_call(nodes, base, sample, eager):
-    compiled = nodes["OverdriveCompileModel"]().compile(base)[0]
-    assert "diffusion_model.forward" in compiled.object_patches
-    assert_calls_match(sample(compiled)[1], eager[1], PER_CALL_TOLERANCE)
+@pytest.fixture(scope="module")
+def compiled(nodes, base):
+    return nodes["OverdriveCompileModel"]().compile(base)[0]
 
 
-def test_deepcache_returns_it_unchanged_and_says_why(nodes, base, sample, eager, caplog):
-    with caplog.at_level(logging.WARNING, logger="overdrive"):
-        cached = nodes["OverdriveDeepCache"]().patch(base)[0]
-    assert "LTXAVModel" in caplog.text and "returned unchanged" in caplog.text
-    assert cached.object_patches == base.object_patches
-    assert_calls_match(sample(cached)[1], eager[1], 1e-7)
+def test_compile_model_compiles_the_block_once_and_matches_eager_per_call(compiled, sample, eager, per_call_tolerance):
+    from overdrive.blockwise import BlockwiseForward
+    from overdrive.compiler import dynamo_graph_count
+
+    graphs = dynamo_graph_count()
+    _, calls = sample(compiled)
+    forward = compiled.object_patches["diffusion_model.forward"]
+    assert isinstance(forward, BlockwiseForward) and len({c.fingerprint for c in forward.compiled.values()}) == 1
+    assert dynamo_graph_count() - graphs <= 2
+    assert_calls_match(calls, eager[1], per_call_tolerance)
+    graphs = dynamo_graph_count()
+    sample(compiled)
+    assert dynamo_graph_count() == graphs  # warm: no recompile
+
+
+def test_step_cache_reuses_both_streams_and_is_exact_on_full_steps(nodes, base, compiled, sample, eager, caplog,
+                                                                     per_call_tolerance):
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
+        out, calls = sample(cached)  # step 0 full, step 1 reused
+        again, _ = sample(cached)
+    assert_calls_match(calls[:1], eager[1][:1], 1e-6)
+    reused = relative_error(calls[1][0], eager[1][1][0])
+    assert 1e-4 < reused < 0.5, reused  # an approximation of the full step, not the full step
+    assert "1 full / 1 shallow" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(out, again))  # the second run reused nothing of the first
+    on_compiled = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+    assert_calls_match(sample(on_compiled)[1], calls, per_call_tolerance)
 
 
 def test_quantize_model_calibrates_on_the_audio_video_latent(nodes, base, latent, sample, eager, caplog):
+    import re
+
+    from overdrive.families import family_of
+
     quantize = nodes["OverdriveQuantizeModel"]()
     with caplog.at_level(logging.INFO, logger="overdrive"):
         quantized = quantize.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
@@ -132,6 +169,11 @@ def test_quantize_model_calibrates_on_the_audio_video_latent(nodes, base, latent
     report = quantize.last_report
     assert report is not None and report.quantized, caplog.text  # None: quantizing failed and fell back
     assert "2 latent frames, 4x4 latent with a (8, 5, 16) latent" in caplog.text
+    # The prompt-only layers of both streams (caption projections, cross-attention keys and values) stay float.
+    float_layers = dict(family_of(base.model.diffusion_model).float_layers)
+    kept = {layer.name for layer in report.layers if any(re.match(p, layer.name) for p in float_layers)}
+    assert {"audio_caption_projection.linear_1", "transformer_blocks.0.audio_attn2.to_k",
+            "transformer_blocks.1.attn2.to_v"} <= kept
     error = assert_calls_match(sample(quantized)[1], eager[1], QUANTIZED_TOLERANCE)
     logging.getLogger("overdrive").info("ltx2: %d layers int8, per-call error %.4f", len(report.quantized), error)
 

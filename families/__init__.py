@@ -55,6 +55,8 @@ class Stack:
 
     def _split(self, values: dict) -> dict:
         """`values` with each tuple stream replaced by its parts (a value that is None stays None in each part)."""
+        if not self.parts:
+            return values
         out = {}
         for name, value in values.items():
             names = dict(self.parts).get(name)

@@ -9,8 +9,12 @@ import logging
 import pytest
 import torch
 
+# The DiT families' helpers: ComfyUI's wrapper sees LTX-2's model calls with video and audio packed into one tensor, so
+# a call is recorded and compared as any family's.
+from test_dit_families import (QUANTIZED_TOLERANCE, assert_calls_match, compiled, distinct_blocks,  # noqa: F401
+                               nodes, record_calls, relative_error)
+
 PER_CALL_TOLERANCE = 1e-4  # compiled vs eager, float32 on the CPU (tests/test_ltx2_gpu.py: bf16 on a GPU)
-QUANTIZED_TOLERANCE = 0.1  # int8 vs float per model call (tiny random model)
 STEPS, CFG = 2, 3.0
 # Detection's config for LTXAV (comfy/model_detection.py reads depth and widths from the weights and the rest from the
 # file's metadata), at a few hundred thousand parameters.
@@ -19,20 +23,9 @@ TINY_LTXAV = dict(image_model="ltxav", num_layers=2, attention_head_dim=4, cross
                   audio_cross_attention_dim=8, caption_channels=16)
 
 
-def relative_error(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def parts(value) -> list:
-    """The tensors of a latent: LTX-2's is nested (video, audio). (A model call's output reaches ComfyUI's wrapper
-    packed into one tensor: both parts, flattened.)"""
+    """The tensors of a sampled latent: LTX-2's is nested (video, audio)."""
     return list(value.unbind()) if getattr(value, "is_nested", False) else [value]
-
-
-@pytest.fixture(scope="module")
-def nodes(comfy):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    return NODE_CLASS_MAPPINGS
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +73,7 @@ def sample(comfy, latent):
     import comfy.sample
 
     def run(model):
-        calls = []
-
-        def wrapper(apply_model, args):
-            out = apply_model(args["input"], args["timestep"], **args["c"])
-            calls.append([t.detach().clone() for t in parts(out)])
-            return out
-        recorded = model.clone()
-        recorded.set_model_unet_function_wrapper(wrapper)
+        recorded, calls = record_calls(model)
         noise = comfy.sample.prepare_noise(latent, 7)
         out = comfy.sample.sample(recorded, noise, STEPS, CFG, "euler", "simple", conditioning(1), conditioning(2),
                                   latent, seed=7, disable_pbar=True)
@@ -100,14 +86,6 @@ def eager(base, sample):
     return sample(base.clone())
 
 
-def assert_calls_match(calls, reference_calls, tolerance) -> float:
-    assert len(calls) == len(reference_calls) > 0
-    errors = [relative_error(out, ref) for call, reference in zip(calls, reference_calls)
-              for out, ref in zip(call, reference)]
-    assert max(errors) < tolerance, errors
-    return max(errors)
-
-
 def test_the_model_is_ltx2_and_its_plug_in_sees_both_streams(base, eager):
     from overdrive.families import family_of
 
@@ -117,23 +95,16 @@ def test_the_model_is_ltx2_and_its_plug_in_sees_both_streams(base, eager):
     video, audio = eager[0]
     assert video.shape == (1, 128, 2, 4, 4) and audio.shape == (1, 8, 5, 16)
     assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in (video, audio))
-    packed, = eager[1][0]  # the first call's output: cond and uncond, video and audio
+    _, _, packed = eager[1][0]  # the first call's output: cond and uncond, video and audio
     assert packed.numel() == 2 * (video.numel() + audio.numel())
 
 
-@pytest.fixture(scope="module")
-def compiled(nodes, base):
-    return nodes["OverdriveCompileModel"]().compile(base)[0]
-
-
 def test_compile_model_compiles_the_block_once_and_matches_eager_per_call(compiled, sample, eager, per_call_tolerance):
-    from overdrive.blockwise import BlockwiseForward
     from overdrive.compiler import dynamo_graph_count
 
     graphs = dynamo_graph_count()
     _, calls = sample(compiled)
-    forward = compiled.object_patches["diffusion_model.forward"]
-    assert isinstance(forward, BlockwiseForward) and len({c.fingerprint for c in forward.compiled.values()}) == 1
+    assert distinct_blocks(compiled) == 1
     assert dynamo_graph_count() - graphs <= 2
     assert_calls_match(calls, eager[1], per_call_tolerance)
     graphs = dynamo_graph_count()
@@ -148,7 +119,7 @@ def test_step_cache_reuses_both_streams_and_is_exact_on_full_steps(nodes, base, 
         out, calls = sample(cached)  # step 0 full, step 1 reused
         again, _ = sample(cached)
     assert_calls_match(calls[:1], eager[1][:1], 1e-6)
-    reused = relative_error(calls[1][0], eager[1][1][0])
+    reused = relative_error(calls[1][2], eager[1][1][2])
     assert 1e-4 < reused < 0.5, reused  # an approximation of the full step, not the full step
     assert "1 full / 1 shallow" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(out, again))  # the second run reused nothing of the first

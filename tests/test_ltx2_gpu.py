@@ -1,6 +1,7 @@
 """LTX-2 on a GPU, through the tests tests/test_ltx2.py runs on the CPU: the same tiny LTXAV model in bf16 on CUDA,
 where Compile Model also replays its blocks as CUDA graphs, whose inputs and outputs are the (video, audio) tuple's
-tensors. Skipped without CUDA (CI has no GPU); run on the GPU machine with `python3 -m pytest tests/test_ltx2_gpu.py`."""
+tensors. Skipped without CUDA (CI has no GPU); run on the GPU machine with
+`python3 -m pytest tests/test_ltx2_gpu.py`."""
 import pytest
 import torch
 

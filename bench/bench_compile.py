@@ -330,11 +330,12 @@ def main():
         finally:
             patcher.model_options = options
         sync()
-        return out, time.perf_counter() - start
+        return dit.flat_latent(out), time.perf_counter() - start  # LTX-2's video and audio as one tensor
 
     results, reference, reference_call, calibration = [], None, None, {}
+    shapes = [list(t.shape) for t in latent.unbind()] if getattr(latent, "is_nested", False) else list(latent.shape)
     report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
-              "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": list(latent.shape), "batch": 1,
+              "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": shapes, "batch": 1,
               "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
         restore_activations = slow_activations() if "tanh-gelu" in variant.split("+") else None

@@ -5,7 +5,7 @@
 # Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.7.0.tar.gz, whl and whl_av carried
 # (bench/device_carry.sh makes them):
 #   bash bench/gpu_dit_suite.sh PART "$OUT"      PART: flux | flux2 | chroma | wan22 | qwen_image | zimage | sd35 |
-#                                                 ltxv | sdxl | sd15
+#                                                 ltxv | ltx2 | sdxl | sd15
 #                                                 or restart-FAMILY (bench_restart_switch.py: cold and warm first image)
 #                                                 or diffusers-flux (bench_diffusers_flux.py: overdrive.api against
 #                                                 diffusers' recipes; carry .devcarry/whl_diffusers instead)
@@ -27,6 +27,7 @@ case "$part" in
   zimage) run zimage_1024 --arch zimage --res 1024 --steps 8 --repeats 2 ;;
   sd35) run sd35_1024 --arch sd35 --res 1024 --steps 20 --repeats 2 ;;
   ltxv) run ltxv_768x512_97f --arch ltxv --res 512 --width 768 --frames 97 --steps 20 --repeats 2 ;;
+  ltx2) run ltx2_768x512_97f --arch ltx2 --res 512 --width 768 --frames 97 --steps 20 --repeats 1 ;;  # with audio
   chroma) run chroma_1024 --arch chroma --res 1024 --steps 26 --repeats 2 ;;
   flux2) run flux2_1024 --arch flux2 --res 1024 --steps 20 --repeats 1 ;;  # 64 GB in bf16: an H200's
   sdxl) run sdxl_1024 --arch sdxl --res 1024 --steps 20 --repeats 3 ;;

@@ -1,4 +1,4 @@
-"""Built-in DiT families (Flux.1-dev, Flux.2, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video): diffusion-model
+"""Built-in DiT families (Flux.1-dev, Flux.2, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video, LTX-2): diffusion-model
 files for UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
 
 The layout is read off ComfyUI's own classes, built on the meta device (no memory, no weights) at the config
@@ -9,7 +9,7 @@ checkpoints in checkpoint.py do not).
 "tiny" is as small as detection allows: several families fix their width in detection (Flux 3072, Flux.2 6144,
 Qwen-Image 3072, Z-Image 3840), so only their depth shrinks (one block of each kind: Flux 0.5 B parameters, Flux.2
 2.3 B, Qwen-Image 0.4 B, Z-Image 1 B); Wan, SD3.5 and LTX-Video read their width from the weights and shrink to a few
-million.
+million, and LTX-2 reads its audio stream's widths from the file's metadata, as its released files carry them.
 Text encoders are not built: ComfyUI builds them at fixed full sizes (T5-XXL alone is 4.7 B parameters);
 the `OverdriveBuiltinConditioning` node gives these models conditioning of the right shape instead.
 """
@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import pathlib
 import re
 from typing import Dict, NamedTuple, Optional
@@ -59,6 +60,8 @@ class Family(NamedTuple):
                          # guidance-distilled: CFG 1, one model call a step)
     cpu_suite: bool = True  # whether the CPU test suite runs the tiny file (Flux.2's, 2.3 B parameters, is the GPU
                             # tests' alone: tests/test_flux2_gpu.py)
+    file_config: tuple = ()  # unet_config keys that detection reads from the file's metadata ({"config":
+                             # {"transformer": {...}}}), not from the weights' shapes (LTX-2's audio stream)
 
 
 FAMILIES: Dict[str, Family] = {
@@ -134,6 +137,19 @@ FAMILIES: Dict[str, Family] = {
         "ltxv", dict(tokens=128, width=4096, prompt_share=0.25),
         dict(channels=128, spatial=32, frames=True, video=True, temporal=8),
         dict(cfg=3.0, steps=20)),
+    "ltx2": Family(  # LTX-2 (18.9 B): 48 blocks, each a video stream (32 heads x 128) and an audio stream (32 x 64)
+        # with cross-attention between them; Gemma 3's output through two connectors, video and audio side by side
+        # (2 x 3,840 wide), which pad it with learned registers to at least 1,024 tokens. Its latent is LTXV Concat AV
+        # Latent's: the video's (LTX-Video's VAE compression) and the audio's (8 channels x 16 mel bins, 25 latents
+        # a second of video at 25 fps), packed as one NestedTensor
+        "LTXAV", dict(image_model="ltxav", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
+        dict(num_layers=2, attention_head_dim=4, cross_attention_dim=128, audio_attention_head_dim=4,
+             audio_num_attention_heads=2, audio_cross_attention_dim=8),
+        "ltxv", dict(tokens=1024, width=7680),
+        dict(channels=128, spatial=32, frames=True, video=True, temporal=8,
+             audio=dict(channels=8, bins=16, per_second=25, frame_rate=25)),
+        dict(cfg=3.0, steps=20),
+        file_config=("audio_attention_head_dim", "audio_num_attention_heads", "audio_cross_attention_dim")),
 }
 
 CPU_SUITE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.cpu_suite)
@@ -215,14 +231,22 @@ def model_layout(family: str, size: str) -> Specs:
     comfy = _import_comfy()
     cfg, expected = unet_config(family, size), FAMILIES[family].model_class
     specs = _specs(build_model(family, size, torch.bfloat16, "meta").diffusion_model)
-    # The round trip: what detection reads back from these shapes must pick the same class, same config.
+    # The round trip: what detection reads back from these shapes (and the file's metadata) must pick the same class,
+    # same config.
     meta = {s.key: torch.empty(s.shape, device="meta") for s in specs}
-    detected = comfy.model_detection.detect_unet_config(meta, "")
+    detected = comfy.model_detection.detect_unet_config(meta, "", metadata=file_metadata(family, size))
     picked = comfy.model_detection.model_config_from_unet_config(detected, meta)
     differing = {k: (v, detected.get(k)) for k, v in cfg.items() if _norm(detected.get(k)) != _norm(v)}
     if type(picked).__name__ != expected or differing:
         raise AssertionError(f"{family}/{size}: detection reads {type(picked).__name__} back, differing {differing}")
     return specs
+
+
+def file_metadata(family: str, size: str) -> dict:
+    """The safetensors metadata that tells detection what the weights' shapes do not (empty for most families)."""
+    cfg = unet_config(family, size)
+    transformer = {key: cfg[key] for key in FAMILIES[family].file_config if key in cfg}
+    return {"config": json.dumps({"transformer": transformer})} if transformer else {}
 
 
 def _norm(value):
@@ -259,14 +283,16 @@ def default_directory() -> pathlib.Path:
     return cache_dir("dit")
 
 
-def _write(path: pathlib.Path, specs: Specs, seed: int, dtype: torch.dtype, tag: str) -> pathlib.Path:
+def _write(path: pathlib.Path, specs: Specs, seed: int, dtype: torch.dtype, tag: str,
+           metadata: Optional[dict] = None) -> pathlib.Path:
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     by_key = {s.key: s for s in specs}
     write_safetensors(path, [(s.key, s.shape) for s in specs], dtype,
                       make=lambda key: make_tensor(by_key[key], seed, dtype),
-                      metadata={"overdrive_generated": tag, "overdrive_generator_version": str(GENERATOR_VERSION)})
+                      metadata={**(metadata or {}), "overdrive_generated": tag,
+                                "overdrive_generator_version": str(GENERATOR_VERSION)})
     return path
 
 
@@ -286,7 +312,7 @@ def ensure_diffusion_model(family: str, size: str, seed: int, directory: pathlib
     """A diffusion-model file (UNETLoader's `models/diffusion_models`), generated once; same arguments, same bytes."""
     specs = model_layout(family, size)
     return _write(directory / _name("dit", family, size, seed, dtype, specs), specs, seed, dtype,
-                  f"{family}/{size}/{seed}")
+                  f"{family}/{size}/{seed}", file_metadata(family, size))
 
 
 def ensure_vae(family: str, size: str, seed: int, directory: pathlib.Path,
@@ -314,14 +340,27 @@ def conditioning(family: str, seed: int, tokens: int = 0) -> list:
     return [[torch.randn(1, tokens, cond["width"], generator=generator), extras]]
 
 
-def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: int = 1) -> torch.Tensor:
+def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: int = 1):
     """Zeros of the family's latent shape: (batch, channels, height/s, width/s), with a time axis for the video-VAE
     families: (frames - 1) / t + 1 latent frames for a video family (t = 4 for Wan, 8 for LTX-Video), as ComfyUI's
     latent nodes make, and one for an image family (Qwen-Image: what ComfyUI's fix_empty_latent_channels makes of an
-    empty image latent)."""
+    empty image latent). LTX-2's is the video's and the audio's packed as LTXV Concat AV Latent packs them (the audio's
+    length as LTXV Empty Latent Audio makes it for those frames)."""
     latent = FAMILIES[family].latent
     s = latent["spatial"]
-    if latent["frames"]:
-        time = (frames - 1) // latent.get("temporal", 4) + 1 if latent["video"] else 1
-        return torch.zeros(batch, latent["channels"], time, height // s, width // s)
-    return torch.zeros(batch, latent["channels"], height // s, width // s)
+    if not latent["frames"]:
+        return torch.zeros(batch, latent["channels"], height // s, width // s)
+    time = (frames - 1) // latent.get("temporal", 4) + 1 if latent["video"] else 1
+    video = torch.zeros(batch, latent["channels"], time, height // s, width // s)
+    audio = latent.get("audio")
+    if audio is None:
+        return video
+    import comfy.nested_tensor
+    length = math.ceil(frames / audio["frame_rate"] * audio["per_second"])
+    return comfy.nested_tensor.NestedTensor((video, torch.zeros(batch, audio["channels"], length, audio["bins"])))
+
+
+def flat_latent(latent) -> torch.Tensor:
+    """A sampled latent as one tensor for fidelity checks: LTX-2's NestedTensor (video, audio) flattened and joined,
+    any other latent as it is."""
+    return torch.cat([t.flatten() for t in latent.unbind()]) if getattr(latent, "is_nested", False) else latent

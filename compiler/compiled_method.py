@@ -17,11 +17,14 @@ log = logging.getLogger("overdrive.compiler")
 def mark_shape_generic(args, kwargs) -> None:
     """dynamic='auto' at a second shape: compile one graph generic in every dimension of the tensor arguments
     (batch, height, width, prompt length) instead of letting Dynamo generalise one dimension per recompile.
-    PyTorch still specialises dimensions of size 1, so batch 1 and batch > 1 get one graph each."""
+    PyTorch still specialises dimensions of size 1, so batch 1 and batch > 1 get one graph each. Plain lists and
+    tuples are looked into, as shape_signature does: LTX-2's blocks take (video, audio)."""
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
             for dim in range(value.dim()):
                 torch._dynamo.maybe_mark_dynamic(value, dim)
+        elif type(value) in (list, tuple):
+            mark_shape_generic(value, {})
 
 
 def list_arguments(args, kwargs) -> list:
@@ -32,10 +35,13 @@ def list_arguments(args, kwargs) -> list:
 
 
 def shape_signature(args, kwargs) -> tuple:
-    """Shapes/dtypes/devices of the top-level tensor arguments: what decides whether a new graph is needed."""
+    """Shapes/dtypes/devices of the tensor arguments, top-level or in plain lists and tuples (LTX-2's (video, audio)):
+    what decides whether a new graph is needed."""
     def sig(value):
         if isinstance(value, torch.Tensor):
             return (tuple(value.shape), str(value.dtype), str(value.device))
+        if type(value) in (list, tuple):
+            return tuple(sig(item) for item in value)
         return None
     return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
 

@@ -29,10 +29,15 @@ WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "f
             "ltxv": "compile_ltxv_api.json"}
 
 
+# Families without a workflow of their own run another's graph: their own diffusion model, VAE, conditioning and empty
+# latent, cfg and steps as they are used. LTX-2 runs LTX-Video's (video only: its audio latent needs an audio VAE,
+# which the built-in files do not have; the model samples an empty audio stream).
+SHARED_GRAPH = {"ltx2": "compile_ltxv_api.json"}
+
+
 def dit_workflow(family: str) -> dict:
-    """Flux.2, Chroma, Z-Image and SD3.5 share Flux's graph: their own diffusion model, VAE, conditioning and empty
-    latent, cfg and steps as they are used."""
-    workflow = load_workflow("compile_flux_api.json")
+    """Flux.2, Chroma, Z-Image and SD3.5 share Flux's graph, LTX-2 LTX-Video's (SHARED_GRAPH)."""
+    workflow = load_workflow(SHARED_GRAPH.get(family, "compile_flux_api.json"))
     latent_node = FAMILIES[family].latent.get("node")
     if latent_node:
         next(n for n in workflow.values() if n["class_type"] == "EmptySD3LatentImage")["class_type"] = latent_node

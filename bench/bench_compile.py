@@ -342,7 +342,15 @@ def main():
         patcher = make(variant)
         graphs_before = dynamo_graph_count()
         first_call = []
-        first_out, first = sample(patcher, first_call)
+        try:
+            first_out, first = sample(patcher, first_call)
+        except Exception as error:  # noqa: BLE001 - a peer that cannot run this family (ComfyUI's EasyCache indexes
+            # LTX-2's [video, audio] input as one tensor): its row says why, and the other variants still run
+            report.setdefault("failed", []).append({"variant": variant, "error": f"{type(error).__name__}: {error}"})
+            print(json.dumps(report["failed"][-1]), flush=True)
+            del patcher
+            comfy.model_management.unload_all_models()
+            continue
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []

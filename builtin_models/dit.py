@@ -1,5 +1,6 @@
-"""Built-in DiT families (Flux.1-dev, Flux.2, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video, LTX-2): diffusion-model
-files for UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout ComfyUI loads.
+"""Built-in DiT families (Flux.1-dev, Flux.2, Chroma, Qwen-Image, Wan 2.2, Z-Image, SD3.5, LTX-Video, LTX-2):
+diffusion-model files for UNETLoader and VAE files for VAELoader, with fixed-seed random weights, in exactly the layout
+ComfyUI loads.
 
 The layout is read off ComfyUI's own classes, built on the meta device (no memory, no weights) at the config
 that ComfyUI's detection (comfy/model_detection.py) returns for them; `layout` checks that round trip, so a file

@@ -7,8 +7,9 @@ class OverdriveBuiltinConditioning:
     DESCRIPTION = ("Fixed-seed random conditioning in the shape a family's text encoders produce (Flux: T5-XXL tokens "
                    "and a CLIP-L pooled vector; Flux.2: Mistral Small 3.1's stacked hidden layers; Chroma: T5-XXL; "
                    "Qwen-Image: Qwen2.5-VL; Wan: UMT5-XXL; Z-Image: Qwen3; SD3.5: T5 and pooled CLIP-L/G; LTX-Video: "
-                   "T5-XXL with its padding mask; LTX-2: Gemma 3 through its video and audio connectors). It is for Overdrive's built-in test models, whose weights are random "
-                   "too. With real checkpoints use your text encoder loader and CLIP Text Encode instead.")
+                   "T5-XXL with its padding mask; LTX-2: Gemma 3 through its video and audio connectors). It is for "
+                   "Overdrive's built-in test models, whose weights are random too. With real checkpoints use your "
+                   "text encoder loader and CLIP Text Encode instead.")
     CATEGORY = "overdrive/testing"
     RETURN_TYPES = ("CONDITIONING", "CONDITIONING")
     RETURN_NAMES = ("positive", "negative")

@@ -17,6 +17,26 @@ LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLat
                 "EmptyLTXVLatentVideo", "EmptyFlux2LatentImage")
 
 
+# The DiT families without a workflow file of their own run another's graph with their own diffusion model, VAE,
+# conditioning and empty latent, cfg and steps as they are used. LTX-2 runs LTX-Video's, video only: its audio latent
+# needs an audio VAE, which the built-in files do not have (ComfyUI's LTX audio nodes also need torchaudio, which
+# scripts/install.sh leaves out), and the model samples an empty audio stream.
+SHARED_GRAPH = {"ltx2": "compile_ltxv_api.json"}
+
+
+def dit_workflow(family: str) -> dict:
+    """Flux.2, Chroma, Z-Image and SD3.5 share Flux's graph, LTX-2 LTX-Video's (SHARED_GRAPH)."""
+    workflow = load_workflow(SHARED_GRAPH.get(family, "compile_flux_api.json"))
+    latent_node = FAMILIES[family].latent.get("node")
+    if latent_node:
+        next(n for n in workflow.values() if n["class_type"] == "EmptySD3LatentImage")["class_type"] = latent_node
+    model, vae = BUILTIN_DIT_NAMES[family]
+    set_inputs(workflow, "UNETLoader", unet_name=model)
+    set_inputs(workflow, "VAELoader", vae_name=vae)
+    set_inputs(workflow, "OverdriveBuiltinConditioning", family=family)
+    return set_inputs(workflow, "KSampler", **FAMILIES[family].sampling)
+
+
 def set_latent_size(workflow: dict, width: int, height: int, frames=None) -> dict:
     """Size every empty-latent node of `workflow`, whichever the family uses (and its frames, for video)."""
     for node in workflow.values():

@@ -2,7 +2,7 @@
 eager vs Overdrive timings printed and Overdrive's image saved.
 
   python scripts/run_main.py                           # built-in SD1.5 checkpoint (generated, fixed seed)
-  python scripts/run_main.py --arch flux               # flux | qwen_image | wan22 | zimage | sd35 | sd15 | sdxl
+  python scripts/run_main.py --arch flux               # or any DiT family of builtin_models/dit.py, sd15, sdxl
   python scripts/run_main.py --checkpoint my.safetensors --arch sdxl
 
 Without a GPU it runs small (256², 8 steps; 5 frames for video) so it finishes in minutes; --size/--steps override.
@@ -19,33 +19,13 @@ import torch
 
 from overdrive.builtin_models import ensure_checkpoint
 from overdrive.runner import ComfyClient, ComfyServer
-from overdrive.builtin_models.dit import FAMILIES
-from overdrive.runner.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin_dit_files, load_workflow,
+from overdrive.runner.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin_dit_files, dit_workflow, load_workflow,
                                         model_paths_config, set_inputs, set_latent_size, without_overdrive)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "flux": "compile_flux_api.json",
             "qwen_image": "compile_qwen_image_api.json", "wan22": "compile_wan22_api.json",
             "ltxv": "compile_ltxv_api.json"}
-
-
-# Families without a workflow of their own run another's graph: their own diffusion model, VAE, conditioning and empty
-# latent, cfg and steps as they are used. LTX-2 runs LTX-Video's (video only: its audio latent needs an audio VAE,
-# which the built-in files do not have; the model samples an empty audio stream).
-SHARED_GRAPH = {"ltx2": "compile_ltxv_api.json"}
-
-
-def dit_workflow(family: str) -> dict:
-    """Flux.2, Chroma, Z-Image and SD3.5 share Flux's graph, LTX-2 LTX-Video's (SHARED_GRAPH)."""
-    workflow = load_workflow(SHARED_GRAPH.get(family, "compile_flux_api.json"))
-    latent_node = FAMILIES[family].latent.get("node")
-    if latent_node:
-        next(n for n in workflow.values() if n["class_type"] == "EmptySD3LatentImage")["class_type"] = latent_node
-    model, vae = BUILTIN_DIT_NAMES[family]
-    set_inputs(workflow, "UNETLoader", unet_name=model)
-    set_inputs(workflow, "VAELoader", vae_name=vae)
-    set_inputs(workflow, "OverdriveBuiltinConditioning", family=family)
-    return set_inputs(workflow, "KSampler", **FAMILIES[family].sampling)
 
 
 def main():

@@ -1,7 +1,7 @@
 """LTX-2 (ComfyUI's LTXAV: video and audio in one model): what tests/test_dit_families.py (which runs every node on
 its built-in tiny file too) does not see. Its blocks take and return (video, audio) tuples (families/ltxv.py, `LTX2`),
 its latent is LTXV Concat AV Latent's NestedTensor, and Quantize Model calibrates on that latent and keeps both streams'
-prompt-only projections in float."""
+prompt-only projections in float. The main job's video-only graph for it runs through a real ComfyUI server."""
 import logging
 import re
 
@@ -64,3 +64,19 @@ def test_quantize_model_names_the_latents_it_takes(nodes, base, family):
         nodes["OverdriveQuantizeModel"]().quantize(base, format="int8", positive=conditioning(family, 1),
                                                    negative=conditioning(family, 2), latent={"samples": [1, 2]})
 
+
+
+def test_the_video_only_workflow_runs_through_the_server_as_eager_does(client, server):
+    """`run_main.py --arch ltx2`'s graph (LTX-Video's workflow with LTX-2's files, an empty audio stream) queued over
+    ComfyUI's HTTP API: Compile Model's final latent is eager's."""
+    from test_server import TOLERANCE, latent_of, relative_error, small, with_latent_output
+
+    from overdrive.runner.workflows import dit_workflow, without_overdrive
+
+    workflow = small(dit_workflow("ltx2"))
+    eager = client.run(with_latent_output(without_overdrive(workflow), "ltx2-eager"))
+    compiled = client.run(with_latent_output(workflow, "ltx2-compiled"))
+    reference, out = latent_of(eager, server), latent_of(compiled, server)
+    assert out.shape == (1, 128, 1, 2, 2) and torch.isfinite(out).all()
+    assert relative_error(out, reference) < TOLERANCE
+    assert "Overdrive compiled BasicAVTransformerBlock" in server.log_text()

@@ -24,6 +24,7 @@ import torch
 from overdrive.attention.choice import AttentionConfig
 from overdrive.builtin_models import dit
 from overdrive.families import registered as dit_families
+from overdrive.latents import latent_parts
 from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
 from report import add_speedups, compile_phases, environment, finish, profile_run, sync_sources, write_report
 
@@ -333,9 +334,9 @@ def main():
         return dit.flat_latent(out), time.perf_counter() - start  # LTX-2's video and audio as one tensor
 
     results, reference, reference_call, calibration = [], None, None, {}
-    shapes = [list(t.shape) for t in latent.unbind()] if getattr(latent, "is_nested", False) else list(latent.shape)
+    shapes = [list(t.shape) for t in latent_parts(latent)]  # LTX-2's: the video's and the audio's
     report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
-              "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": shapes, "batch": 1,
+              "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": shapes[0] if len(shapes) == 1 else shapes, "batch": 1,
               "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
         restore_activations = slow_activations() if "tanh-gelu" in variant.split("+") else None

@@ -25,6 +25,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
+from ..latents import latent_parts
 from ..storage import cache_dir
 from .tensors import Specs, TensorSpec
 from .weights import SMALL_GAIN, make_tensor
@@ -364,4 +365,5 @@ def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: i
 def flat_latent(latent) -> torch.Tensor:
     """A sampled latent as one tensor for fidelity checks: LTX-2's NestedTensor (video, audio) flattened and joined,
     any other latent as it is."""
-    return torch.cat([t.flatten() for t in latent.unbind()]) if getattr(latent, "is_nested", False) else latent
+    parts = latent_parts(latent)
+    return torch.cat([t.flatten() for t in parts]) if len(parts) > 1 else latent

@@ -8,6 +8,7 @@ import torch
 import comfy.sample
 import comfy.utils
 
+from ..latents import latent_parts  # the first part is the image or video the calibration is keyed and described by
 from ..quantization import resolution_bucket
 
 log = logging.getLogger("overdrive")
@@ -54,15 +55,6 @@ def natural_latent(model) -> torch.Tensor:
                          f"models. Connect the latent input (e.g. your Empty Latent Image).")
     channels = getattr(latent_format, "latent_channels", 4)
     return torch.zeros(1, channels, pixels // 8, pixels // 8)
-
-
-def latent_parts(samples) -> list:
-    """A LATENT's samples as tensors: itself, or the parts of a nested latent (LTX-2's video and audio, which
-    LTXVConcatAVLatent packs into a `comfy.nested_tensor.NestedTensor`, not a torch.Tensor). The first part is the
-    image or video whose size the calibration is keyed and described by."""
-    if not isinstance(samples, torch.Tensor) and getattr(samples, "is_nested", False) and hasattr(samples, "unbind"):
-        return list(samples.unbind())
-    return [samples]
 
 
 def _check_conditioning(name, value):

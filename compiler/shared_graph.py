@@ -230,11 +230,21 @@ def _own_copy(out):
     return out
 
 
-def _first_device(args, kwargs) -> torch.device:
-    for value in list(args) + list(kwargs.values()):
+def first_device(values) -> torch.device | None:
+    """The device of the first tensor in `values`, looking into lists and tuples (LTX-2's model and blocks take
+    [video, audio]); None when there is none."""
+    for value in values:
         if isinstance(value, torch.Tensor):
             return value.device
-    return torch.device("cpu")
+        if isinstance(value, (list, tuple)):
+            device = first_device(value)
+            if device is not None:
+                return device
+    return None
+
+
+def _first_device(args, kwargs) -> torch.device:
+    return first_device(list(args) + list(kwargs.values())) or torch.device("cpu")
 
 
 _registry: dict[tuple, SharedGraph] = {}

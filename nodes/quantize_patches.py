@@ -18,6 +18,7 @@ import comfy.lora
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
+from ..compiler.shared_graph import first_device
 from ..quantization.cache import tensor_hash
 from ..quantization.modules import requantize
 from .load_state import forget_load_state
@@ -193,7 +194,7 @@ def return_hook(follower: QuantizedModules):
     def hook(tree, args):
         if tree.get_submodule(name) is not original:
             return  # the quantized model (or another) runs: nothing to bring back
-        device = _first_device(args)
+        device = first_device(args)
         if device is not None:
             move(originals.values(), device)
         handle.remove()
@@ -202,18 +203,6 @@ def return_hook(follower: QuantizedModules):
             live.return_hook = None
     handle = follower.tree.register_forward_pre_hook(hook)
     return handle
-
-
-def _first_device(values) -> torch.device | None:
-    """The device of the first tensor in `values`, looking into lists and tuples (LTX-2's model takes [video, audio])."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.device
-        if isinstance(value, (list, tuple)):
-            device = _first_device(value)
-            if device is not None:
-                return device
-    return None
 
 
 def on_device(module) -> torch.device | None:

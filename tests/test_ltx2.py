@@ -65,7 +65,6 @@ def test_quantize_model_names_the_latents_it_takes(nodes, base, family):
                                                    negative=conditioning(family, 2), latent={"samples": [1, 2]})
 
 
-
 def test_the_video_only_workflow_runs_through_the_server_as_eager_does(client, server):
     """`run_main.py --arch ltx2`'s graph (LTX-Video's workflow with LTX-2's files, an empty audio stream) queued over
     ComfyUI's HTTP API: Compile Model's final latent is eager's."""

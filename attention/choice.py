@@ -36,9 +36,6 @@ class AttentionConfig:
     # digits (1.56e-2 / 1.06e-2 and 1.23e-2 / 9.8e-3 against CompileModel, bench/README.md): next to the fp8 GEMMs
     # it adds nothing measurable, while a 3 % bound kept SDPA on both.
     max_error: float = 0.05
-    # Where cuDNN's fp8 graph is chosen, a block traced at that shape casts Q, K, V inside the compiled graph
-    # (traced.py). Off: the backend's own casts at run time (bench/bench_compile.py's A/B, `opaque-attention`).
-    fused_casts: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -148,22 +148,17 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
 class _Graph:
     """One built cuDNN fp8 SDPA graph for a (shape, sm_scale, device)."""
 
-    def __init__(self, shape_q, shape_kv, sm_scale, device, heuristics=("A", "FALLBACK"), strides=None,
-                 tokens_major_out=False):
-        """`strides`: Q's, K's and V's (contiguous if None); `tokens_major_out`: the output written as (batch,
-        tokens, heads, head dim) instead of (batch, heads, tokens, head dim)."""
+    def __init__(self, shape_q, shape_kv, sm_scale, device, heuristics=("A", "FALLBACK")):
         self.handle = cudnn.create_handle()
         e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,
                               handle=self.handle)
 
-        def contiguous(shape):
+        def contiguous(name, shape):
             b, h, s, d = shape
-            return [h * s * d, s * d, d, 1]
+            return graph.tensor(name=name, dim=list(shape), stride=[h * s * d, s * d, d, 1], data_type=e4m3)
 
-        strides = strides or (contiguous(shape_q), contiguous(shape_kv), contiguous(shape_kv))
-        self.q, self.k, self.v = (graph.tensor(name=name, dim=list(shape), stride=list(stride), data_type=e4m3)
-                                  for name, shape, stride in zip("qkv", (shape_q, shape_kv, shape_kv), strides))
+        self.q, self.k, self.v = contiguous("q", shape_q), contiguous("k", shape_kv), contiguous("v", shape_kv)
         scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
         self.scales = [graph.tensor(name=n, **scalar) for n in ("dq", "dk", "dv", "ds", "ss", "so")]
         out, _, amax_s, amax_o = graph.sdpa_fp8(q=self.q, k=self.k, v=self.v, descale_q=self.scales[0],
@@ -172,8 +167,7 @@ class _Graph:
                                                 scale_o=self.scales[5], is_inference=True, attn_scale=sm_scale,
                                                 use_causal_mask=False, name="overdrive_fp8_attention")
         b, h, s, d = shape_q
-        out_stride = [s * h * d, d, h * d, 1] if tokens_major_out else contiguous(shape_q)
-        out.set_output(True).set_dim(list(shape_q)).set_stride(out_stride).set_data_type(e4m3)
+        out.set_output(True).set_dim(list(shape_q)).set_stride([h * s * d, s * d, d, 1]).set_data_type(e4m3)
         for amax in (amax_s, amax_o):
             amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
         self.out, self.amax = out, (amax_s, amax_o)
@@ -189,23 +183,15 @@ class _Graph:
         self.amax_out = torch.empty(2, dtype=torch.float32, device=device)  # cuDNN's amax outputs, not used
         self.operands: dict = {}  # CUDA stream -> _Operands
 
-    def pack(self, q8, k8, v8, out8, scales) -> dict:
-        """cuDNN's variant pack: the graph's tensors -> these buffers; scales = [dq, dk, dv, 1 / dv]. P in [0, 1] is
-        stored times 448 (descale_s 1/448, scale_s 448); O's rows are convex combinations of V's rows, so
-        |O| <= amax(V): O's scale is 1 / dv."""
-        values = (scales[0:1], scales[1:2], scales[2:3], self.constants[0:1], self.constants[1:2], scales[3:4])
-        return {self.q: q8, self.k: k8, self.v: v8, self.out: out8, self.amax[0]: self.amax_out[0:1],
-                self.amax[1]: self.amax_out[1:2], **dict(zip(self.scales, values))}
-
     def operands_for(self, stream) -> "_Operands":
         operands = self.operands.get(stream.cuda_stream)
         if operands is None:
             operands = self.operands[stream.cuda_stream] = _Operands(self, stream.device)
         return operands
 
-    def run(self, pack: dict, stream) -> None:
+    def run(self, operands: "_Operands", stream) -> None:
         cudnn.set_stream(handle=self.handle, stream=stream.cuda_stream)
-        self.graph.execute(pack, self.workspace, handle=self.handle)
+        self.graph.execute(operands.pack, self.workspace, handle=self.handle)
 
 
 class _Casts:
@@ -231,16 +217,21 @@ class _Operands(_Casts):
     def __init__(self, graph: _Graph, device):
         super().__init__(graph.shape_q, graph.shape_kv, device)
         self.out8 = torch.empty(graph.shape_q, dtype=torch.float8_e4m3fn, device=device)
-        self.pack = graph.pack(self.q8, self.k8, self.v8, self.out8, self.scales)
+        # P in [0, 1] is stored times 448 (descale_s 1/448, scale_s 448); O's rows are convex combinations of V's
+        # rows, so |O| <= amax(V): O's scale is 1 / dv.
+        scales, constants = self.scales, graph.constants
+        values = (scales[0:1], scales[1:2], scales[2:3], constants[0:1], constants[1:2], scales[3:4])
+        self.pack = {graph.q: self.q8, graph.k: self.k8, graph.v: self.v8, graph.out: self.out8,
+                     graph.amax[0]: graph.amax_out[0:1], graph.amax[1]: graph.amax_out[1:2],
+                     **dict(zip(graph.scales, values))}
 
 
-def _graph(shape_q, shape_kv, sm_scale, device, strides=None, tokens_major_out=False) -> _Graph:
-    key = (tuple(shape_q), tuple(shape_kv), sm_scale, str(device), strides, tokens_major_out)
+def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
+    key = (tuple(shape_q), tuple(shape_kv), sm_scale, str(device))
     with _lock:
         graph = _graphs.get(key)
         if graph is None:
-            graph = _graphs[key] = _Graph(shape_q, shape_kv, sm_scale, device, strides=strides,
-                                          tokens_major_out=tokens_major_out)
+            graph = _graphs[key] = _Graph(shape_q, shape_kv, sm_scale, device)
     return graph
 
 
@@ -282,19 +273,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     stream = torch.cuda.current_stream(q.device)
     operands = graph.operands_for(stream)
     quantize(q, k, v, operands)
-    graph.run(operands.pack, stream)
+    graph.run(operands, stream)
     return dequantize_output(operands.out8, operands.scales, q.dtype, operands)
-
-
-def run_quantized(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The graph alone on e4m3 (batch, heads, tokens, head dim) inputs already cast (traced.py casts them inside the
-    compiled graph), any strides with the head dim contiguous; scales = [dq, dk, dv, 1 / dv]. Returns e4m3 O / dv as
-    (batch, tokens, heads, head dim), contiguous. The variant pack is built at each call (the buffers are the
-    caller's); inside a block's CUDA graph only the replay runs."""
-    strides = tuple(tuple(t.stride()) for t in (q8, k8, v8))
-    graph = _graph(q8.shape, k8.shape, q8.shape[-1] ** -0.5, q8.device, strides=strides, tokens_major_out=True)
-    batch, heads, tokens, dim = q8.shape
-    out8 = torch.empty((batch, tokens, heads, dim), dtype=q8.dtype, device=q8.device)
-    # cuDNN addresses the (batch, heads, tokens, dim) tensor it was built for; the buffer is its tokens-major layout.
-    graph.run(graph.pack(q8, k8, v8, out8, scales.float().contiguous()), torch.cuda.current_stream(q8.device))
-    return out8

@@ -208,8 +208,7 @@ def main():
         percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
         where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
         tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
-        `slow_activations`). 'opaque-attention': with attn, cuDNN's fp8 attention keeps its own casts (the A/B of
-        attention/traced.py). 'eager' alone is the baseline."""
+        `slow_activations`). 'eager' alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
         fixed = next((p for p in parts if p.startswith("deepcache")), None)  # "deepcache4": that interval
@@ -224,11 +223,8 @@ def main():
             mode = "8bit" if attn.startswith("attn8bit") else "auto"
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
-        # 'opaque-attention': cuDNN's fp8 attention with its own casts at run time, not in the compiled graph
-        # (AttentionConfig.fused_casts off: the A/B of attention/traced.py)
-        opaque = "opaque-attention" in parts
         unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
-                                 "float-memory-bound", window, "tanh-gelu", "comfy-syncs", "opaque-attention"}
+                                 "float-memory-bound", window, "tanh-gelu", "comfy-syncs"}
                    - set(compile_options))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -240,10 +236,6 @@ def main():
                                    format={"int8": "int8", "fp8": "fp8_e4m3"}[fmt], positive=positive,
                                    negative=negative, latent={"samples": latent}, **attention,
                                    weight_only="float-memory-bound" not in parts)
-                if opaque and attn:
-                    from overdrive.nodes.attention_override import install_attention
-                    install_attention(patcher, AttentionConfig(attention["attention"], attention["attention_max_error"],
-                                                               fused_casts=False))
                 sync()
                 calibration[variant] = time.perf_counter() - start
         if "peer" in parts:

@@ -16,7 +16,6 @@ from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive
 from overdrive.attention import reference as ref
 from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, pick
 from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_transformer_options
-from overdrive.compiler.trace_state import tracing_static_shapes
 
 
 def qkv(shape, seed=0, k_offset=0.0):
@@ -145,76 +144,6 @@ def test_custom_op_runs_sdpa_off_the_gpu_and_compiles_with_its_fake():
     torch.testing.assert_close(f(q, k, v), expected.reshape(2, 50, -1))
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), expected.reshape(2, 50, -1))
-
-
-@pytest.fixture()
-def chosen_cudnn_fp8():
-    """The chooser's record that cuDNN's fp8 graph won at a shape (the CPU cannot measure it), removed after."""
-    from overdrive.attention.choice import CHOOSER
-    keys = []
-
-    def choose(q, k, config, batch=None):
-        shape_q = (batch or q.shape[0], *q.shape[1:])
-        shape_k = (batch or k.shape[0], *k.shape[1:])
-        keys.append((shape_q, shape_k, str(q.dtype), str(q.device), config))
-        CHOOSER.choices[keys[-1]] = "cudnn_fp8"
-    yield choose
-    for key in keys:
-        CHOOSER.choices.pop(key, None)
-
-
-def test_traced_fp8_attention_puts_the_casts_in_the_compiled_graph(chosen_cudnn_fp8):
-    """A block traced at a shape the chooser gave to cuDNN's fp8 graph casts Q, K, V in the compiled code around
-    `overdrive::cudnn_fp8_sdpa` (here its float32 arithmetic, off the GPU); any other shape, a shape-generic graph or
-    eager code keep the run-time op."""
-    from overdrive.attention import op
-    config = AttentionConfig("auto", 0.05)
-    scale = torch.linspace(0.5, 2.0, 64, dtype=torch.bfloat16)
-
-    def block(x):
-        q = torch.nn.functional.rms_norm(x, (64,)) * scale  # the producers the casts should fuse into
-        return op.attend(q, q.flip(2) + 0.5, x * 2, config).reshape(x.shape[0], x.shape[2], -1) * 3
-
-    x = torch.randn(1, 4, 300, 64, dtype=torch.bfloat16)
-    exact = block(x.float().bfloat16())  # eager: the op, SDPA off the GPU
-    chosen_cudnn_fp8(x, x, config, batch=2)  # measured at another batch (calibration's CFG): stands in
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    def compiled(fn, x, static=True, **options):
-        """Compiled as Overdrive's compiler does: its first shape traced with static sizes (trace_state.py)."""
-        torch._dynamo.reset()
-        with tracing_static_shapes(static):
-            return torch.compile(fn, fullgraph=True, **options)(x)
-
-    out = compiled(block, x, backend=backend)
-    calls = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
-    assert any("cudnn_fp8_sdpa" in c for c in calls) and not any("overdrive.attention" in c for c in calls), calls
-    err = ref.relative_error(out.float(), exact.float())
-    assert 0.005 < err < 0.1, err  # e4m3 inputs and output (~6 % on random inputs, as cuDNN's graph)
-    fused = compiled(block, x)  # Inductor's kernels: e4m3 rounding may differ by a step
-    assert ref.relative_error(fused.float(), exact.float()) < 0.1
-    if hasattr(torch._dynamo.config, "enable_aot_compile"):  # as compiler/precompiled.py builds and saves a frame
-        torch._dynamo.reset()
-        with torch._dynamo.config.patch(enable_aot_compile=True), tracing_static_shapes(True):
-            frame = torch.compile(block, fullgraph=True).aot_compile(((x,), {}))
-        assert type(frame).serialize(frame).serialized_data
-        assert ref.relative_error(frame(x).float(), exact.float()) < 0.1
-
-    def keeps_the_op(x, **options):
-        graphs.clear()
-        compiled(block, x, backend=backend, **options)
-        return not any("cudnn_fp8_sdpa" in str(n.target) for n in graphs[0].graph.nodes)
-
-    assert keeps_the_op(torch.randn(1, 4, 200, 64, dtype=torch.bfloat16))  # a shape never measured
-    assert keeps_the_op(x, static=False, dynamic=True)  # a later shape's trace, here shape-generic
-    config = AttentionConfig("auto", 0.05, fused_casts=False)  # off: the op (block reads `config` when traced)
-    chosen_cudnn_fp8(x, x, config)
-    assert keeps_the_op(x)
-    torch._dynamo.reset()
 
 
 @pytest.fixture()

@@ -16,6 +16,7 @@ import torch
 
 from overdrive.builtin_models import dit
 from overdrive.families import family_of
+from overdrive.latents import latent_parts
 from overdrive.quantization import QuantConfig, apply_modules, plan_quantization, restore_modules
 from overdrive.quantization.candidates import keeping_float
 from overdrive.runner.inprocess import build_dit_model, import_comfy
@@ -46,8 +47,15 @@ def group_of(name: str) -> tuple:
     return name.split(".")[0], re.sub(r"\.\d+(?=\.|$)", "", name)
 
 
+def flat(output) -> torch.Tensor:
+    """A model call's output as one float vector (LTX-2's is a list: video, audio)."""
+    parts = output if isinstance(output, (list, tuple)) else latent_parts(output)
+    return torch.cat([part.float().flatten() for part in parts])
+
+
 def relative_error(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    a, b = flat(a), flat(b)
+    return ((a - b).norm() / b.norm()).item()
 
 
 def main():

@@ -16,7 +16,6 @@ import torch
 
 from overdrive.builtin_models import dit
 from overdrive.families import family_of
-from overdrive.latents import latent_parts
 from overdrive.quantization import QuantConfig, apply_modules, plan_quantization, restore_modules
 from overdrive.quantization.candidates import keeping_float
 from overdrive.runner.inprocess import build_dit_model, import_comfy
@@ -47,14 +46,8 @@ def group_of(name: str) -> tuple:
     return name.split(".")[0], re.sub(r"\.\d+(?=\.|$)", "", name)
 
 
-def flat(output) -> torch.Tensor:
-    """A model call's output as one float vector (LTX-2's is a list: video, audio)."""
-    parts = output if isinstance(output, (list, tuple)) else latent_parts(output)
-    return torch.cat([part.float().flatten() for part in parts])
-
-
 def relative_error(a, b) -> float:
-    a, b = flat(a), flat(b)
+    a, b = dit.flat_latent(a).float(), dit.flat_latent(b).float()  # LTX-2's output: the list (video, audio)
     return ((a - b).norm() / b.norm()).item()
 
 

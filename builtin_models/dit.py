@@ -363,7 +363,7 @@ def empty_latent(family: str, width: int, height: int, frames: int = 1, batch: i
 
 
 def flat_latent(latent) -> torch.Tensor:
-    """A sampled latent as one tensor for fidelity checks: LTX-2's NestedTensor (video, audio) flattened and joined,
-    any other latent as it is."""
-    parts = latent_parts(latent)
-    return torch.cat([t.flatten() for t in parts]) if len(parts) > 1 else latent
+    """A sampled latent or a model call's output as one tensor for fidelity checks: LTX-2's NestedTensor or list
+    (video, audio) flattened and joined, any other tensor as it is."""
+    parts = list(latent) if isinstance(latent, (list, tuple)) else latent_parts(latent)
+    return torch.cat([t.flatten() for t in parts]) if len(parts) > 1 else parts[0]

@@ -15,6 +15,7 @@ import time
 import torch
 
 from overdrive.builtin_models import dit
+from overdrive.deepcache.runner import relative_error
 from overdrive.families import family_of
 from overdrive.quantization import QuantConfig, apply_modules, plan_quantization, restore_modules
 from overdrive.quantization.candidates import keeping_float
@@ -44,11 +45,6 @@ def capture_calls(comfy, patcher, arch, res, frames, steps):
 def group_of(name: str) -> tuple:
     """(top-level module, the layer's name with block indices dropped)."""
     return name.split(".")[0], re.sub(r"\.\d+(?=\.|$)", "", name)
-
-
-def relative_error(a, b) -> float:
-    a, b = dit.flat_latent(a).float(), dit.flat_latent(b).float()  # LTX-2's output: the list (video, audio)
-    return ((a - b).norm() / b.norm()).item()
 
 
 def main():
@@ -84,7 +80,8 @@ def main():
             def error(names):
                 originals = apply_modules(model, {n: plan.modules[n] for n in names})
                 try:
-                    return relative_error(model(*a, **k), reference)
+                    # LTX-2's output is the list (video, audio)
+                    return relative_error(dit.flat_latent(model(*a, **k)), dit.flat_latent(reference))
                 finally:
                     restore_modules(model, originals)
             groups = collections.defaultdict(list)

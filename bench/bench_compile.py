@@ -336,7 +336,8 @@ def main():
     results, reference, reference_call, calibration = [], None, None, {}
     shapes = [list(t.shape) for t in latent_parts(latent)]  # LTX-2's: the video's and the audio's
     report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
-              "sampler": f"euler/{scheduler}", "cfg": cfg, "latent_shape": shapes[0] if len(shapes) == 1 else shapes, "batch": 1,
+              "sampler": f"euler/{scheduler}", "cfg": cfg, "batch": 1,
+              "latent_shape": shapes[0] if len(shapes) == 1 else shapes,  # one shape, as earlier result files have it
               "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
         restore_activations = slow_activations() if "tanh-gelu" in variant.split("+") else None

@@ -122,6 +122,18 @@ def slow_activations():
     return lambda: setattr(blockwise, "block_options", original)
 
 
+def gelu_apart():
+    """Until the returned function is called, Quantize Model fuses no MLP (quantization/gelu_fusion.py): fc1 writes
+    16 bits and GELU with fc2's input cast runs as an Inductor kernel of its own, for the whole of one variant's run."""
+    from overdrive.quantization import gelu_fusion
+    original = gelu_fusion.fuse
+    gelu_fusion.fuse = lambda tree, layers, dtype: {}
+    return lambda: setattr(gelu_fusion, "fuse", original)
+
+
+SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart}  # variant parts that change code for one run
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
@@ -208,7 +220,8 @@ def main():
         percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
         where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
         tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
-        `slow_activations`). 'eager' alone is the baseline."""
+        `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`). 'eager'
+        alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
         fixed = next((p for p in parts if p.startswith("deepcache")), None)  # "deepcache4": that interval
@@ -340,7 +353,7 @@ def main():
               "latent_shape": shapes[0] if len(shapes) == 1 else shapes,  # one shape, as earlier result files have it
               "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
-        restore_activations = slow_activations() if "tanh-gelu" in variant.split("+") else None
+        restores = [switch() for part, switch in SWITCHES.items() if part in variant.split("+")]
         patcher = make(variant)
         graphs_before = dynamo_graph_count()
         first_call = []
@@ -401,8 +414,8 @@ def main():
         # alive, and peak VRAM grew by a quantized model per step-cache variant): what is still alive, by device.
         row["live_8bit_gib_after_drop"] = live_quantized_gib()
         write_report(report, args.out)
-        if restore_activations is not None:
-            restore_activations()
+        for restore in restores:
+            restore()
 
     report["vae_decode"] = bench_vae(comfy, run_node, reference, args.repeats, args.arch) if args.vae else []
     add_speedups(results)

@@ -19,10 +19,12 @@ FORWARD = "diffusion_model.forward"
 
 
 def swapped_layers(model, prefix: str = "diffusion_model.") -> str:
-    """The layers `model`'s object patches swap in under `prefix` at load (QuantizeModel's 8-bit layers): a module
-    with them compiles to another graph than the same architecture without, so they key the graph."""
-    swaps = sorted(f"{key[len(prefix):]}:{type(value).__name__}" for key, value in model.object_patches.items()
-                   if key.startswith(prefix) and isinstance(value, torch.nn.Module))
+    """The layers (and module classes) `model`'s object patches swap in under `prefix` at load (QuantizeModel's 8-bit
+    layers, its fused MLPs' activations): a module with them compiles to another graph than the same architecture
+    without, so they key the graph."""
+    swaps = sorted(f"{key[len(prefix):]}:{value.__name__ if isinstance(value, type) else type(value).__name__}"
+                   for key, value in model.object_patches.items()
+                   if key.startswith(prefix) and isinstance(value, (torch.nn.Module, type)))
     return hashlib.sha256("|".join(swaps).encode()).hexdigest()[:16] if swaps else ""
 
 

@@ -9,6 +9,7 @@
 """
 import copy
 import hashlib
+import logging
 import uuid
 import weakref
 
@@ -19,10 +20,12 @@ import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
 from ..compiler.shared_graph import first_device
+from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
 from ..quantization.modules import requantize
 from .load_state import forget_load_state
 
+log = logging.getLogger("overdrive.quantization")
 PREFIX = "diffusion_model."
 LORA_AFTER_QUANTIZE = (
     "{key} belongs to a layer that Quantize Model (Overdrive) replaced with an 8-bit layer, so this LoRA (or other "
@@ -228,13 +231,26 @@ def followers(patcher) -> list:
     return patcher.model_options.get("transformer_options", {}).get("patches", {}).get(FOLLOWER, [])
 
 
+def compute_dtype(patcher) -> torch.dtype:
+    """The dtype ComfyUI runs the diffusion model in (BaseModel.apply_model's cast)."""
+    model = patcher.model
+    return getattr(model, "manual_cast_dtype", None) or model.get_dtype()
+
+
 def install(patcher, modules: dict) -> None:
-    """Object patches for the quantized layers, the LoRA-after guard and the device follower, on `patcher`."""
+    """Object patches for the quantized layers (and for the activations of the MLPs whose two fp8 GEMMs run as one
+    fused pair, quantization/gelu_fusion.py), the LoRA-after guard and the device follower, on `patcher`."""
     tree = patcher.model.diffusion_model
     originals = {name: tree.get_submodule(name) for name in modules}
     originals = {name: module for name, module in originals.items() if not hasattr(module, "load_float_weight")}
     for name, module in modules.items():
         patcher.add_object_patch(PREFIX + name, module)
+    fused = gelu_fusion.fuse(tree, modules, compute_dtype(patcher))
+    for name, cls in fused.items():
+        patcher.add_object_patch(f"{PREFIX}{name}.__class__", cls)
+    if fused:
+        log.info("Overdrive quantization: %d MLP(s) run their first fp8 GEMM, tanh-GELU and the second GEMM's input "
+                 "cast as one cuBLASLt kernel (fc1 writes e4m3).", len(fused))
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)

@@ -168,6 +168,42 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_sca
     return y
 
 
+def fp8_linear_gelu(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                    x_scale: torch.Tensor, x_inverse_scale: torch.Tensor, out_inverse_scale: torch.Tensor,
+                    fast_accum: bool = True) -> torch.Tensor:
+    """e4m3 tanh-GELU(x @ W^T + b) at the next layer's static input scale (`out_inverse_scale` = 1 / that scale): an
+    MLP's first fp8 GEMM, its activation and the second GEMM's input cast as one cuBLASLt kernel (`overdrive::
+    fp8_gemm_gelu`). x's own cast stays plain torch ops, so under torch.compile it fuses into x's producer."""
+    xq = _eager_fused(triton_kernels.quantize_tensor_fp8_static, quantize_tensor_fp8_static, x2d, x_inverse_scale)
+    return torch.ops.overdrive.fp8_gemm_gelu(xq, x_scale, w_fp8, w_scale, None if bias is None else bias.to(x2d.dtype),
+                                             out_inverse_scale, fast_accum)
+
+
+_cublaslt_state = {"ok": True}
+
+
+@torch.library.custom_op("overdrive::fp8_gemm_gelu", mutates_args=())
+def _fp8_gemm_gelu(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None, out_inverse_scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+    """cuBLASLt's fp8 GEMM with its GELU epilogue on CUDA; elsewhere, or if cuBLASLt fails, the same function as torch
+    ops (the fp8 GEMM writing 16 bits, tanh-GELU in float32, the cast)."""
+    if xq.is_cuda and _cublaslt_state["ok"]:
+        try:
+            from . import cublaslt
+            return cublaslt.fp8_gemm_gelu(xq, x_scale, w_fp8, w_scale, bias, out_inverse_scale, fast_accum)
+        except Exception as error:  # noqa: BLE001 - a missing or refusing cuBLASLt costs speed, never the run
+            _cublaslt_state["ok"] = False
+            log.warning("Overdrive quantization: cuBLASLt's fp8 GEMM + GELU kernel unavailable (%s); the MLPs run it "
+                        "as separate kernels.", error)
+    y = fp8_gemm(xq, x_scale, w_fp8, w_scale, bias, torch.bfloat16 if bias is None else bias.dtype, fast_accum)
+    return quantize_tensor_fp8_static(F.gelu(y.float(), approximate="tanh"), out_inverse_scale)
+
+
+@_fp8_gemm_gelu.register_fake
+def _(xq, x_scale, w_fp8, w_scale, bias, out_inverse_scale, fast_accum):
+    return xq.new_empty((xq.shape[0], w_fp8.shape[0]), dtype=FP8_DTYPE)
+
+
 # A compiled call with at most this many rows runs a weight-only layer as one fused reduction that reads the int8
 # weight once (a matrix-vector product is bound by reading the weight); more rows make it a GEMM again. On CUDA the
 # Triton kernel below does it instead, for up to triton_kernels.WEIGHT_ONLY_MAX_ROWS rows.

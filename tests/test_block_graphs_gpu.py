@@ -177,6 +177,36 @@ def run_chain(blocks, graphs, x, side, scale=1.0):
 
 
 @torch.inference_mode()
+def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apart(nodes, base, family, sample):
+    """Quantize Model in fp8 (every layer) on the GPU: Flux's and Qwen-Image's MLPs run fc1 + tanh-GELU + fc2's cast
+    as cuBLASLt's fused kernel, eager and in the replayed blocks; per model call the replay matches the fused model
+    eager, and the fused model stays within bf16 rounding of the same layers run apart (fc1's output is no longer
+    rounded to bf16 before GELU)."""
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.nodes.quantize_patches import quantized_modules
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    quantized = nodes["OverdriveQuantizeModel"]().quantize(
+        base, format="fp8_e4m3", compute_density_threshold=0.0, min_speedup=0.0, calibration_steps=1,
+        positive=conditioning(family, 1), negative=conditioning(family, 2),
+        latent={"samples": empty_latent(family, RES, RES, 5)})[0]
+    linked = [layer for layer in quantized_modules(quantized).values() if getattr(layer, "gelu_dtype", None)]
+    assert linked
+    _, fused = sample(quantized)
+    _, replayed = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])
+    for layer in linked:
+        layer.gelu_dtype = None
+    try:
+        _, apart = sample(quantized)
+    finally:
+        for layer in linked:
+            layer.gelu_dtype = torch.bfloat16
+    first = [relative_error(a, b) for a, b in ((replayed[0], fused[0]), (fused[0], apart[0]))]
+    logging.getLogger("overdrive").info("%s: %d fused MLPs; first call: replay vs eager %.2e, fused vs apart %.2e",
+                                        family, len(linked), *first)
+    assert first[0] < 2e-2 and first[1] < 2e-2, first
+
+
 def test_toy_chain_of_new_output_blocks_matches_plain_calls_for_changing_inputs():
     blocks = [NewOutputBlock(seed).cuda() for seed in range(3)]
     graphs = BlockGraphs()

@@ -300,6 +300,46 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, 
     assert "1 full / 1 shallow" in caplog.text and "ran full in shallow steps" not in caplog.text
 
 
+GELU_MLP_FAMILIES = {"flux", "chroma", "qwen_image", "wan22", "sd35"}  # fc1 -> tanh-GELU -> fc2 in their blocks
+
+
+def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apart(nodes, base, family, sample):
+    """Quantize Model in fp8: each MLP whose two projections are static fp8 layers runs fc1, tanh-GELU and fc2's
+    input cast as one op (cuBLASLt's epilogue on the GPU; here torch's fp8 GEMM and GELU in float32), its activation
+    module passing the e4m3 result through. Per model call it matches the same 8-bit layers run apart, and compiled
+    it matches itself eager (the first call, on the same input, within 1 %; the next one's input is each run's own
+    step, and a flipped e4m3 rounding moves it further)."""
+    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.quantization import fp8_supported
+    from overdrive.quantization.gelu_fusion import gelu_mlps
+    mlps = gelu_mlps(base.model.diffusion_model)
+    if family not in GELU_MLP_FAMILIES:  # Z-Image's gated SiLU MLPs, LTX's GELU_approx: nothing to fuse or to run
+        assert not mlps, mlps
+        return
+    if not fp8_supported("cpu"):
+        pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
+    quantize, quantized = quantize_every_layer(nodes, base, family, fmt="fp8_e4m3")
+    activations = [key for key in quantized.object_patches if key.endswith(".__class__")]
+    linked = [layer for layer in quantized_modules(quantized).values() if getattr(layer, "gelu_dtype", None)]
+    assert len(linked) == len(activations) == len(mlps) > 0, (activations, mlps)
+    fused = sample(quantized)[1]
+    for layer in linked:  # the same layers, each GEMM on its own (the GELU modules then apply GELU themselves)
+        layer.gelu_dtype = None
+    try:
+        apart = sample(quantized)[1]
+    finally:
+        for layer in linked:
+            layer.gelu_dtype = torch.float32
+    error = assert_calls_match(fused, apart, 1e-2)
+    before = dynamo_graph_count()
+    compiled_calls = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])[1]
+    compiled_error = assert_calls_match(compiled_calls[:1], fused[:1], 1e-2)
+    assert_calls_match(compiled_calls, fused, QUANTIZED_TOLERANCE)
+    logging.getLogger("overdrive").info("%s: %d fused MLPs; per call %.2e against the layers apart, compiled %.2e "
+                                        "against eager, %d graphs", family, len(linked), error, compiled_error,
+                                        dynamo_graph_count() - before)
+
+
 def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, nodes, family, files, compiled, sample):
     """Wan 2.2 A14B's workflow: a high-noise and a low-noise model of one architecture, each through Compile Model and
     DeepCache, sampled by two KSamplerAdvanced over the two parts of one schedule. The second expert compiles

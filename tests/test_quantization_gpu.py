@@ -154,3 +154,35 @@ def test_memory_bound_layer_takes_its_8bit_gemm_only_where_that_measures_faster(
     untimed = plan(0.0)
     assert sorted(untimed.report.weight_only) == ["modulation", "proj_out", "text"]
     assert all(layer.speedup is None for layer in untimed.report.layers)
+
+
+def test_cublaslt_fp8_gemm_gelu_matches_the_separate_kernels_saturates_and_replays():
+    """quantization/cublaslt.py: cuBLASLt's fp8 GEMM with its GELU epilogue writing e4m3, against torch's fp8 GEMM,
+    tanh-GELU in float32 and the cast (the custom op's own fallback): equal but for rounding, clamped at 448 (never NaN)
+    when the output scale is too small, and the same from a CUDA graph's replay."""
+    from overdrive.quantization import cublaslt, kernels
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    torch.manual_seed(0)
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    w, bias = torch.randn(4096, 1024, device="cuda") / 32, (torch.randn(4096, device="cuda") / 10).to(torch.bfloat16)
+    wq, w_scale = kernels.quantize_weight_fp8(w)
+    x_scale = kernels.static_fp8_scale(x.abs().amax())
+    xq = kernels.quantize_tensor_fp8_static(x, 1 / x_scale)
+    y = kernels.fp8_gemm(xq, x_scale, wq, w_scale, bias, torch.bfloat16)
+    out_scale = kernels.static_fp8_scale(torch.nn.functional.gelu(y.float(), approximate="tanh").abs().amax())
+    separate = kernels.quantize_tensor_fp8_static(torch.nn.functional.gelu(y.float(), approximate="tanh"),
+                                                  1 / out_scale).float()
+    fused = cublaslt.fp8_gemm_gelu(xq, x_scale, wq, w_scale, bias, 1 / out_scale)
+    assert fused.dtype == torch.float8_e4m3fn and fused.shape == (1000, 4096)
+    assert ((fused.float() - separate).norm() / separate.norm()).item() < 1e-2
+    tight = cublaslt.fp8_gemm_gelu(xq, x_scale, wq, w_scale, bias, 8 / out_scale).float()
+    assert not tight.isnan().any() and tight.abs().max().item() == 448.0
+    static_x = xq.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = cublaslt.fp8_gemm_gelu(static_x, x_scale, wq, w_scale, bias, 1 / out_scale)
+    static_x.copy_(xq.flip(0))
+    graph.replay()
+    assert torch.equal(graphed.float(), cublaslt.fp8_gemm_gelu(xq.flip(0).contiguous(), x_scale, wq, w_scale, bias,
+                                                               1 / out_scale).float())

@@ -24,6 +24,11 @@ class Fp8Linear(QuantizedGemm):
         self.fast_accum = bool(fast_accum)
         self.register_buffer("input_scale", None)
         self.register_buffer("input_scale_inverse", None, persistent=False)  # what the input's cast multiplies by
+        # Set by `fuse_gelu_into` (quantization/gelu_fusion.py) on an MLP's first layer: its output goes through
+        # tanh-GELU into a static fp8 layer, whose input scale this copies; inputs of `gelu_dtype` take the fused path.
+        self.register_buffer("gelu_output_scale_inverse", None, persistent=False)
+        self.gelu_dtype = None
+        self.e4m3_input_dtype = None  # on that second layer: its output dtype when its input arrives in e4m3
 
     @property
     def static_input(self) -> bool:
@@ -47,6 +52,33 @@ class Fp8Linear(QuantizedGemm):
         else:  # in place: a compiled graph that captured the buffers sees the new values
             self.input_scale.copy_(scale)
             self.input_scale_inverse.copy_(1.0 / scale)
+
+    @torch.no_grad()
+    def fuse_gelu_into(self, consumer: "Fp8Linear", dtype: torch.dtype) -> "Fp8Linear":
+        """This layer's output goes through tanh-GELU into `consumer` (both static fp8 layers): from now on inputs of
+        `dtype` get one kernel that writes `consumer`'s e4m3 input, GELU applied, and `consumer` takes that input as
+        it comes (its output in `dtype`). The GELU between must then pass e4m3 through (gelu_fusion.py does both)."""
+        if not (self.static_input and consumer.static_input):
+            raise ValueError("Fp8Linear.fuse_gelu_into: both layers need static input scales (set_input_amax).")
+        inverse = consumer.input_scale_inverse.detach().to(self.weight_q.device)
+        if self.gelu_output_scale_inverse is None:
+            self.gelu_output_scale_inverse = inverse.clone()
+        else:
+            self.gelu_output_scale_inverse.copy_(inverse)
+        self.gelu_dtype, consumer.e4m3_input_dtype = dtype, dtype
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x2d = x.shape, x.reshape(-1, self.in_features)
+        if x.dtype == kernels.FP8_DTYPE:  # the fused first layer's output, already at this layer's input scale
+            y = kernels.fp8_gemm(x2d, self.input_scale, self.weight_q, self.weight_scale, self.bias,
+                                 self.e4m3_input_dtype, self.fast_accum)
+        elif x.dtype == self.gelu_dtype:
+            y = kernels.fp8_linear_gelu(x2d, self.weight_q, self.weight_scale, self.bias, self.input_scale,
+                                        self.input_scale_inverse, self.gelu_output_scale_inverse, self.fast_accum)
+        else:
+            y = self.gemm(x2d, x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
 
     def quantized_state(self) -> dict:
         state = super().quantized_state()

@@ -237,8 +237,8 @@ def main():
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
         unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
-                                 "float-memory-bound", window, "tanh-gelu", "comfy-syncs"}
-                   - set(compile_options))
+                                 "float-memory-bound", window, "comfy-syncs"}
+                   - set(compile_options) - set(SWITCHES))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
         patcher = base.clone()

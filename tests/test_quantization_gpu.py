@@ -158,8 +158,8 @@ def test_memory_bound_layer_takes_its_8bit_gemm_only_where_that_measures_faster(
 
 def test_cublaslt_fp8_gemm_gelu_matches_the_separate_kernels_saturates_and_replays():
     """quantization/cublaslt.py: cuBLASLt's fp8 GEMM with its GELU epilogue writing e4m3, against torch's fp8 GEMM,
-    tanh-GELU in float32 and the cast (the custom op's own fallback): equal but for rounding, clamped at 448 (never NaN)
-    when the output scale is too small, and the same from a CUDA graph's replay."""
+    tanh-GELU in float32 and the cast (the custom op's own fallback): no further from float32 than they are, clamped at
+    448 (never NaN) when the output scale is too small, and the same from a CUDA graph's replay."""
     from overdrive.quantization import cublaslt, kernels
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
@@ -169,13 +169,17 @@ def test_cublaslt_fp8_gemm_gelu_matches_the_separate_kernels_saturates_and_repla
     wq, w_scale = kernels.quantize_weight_fp8(w)
     x_scale = kernels.static_fp8_scale(x.abs().amax())
     xq = kernels.quantize_tensor_fp8_static(x, 1 / x_scale)
+    exact = torch.nn.functional.gelu(xq.float() @ wq.float().t() * (x_scale * w_scale) + bias.float(),
+                                     approximate="tanh")
+    out_scale = kernels.static_fp8_scale(exact.abs().amax())
     y = kernels.fp8_gemm(xq, x_scale, wq, w_scale, bias, torch.bfloat16)
-    out_scale = kernels.static_fp8_scale(torch.nn.functional.gelu(y.float(), approximate="tanh").abs().amax())
     separate = kernels.quantize_tensor_fp8_static(torch.nn.functional.gelu(y.float(), approximate="tanh"),
-                                                  1 / out_scale).float()
+                                                  1 / out_scale)
     fused = cublaslt.fp8_gemm_gelu(xq, x_scale, wq, w_scale, bias, 1 / out_scale)
     assert fused.dtype == torch.float8_e4m3fn and fused.shape == (1000, 4096)
-    assert ((fused.float() - separate).norm() / separate.norm()).item() < 1e-2
+    # Both against float32 from the same e4m3 operands: the e4m3 output's own rounding (~2.6 %, measured), no more.
+    errors = [((out.float() * out_scale - exact).norm() / exact.norm()).item() for out in (fused, separate)]
+    assert errors[0] < 1.02 * errors[1] and errors[0] < 3e-2, errors
     tight = cublaslt.fp8_gemm_gelu(xq, x_scale, wq, w_scale, bias, 8 / out_scale).float()
     assert not tight.isnan().any() and tight.abs().max().item() == 448.0
     static_x = xq.clone()

@@ -176,7 +176,6 @@ def run_chain(blocks, graphs, x, side, scale=1.0):
     return x.clone()
 
 
-@torch.inference_mode()
 def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apart(nodes, base, family, sample):
     """Quantize Model in fp8 (every layer) on the GPU: Flux's and Qwen-Image's MLPs run fc1 + tanh-GELU + fc2's cast
     as cuBLASLt's fused kernel, eager and in the replayed blocks; per model call the replay matches the fused model
@@ -207,6 +206,7 @@ def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apar
     assert first[0] < 2e-2 and first[1] < 2e-2, first
 
 
+@torch.inference_mode()
 def test_toy_chain_of_new_output_blocks_matches_plain_calls_for_changing_inputs():
     blocks = [NewOutputBlock(seed).cuda() for seed in range(3)]
     graphs = BlockGraphs()

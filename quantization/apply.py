@@ -19,6 +19,7 @@ from . import cache as cache_mod
 from .calibrate import Calibrator, decide
 from .candidates import FilterFn, find_candidates
 from .config import QuantConfig
+from .gelu_fusion import fuse_in_place
 from .modules import build_empty, quantized_module_for, weight_only_module_for
 from .report import QuantReport
 
@@ -38,6 +39,14 @@ def _model_device(model: nn.Module) -> torch.device:
     for tensor in model.buffers():
         return tensor.device
     return torch.device("cpu")
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its float parameters' (the 8-bit layers it holds keep their own)."""
+    for tensor in model.parameters():
+        if tensor.is_floating_point() and tensor.element_size() > 1:
+            return tensor.dtype
+    return torch.get_default_dtype()
 
 
 def _as_cache(cache) -> cache_mod.QuantCache | None:
@@ -207,13 +216,16 @@ def restore_modules(model: nn.Module, originals: dict):
 
 def quantize_(model: nn.Module, config: QuantConfig | None = None, calibration=None,
               filter_fn: FilterFn | None = None, **kwargs) -> QuantReport:
-    """Quantize `model` in place, as measured (see `plan_quantization` for the arguments). Returns the report.
+    """Quantize `model` in place, as measured (see `plan_quantization` for the arguments), with the MLPs whose two
+    projections became static fp8 layers fused (quantization/gelu_fusion.py). Returns the report.
 
     All or nothing: if calibration, measuring or swapping fails, the error propagates and `model` is unchanged.
     """
     plan = plan_quantization(model, config, calibration, filter_fn, **kwargs)
     apply_modules(model, plan.modules)
-    log.info("%s", plan.report.summary())
+    fused = fuse_in_place(model, plan.modules, _model_dtype(model))
+    log.info("%s%s", plan.report.summary(), f"; {fused} MLP(s) run fc1, tanh-GELU and fc2's input cast as one fp8 "
+                                            f"kernel" if fused else "")
     log.debug("%s", plan.report.table())
     return plan.report
 

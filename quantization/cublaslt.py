@@ -45,9 +45,8 @@ class _HeuristicResult(ctypes.Structure):
 def _library_candidates():
     yield "libcublasLt.so.13"  # torch's CUDA build has loaded one of these already: dlopen finds it by its soname
     yield "libcublasLt.so.12"
-    for root in {os.path.dirname(os.path.dirname(torch.__file__))}:
-        yield from sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcublasLt.so*")))
-        yield from sorted(glob.glob(os.path.join(root, "nvidia", "cublas", "lib", "libcublasLt.so*")))
+    site = os.path.dirname(os.path.dirname(torch.__file__))  # else the nvidia-cublas wheel beside torch
+    yield from sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcublasLt.so*")))
 
 
 class _Library:
@@ -61,7 +60,8 @@ class _Library:
                 errors.append(str(error))
         else:
             raise CublasLtError(f"cuBLASLt library not found ({'; '.join(errors[-2:])})")
-        lib, p, i, u64, i64, sz = self.lib, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        lib, p, i, sz = self.lib, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        u64, i64 = ctypes.c_uint64, ctypes.c_int64
         signatures = {
             "cublasLtCreate": [ctypes.POINTER(p)],
             "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
@@ -97,11 +97,12 @@ def _library() -> _Library:
 
 
 class _Plan:
-    """Descriptors and the chosen algorithm of one fp8 GEMM + GELU problem (M, N, K, bias type, fast accumulation)."""
+    """Descriptors and the chosen algorithm of one fp8 GEMM + GELU problem (M, N, K, bias type, fast accumulation),
+    kept for the process. A call sets the data pointers on the shared descriptor, hence the lock."""
 
     def __init__(self, lib: _Library, m: int, n: int, k: int, bias_type: int | None, fast_accum: bool):
         c, p = ctypes, ctypes.c_void_p
-        self.lib, self.desc = lib, p()
+        self.lib, self.desc, self.lock = lib, p(), threading.Lock()
         check = lib.check
         check(lib.lib.cublasLtMatmulDescCreate(c.byref(self.desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
         self._set(_DESC_TRANSA, c.c_int32(_OP_T))
@@ -134,8 +135,13 @@ class _Plan:
                        f"cublasLtMatmulDescSetAttribute({attribute})")
 
     def run(self, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
+        with self.lock:
+            self._run(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
+
+    def _run(self, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
         c = ctypes
-        for attribute, tensor in ((_DESC_A_SCALE, w_scale), (_DESC_B_SCALE, x_scale), (_DESC_D_SCALE, out_scale_inverse)):
+        for attribute, tensor in ((_DESC_A_SCALE, w_scale), (_DESC_B_SCALE, x_scale),
+                                  (_DESC_D_SCALE, out_scale_inverse)):
             self._set(attribute, c.c_void_p(tensor.data_ptr()))
         if bias is not None:
             self._set(_DESC_BIAS_POINTER, c.c_void_p(bias.data_ptr()))

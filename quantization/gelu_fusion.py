@@ -5,7 +5,7 @@ call, Wan 2.2: 0.588 -> 0.514, Flux's image stream 0.288 -> 0.246, its text stre
 `bench/fp8_gelu_gemm.py`, `results/2026-11-28_h100_fp8_gelu_gemm.json`).
 
 `fuse(tree, layers, dtype)` links each such pair of quantized layers (Fp8Linear.fuse_gelu_into) and returns the
-activation modules' new classes: the same module, whose forward passes an e4m3 input through (fc1 applied GELU
+activation modules' new classes (ComfyUI swaps them in as object patches, `fuse_in_place` sets them, for quantize_): the same module, whose forward passes an e4m3 input through (fc1 applied GELU
 already) and computes GELU otherwise, so the float layers of the same tree, an unlinked pair or another dtype still
 get their GELU. A class, not a new module: Qwen-Image's activation module holds fc1 (`.proj`), and swapping the holder
 would separate it from the quantized layer ComfyUI swaps in at `….proj`.
@@ -118,3 +118,11 @@ def fuse(tree: nn.Module, layers: dict, dtype: torch.dtype) -> dict:
         classes[mlp.activation] = GeluUnlessFused if _tanh_gelu(activation) else \
             projection_unless_fused(type(activation))
     return classes
+
+
+def fuse_in_place(tree: nn.Module, layers: dict, dtype: torch.dtype) -> int:
+    """`fuse` on a tree whose quantized layers are swapped in: the activations' classes set; returns how many MLPs."""
+    classes = fuse(tree, layers, dtype)
+    for name, cls in classes.items():
+        tree.get_submodule(name).__class__ = cls
+    return len(classes)

@@ -1,6 +1,7 @@
 """overdrive.api on a real diffusers FluxPipeline (CPU, tiny fixed-seed FluxTransformer2DModel): compile_ compiles the
 transformer block by block (the Flux family's diffusers plug-in), quantize_ calibrates it through the pipeline, and
 switch_weights_ reads another pipeline folder's transformer. The step cache: test_diffusers_dit.py."""
+import pytest
 import torch
 
 from diffusers_tiny import flux_prompt, tiny_flux_pipeline
@@ -78,3 +79,27 @@ def test_quantize_calibrates_the_flux_transformer_through_the_pipeline():
     assert all(name.startswith(("transformer_blocks", "single_transformer_blocks", "x_embedder", "context_embedder",
                                 "time_text_embed", "norm_out", "proj_out")) for name in report.quantized)
     assert relative_error(transformer_call(pipe), expected) < INT8_RTOL
+
+
+def test_quantize_in_fp8_fuses_the_feed_forwards_and_they_match_their_layers_run_apart():
+    """quantize_ in fp8: each double block's FeedForward (GELU(proj, "tanh"), Dropout, Linear) runs proj, the GELU and
+    the second layer's input cast as one op (quantization/gelu_fusion.py; on the CPU torch's fp8 GEMM and GELU in
+    float32), the GELU module passing the e4m3 result through: the transformer's output equals the same 8-bit layers run
+    apart."""
+    from overdrive.quantization import fp8_supported
+    if not fp8_supported("cpu"):
+        pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
+    pipe = tiny_flux_pipeline()
+    expected = transformer_call(pipe)
+    quantize_(pipe, QuantConfig(format="fp8_e4m3", compute_density_threshold=0),
+              calibration={**flux_prompt(), "height": 32, "width": 32, "num_inference_steps": 2, "guidance_scale": 1.0})
+    linked = [m for m in pipe.transformer.modules() if getattr(m, "gelu_dtype", None) is not None]
+    double_blocks = len(pipe.transformer.transformer_blocks)
+    assert len(linked) == 2 * double_blocks  # the image and the text stream's FeedForward of each double block
+    assert all(type(block.ff.net[0]).__name__ == "GELUUnlessFused" for block in pipe.transformer.transformer_blocks)
+    fused = transformer_call(pipe)
+    for layer in linked:
+        layer.gelu_dtype = None
+    apart = transformer_call(pipe)
+    assert relative_error(fused, apart) < 1e-6
+    assert relative_error(fused, expected) < 0.1  # fp8 against float32, one call

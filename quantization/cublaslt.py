@@ -76,8 +76,16 @@ class _Library:
         for name, argtypes in signatures.items():
             function = getattr(lib, name)
             function.argtypes, function.restype = argtypes, i
-        self.handle = p()
-        self.check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.handles = {}
+
+    def handle(self, device: torch.device):
+        """One cuBLASLt handle per GPU, created with that GPU current (the library's state is per device)."""
+        if device.index not in self.handles:
+            handle = ctypes.c_void_p()
+            with torch.cuda.device(device):
+                self.check(self.lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+            self.handles[device.index] = handle
+        return self.handles[device.index]
 
     @staticmethod
     def check(status: int, what: str):
@@ -100,9 +108,10 @@ class _Plan:
     """Descriptors and the chosen algorithm of one fp8 GEMM + GELU problem (M, N, K, bias type, fast accumulation),
     kept for the process. A call sets the data pointers on the shared descriptor, hence the lock."""
 
-    def __init__(self, lib: _Library, m: int, n: int, k: int, bias_type: int | None, fast_accum: bool):
+    def __init__(self, lib: _Library, device: torch.device, m: int, n: int, k: int, bias_type: int | None,
+                 fast_accum: bool):
         c, p = ctypes, ctypes.c_void_p
-        self.lib, self.desc, self.lock = lib, p(), threading.Lock()
+        self.lib, self.handle, self.desc, self.lock = lib, lib.handle(device), p(), threading.Lock()
         check = lib.check
         check(lib.lib.cublasLtMatmulDescCreate(c.byref(self.desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
         self._set(_DESC_TRANSA, c.c_int32(_OP_T))
@@ -122,7 +131,7 @@ class _Plan:
         check(lib.lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE, c.byref(workspace),
                                                            c.sizeof(workspace)), "cublasLtMatmulPreferenceSetAttribute")
         self.result, found = _HeuristicResult(), c.c_int(0)
-        check(lib.lib.cublasLtMatmulAlgoGetHeuristic(lib.handle, self.desc, self.a, self.b, self.c, self.d,
+        check(lib.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a, self.b, self.c, self.d,
                                                      preference, 1, c.byref(self.result), c.byref(found)),
               "cublasLtMatmulAlgoGetHeuristic")
         if found.value < 1:
@@ -151,7 +160,7 @@ class _Plan:
         # beta = 0: C is never read, so none is passed (D's own address would mean "in place", which cuBLASLt refuses
         # with status 7 for a bf16 C beside an e4m3 D: bench/results/2026-11-28_h100_fp8_gelu_gemm.json).
         self.lib.check(self.lib.lib.cublasLtMatmul(
-            self.lib.handle, self.desc, c.byref(alpha), c.c_void_p(w.data_ptr()), self.a, c.c_void_p(x.data_ptr()),
+            self.handle, self.desc, c.byref(alpha), c.c_void_p(w.data_ptr()), self.a, c.c_void_p(x.data_ptr()),
             self.b, c.byref(beta), None, self.c, c.c_void_p(out.data_ptr()), self.d,
             c.byref(self.result.algo), c.c_void_p(workspace.data_ptr()), self.workspace_bytes, stream),
             "cublasLtMatmul")
@@ -169,7 +178,7 @@ def fp8_gemm_gelu(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_sca
     key = (m, n, k, bias_type, bool(fast_accum), x.device.index)
     plan = _state["plans"].get(key)
     if plan is None:
-        plan = _state["plans"][key] = _Plan(_library(), m, n, k, bias_type, fast_accum)
+        plan = _state["plans"][key] = _Plan(_library(), x.device, m, n, k, bias_type, fast_accum)
     out = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
     plan.run(x.contiguous(), w.contiguous(), x_scale, w_scale, bias, out_scale_inverse, out)
     return out

@@ -12,8 +12,9 @@ would separate it from the quantized layer ComfyUI swaps in at `….proj`.
 
 The MLPs found, in the float model's tree (ComfyUI 0.7 and diffusers):
 - nn.Sequential(fc1, nn.GELU("tanh"), [Dropout | Identity]..., fc2): Flux's and Chroma's double blocks, Wan's blocks;
-- a container with `proj` and `approximate="tanh"` (proj, then GELU) followed in its Sequential / ModuleList by
-  [Dropout | Identity]... and fc2: Qwen-Image's FeedForward, diffusers' FeedForward;
+- a container with `proj` and `approximate="tanh"` (proj, then GELU), or LTX's GELU_approx, followed in its
+  Sequential / ModuleList by [Dropout | Identity]... and fc2: Qwen-Image's, LTX-Video's, LTX-2's and diffusers'
+  FeedForward;
 - timm's `Mlp` (fc1, act = nn.GELU("tanh"), dropouts, norm = Identity, fc2): SD3.5's blocks.
 Flux's single blocks concatenate the attention's output before their second GEMM, so they have no such pair.
 """
@@ -47,8 +48,8 @@ class GeluUnlessFused(nn.GELU):
 
 
 def _projection_then_gelu(self, x):
-    h = self.proj(x)
-    return h if h.dtype == FP8_DTYPE else F.gelu(h, approximate=self.approximate)
+    h = self.proj(x)  # LTX's GELU_approx has no `approximate`: its forward is tanh-GELU
+    return h if h.dtype == FP8_DTYPE else F.gelu(h, approximate=getattr(self, "approximate", "tanh"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,8 +65,8 @@ def _tanh_gelu(module) -> bool:
 
 
 def _projection_gelu(module) -> bool:
-    return (set(module._modules) == {"proj"} and getattr(module, "approximate", None) == "tanh"
-            and "forward" in type(module).__dict__)
+    tanh = getattr(module, "approximate", None) == "tanh" or type(module).__name__ == "GELU_approx"
+    return set(module._modules) == {"proj"} and tanh and "forward" in type(module).__dict__
 
 
 def _next_layer(children: list, start: int) -> str | None:

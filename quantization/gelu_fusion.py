@@ -5,10 +5,12 @@ call, Wan 2.2: 0.588 -> 0.514, Flux's image stream 0.288 -> 0.246, its text stre
 `bench/fp8_gelu_gemm.py`, `results/2026-11-28_h100_fp8_gelu_gemm.json`).
 
 `fuse(tree, layers, dtype)` links each such pair of quantized layers (Fp8Linear.fuse_gelu_into) and returns the
-activation modules' new classes (ComfyUI swaps them in as object patches, `fuse_in_place` sets them, for quantize_): the same module, whose forward passes an e4m3 input through (fc1 applied GELU
-already) and computes GELU otherwise, so the float layers of the same tree, an unlinked pair or another dtype still
-get their GELU. A class, not a new module: Qwen-Image's activation module holds fc1 (`.proj`), and swapping the holder
-would separate it from the quantized layer ComfyUI swaps in at `….proj`.
+activation modules' new classes (ComfyUI swaps them in as object patches; `fuse_in_place` sets them, for quantize_):
+the same module, whose forward passes an e4m3 input through (fc1 applied GELU already) and computes GELU otherwise, so
+the float layers of the same tree, an unlinked pair or another dtype still get their GELU. A class, not a new module:
+Qwen-Image's activation module holds fc1 (`.proj`), and swapping the holder would separate it from the quantized
+layer ComfyUI swaps in at `….proj`. A tree may still carry these classes (ComfyUI leaves object patches applied after a
+run; Switch Diffusion Model copies the tree as it is): they are matched as the classes they stand for.
 
 The MLPs found, in the float model's tree (ComfyUI 0.7 and diffusers):
 - nn.Sequential(fc1, nn.GELU("tanh"), [Dropout | Identity]..., fc2): Flux's and Chroma's double blocks, Wan's blocks;
@@ -43,6 +45,8 @@ class GeluMlp:
 class GeluUnlessFused(nn.GELU):
     """nn.GELU that passes an e4m3 input through: that input is a fused first layer's output, GELU applied."""
 
+    fused_from = nn.GELU
+
     def forward(self, x):
         return x if x.dtype == FP8_DTYPE else super().forward(x)
 
@@ -56,17 +60,23 @@ def _projection_then_gelu(self, x):
 def projection_unless_fused(cls: type) -> type:
     """`cls` (proj, then tanh-GELU) with a forward that passes an e4m3 projection through."""
     return type(f"{cls.__name__}UnlessFused", (cls,), {"forward": _projection_then_gelu, "__module__": __name__,
+                                                       "fused_from": cls,
                                                        "__doc__": f"{cls.__name__}, passing a fused proj's e4m3 "
                                                                   f"output through."})
 
 
+def _original_class(module) -> type:
+    return getattr(type(module), "fused_from", type(module))
+
+
 def _tanh_gelu(module) -> bool:
-    return type(module) is nn.GELU and module.approximate == "tanh"
+    return _original_class(module) is nn.GELU and module.approximate == "tanh"
 
 
 def _projection_gelu(module) -> bool:
-    tanh = getattr(module, "approximate", None) == "tanh" or type(module).__name__ == "GELU_approx"
-    return set(module._modules) == {"proj"} and tanh and "forward" in type(module).__dict__
+    cls = _original_class(module)
+    tanh = getattr(module, "approximate", None) == "tanh" or cls.__name__ == "GELU_approx"
+    return set(module._modules) == {"proj"} and tanh and "forward" in cls.__dict__
 
 
 def _next_layer(children: list, start: int) -> str | None:
@@ -117,7 +127,7 @@ def fuse(tree: nn.Module, layers: dict, dtype: torch.dtype) -> dict:
         fc1.fuse_gelu_into(fc2, dtype)
         activation = tree.get_submodule(mlp.activation)
         classes[mlp.activation] = GeluUnlessFused if _tanh_gelu(activation) else \
-            projection_unless_fused(type(activation))
+            projection_unless_fused(_original_class(activation))
     return classes
 
 

@@ -303,7 +303,7 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(nodes, base, 
 GELU_MLP_FAMILIES = {"flux", "chroma", "qwen_image", "wan22", "sd35", "ltxv", "ltx2"}  # fc1 -> tanh-GELU -> fc2
 
 
-def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apart(nodes, base, family, sample):
+def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apart(nodes, base, family, files, sample):
     """Quantize Model in fp8: each MLP whose two projections are static fp8 layers runs fc1, tanh-GELU and fc2's
     input cast as one op (cuBLASLt's epilogue on the GPU; here torch's fp8 GEMM and GELU in float32), its activation
     module passing the e4m3 result through. Per model call it matches the same 8-bit layers run apart, and compiled
@@ -339,6 +339,19 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
     compiled_calls = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])[1]
     compiled_error = assert_calls_match(compiled_calls[:1], fused[:1], 1e-2)
     assert_calls_match(compiled_calls, fused, QUANTIZED_TOLERANCE)
+    # Loaded, the tree carries the activations' swapped classes (ComfyUI leaves them after a run, and Switch Diffusion
+    # Model copies the tree so): the same MLPs are found in it, and switching links the re-quantized layers again with
+    # each activation given the class it had, not a subclass of it.
+    import comfy.model_management
+    comfy.model_management.load_models_gpu([quantized])
+    assert any(type(module).__name__.endswith("UnlessFused") for module in base.model.diffusion_model.modules())
+    assert gelu_mlps(base.model.diffusion_model) == mlps
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(quantized, unet_name=files[1].name)[0]
+    relinked = [layer for layer in quantized_modules(switched).values() if getattr(layer, "gelu_dtype", None)]
+    assert len(relinked) == len(linked) and not set(map(id, relinked)) & set(map(id, linked))
+    assert all(cls.__name__.count("UnlessFused") == 1 for key, cls in switched.object_patches.items()
+               if key.endswith(".__class__"))
+    assert torch.isfinite(sample(switched)[0]).all()
     logging.getLogger("overdrive").info("%s: %d fused MLPs; per call %.2e against the layers apart, compiled %.2e "
                                         "against eager, %d graphs", family, len(linked), error, compiled_error,
                                         dynamo_graph_count() - before)

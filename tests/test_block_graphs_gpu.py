@@ -193,13 +193,14 @@ def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apar
     assert linked
     _, fused = sample(quantized)
     _, replayed = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])
+    dtypes = [layer.gelu_dtype for layer in linked]
     for layer in linked:
         layer.gelu_dtype = None
     try:
         _, apart = sample(quantized)
     finally:
-        for layer in linked:
-            layer.gelu_dtype = torch.bfloat16
+        for layer, dtype in zip(linked, dtypes):
+            layer.gelu_dtype = dtype
     first = [relative_error(a, b) for a, b in ((replayed[0], fused[0]), (fused[0], apart[0]))]
     logging.getLogger("overdrive").info("%s: %d fused MLPs; first call: replay vs eager %.2e, fused vs apart %.2e",
                                         family, len(linked), *first)

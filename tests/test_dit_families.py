@@ -327,13 +327,14 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
                                            for name in (mlp.fc1, mlp.fc2))]
     assert len(linked) == len(activations) == len(expected) > 0, (activations, mlps)
     fused = sample(quantized)[1]
+    dtypes = [layer.gelu_dtype for layer in linked]
     for layer in linked:  # the same layers, each GEMM on its own (the GELU modules then apply GELU themselves)
         layer.gelu_dtype = None
     try:
         apart = sample(quantized)[1]
     finally:
-        for layer in linked:
-            layer.gelu_dtype = torch.float32
+        for layer, dtype in zip(linked, dtypes):
+            layer.gelu_dtype = dtype
     error = assert_calls_match(fused, apart, 1e-2)
     before = dynamo_graph_count()
     compiled_calls = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])[1]

@@ -71,8 +71,7 @@ class Fp8Linear(QuantizedGemm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x2d = x.shape, x.reshape(-1, self.in_features)
         if x.dtype == kernels.FP8_DTYPE:  # the fused first layer's output, already at this layer's input scale
-            y = kernels.fp8_gemm(x2d, self.input_scale, self.weight_q, self.weight_scale, self.bias,
-                                 self.e4m3_input_dtype, self.fast_accum)
+            y = self.gemm_quantized(x2d, self.e4m3_input_dtype)
         elif x.dtype == self.gelu_dtype:
             y = kernels.fp8_linear_gelu(x2d, self.weight_q, self.weight_scale, self.bias, self.input_scale,
                                         self.input_scale_inverse, self.gelu_output_scale_inverse, self.fast_accum)

@@ -131,7 +131,16 @@ def gelu_apart():
     return lambda: setattr(gelu_fusion, "fuse", original)
 
 
-SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart}  # variant parts that change code for one run
+def scaled_mm():
+    """Until the returned function is called, fp8 GEMMs without an epilogue run through `torch._scaled_mm` (cuBLASLt's
+    heuristic choice) instead of the binding's timed algorithm (quantization/cublaslt.py), for one variant's run."""
+    from overdrive.quantization import kernels
+    original = kernels.fp8_gemm
+    kernels.fp8_gemm = kernels.scaled_mm_gemm
+    return lambda: setattr(kernels, "fp8_gemm", original)
+
+
+SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "scaled-mm": scaled_mm}  # variant parts that change code for one run
 
 
 def main():

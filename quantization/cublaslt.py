@@ -27,7 +27,7 @@ _R_32F, _R_16F, _R_16BF, _R_8F_E4M3 = 0, 2, 14, 28
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
-_EPILOGUE_BIAS, _EPILOGUE_GELU = 4, 32
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS, _EPILOGUE_GELU = 1, 4, 32
 _PREF_MAX_WORKSPACE = 1
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLAS's recommendation for Hopper
 _DATA_TYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
@@ -72,6 +72,7 @@ class _Library:
             "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_HeuristicResult),
                                                ctypes.POINTER(i)],
             "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p],
+            "cublasLtMatmulAlgoConfigGetAttribute": [p, i, p, sz, ctypes.POINTER(sz)],
         }
         for name, argtypes in signatures.items():
             function = getattr(lib, name)
@@ -104,25 +105,37 @@ def _library() -> _Library:
         return _state["library"]
 
 
+# How many of the heuristic's algorithms a plan times on its first call (outside CUDA-graph capture), keeping the
+# fastest: the heuristic's first choice is not always the fastest kernel for a DiT's row counts (bench/README.md,
+# "cuBLASLt's algorithms"). 1 keeps the heuristic's choice untimed.
+CANDIDATES = 8
+_TIMED_RUNS = 5
+
+
 class _Plan:
-    """Descriptors and the chosen algorithm of one fp8 GEMM + GELU problem (M, N, K, bias type, fast accumulation),
-    kept for the process. A call sets the data pointers on the shared descriptor, hence the lock."""
+    """Descriptors and the algorithm of one fp8 GEMM problem: (M, N, K), the bias type (or none), the output type
+    (e4m3 at a D scale, or 16 bits), GELU or not, fast accumulation, the GPU; kept for the process. A call sets the
+    data pointers on the shared descriptor, hence the lock."""
 
     def __init__(self, lib: _Library, device: torch.device, m: int, n: int, k: int, bias_type: int | None,
-                 fast_accum: bool):
+                 out_type: int, gelu: bool, fast_accum: bool):
         c, p = ctypes, ctypes.c_void_p
         self.lib, self.handle, self.desc, self.lock = lib, lib.handle(device), p(), threading.Lock()
+        self.out_type, self.shape = out_type, (m, n, k)
         check = lib.check
         check(lib.lib.cublasLtMatmulDescCreate(c.byref(self.desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
         self._set(_DESC_TRANSA, c.c_int32(_OP_T))
         self._set(_DESC_TRANSB, c.c_int32(_OP_N))
-        self._set(_DESC_EPILOGUE, c.c_int32(_EPILOGUE_GELU | (0 if bias_type is None else _EPILOGUE_BIAS)))
+        epilogue = (_EPILOGUE_GELU if gelu else 0) | (0 if bias_type is None else _EPILOGUE_BIAS)
+        self._set(_DESC_EPILOGUE, c.c_int32(epilogue or _EPILOGUE_DEFAULT))
         if bias_type is not None:
             self._set(_DESC_BIAS_TYPE, c.c_int32(bias_type))
         self._set(_DESC_FAST_ACCUM, c.c_int8(1 if fast_accum else 0))
+        # C is never read (beta 0) but its layout must name a 16-bit type: D's own, or the bias's beside an e4m3 D.
+        c_type = out_type if out_type != _R_8F_E4M3 else (bias_type or _R_16BF)
         self.a, self.b, self.c, self.d = p(), p(), p(), p()
         for layout, dtype, rows, cols in ((self.a, _R_8F_E4M3, k, n), (self.b, _R_8F_E4M3, k, m),
-                                          (self.c, bias_type or _R_16BF, n, m), (self.d, _R_8F_E4M3, n, m)):
+                                          (self.c, c_type, n, m), (self.d, out_type, n, m)):
             check(lib.lib.cublasLtMatrixLayoutCreate(c.byref(layout), dtype, rows, cols, rows),
                   "cublasLtMatrixLayoutCreate")
         preference = p()
@@ -130,13 +143,14 @@ class _Plan:
         workspace = c.c_uint64(WORKSPACE_BYTES)
         check(lib.lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE, c.byref(workspace),
                                                            c.sizeof(workspace)), "cublasLtMatmulPreferenceSetAttribute")
-        self.result, found = _HeuristicResult(), c.c_int(0)
+        results, found = (_HeuristicResult * max(CANDIDATES, 1))(), c.c_int(0)
         check(lib.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a, self.b, self.c, self.d,
-                                                     preference, 1, c.byref(self.result), c.byref(found)),
+                                                     preference, len(results), results, c.byref(found)),
               "cublasLtMatmulAlgoGetHeuristic")
-        if found.value < 1:
-            raise CublasLtError(f"cuBLASLt has no fp8 GEMM + GELU kernel for M={m}, N={n}, K={k}")
-        self.workspace_bytes = max(int(self.result.workspaceSize), 1)
+        self.candidates = [results[i] for i in range(found.value) if results[i].state == 0]
+        if not self.candidates:
+            raise CublasLtError(f"cuBLASLt has no fp8 GEMM kernel for M={m}, N={n}, K={k}, epilogue {epilogue}")
+        self.chosen, self.tuned, self.timings_ms = 0, len(self.candidates) == 1, []
 
     def _set(self, attribute: int, value):
         self.lib.check(self.lib.lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value),
@@ -145,16 +159,42 @@ class _Plan:
 
     def run(self, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
         with self.lock:
-            self._run(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
+            if not self.tuned and not torch.cuda.is_current_stream_capturing():
+                self._tune(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
+            self._run(self.chosen, x, w, x_scale, w_scale, bias, out_scale_inverse, out)
 
-    def _run(self, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
+    def _tune(self, *operands):
+        """Times each candidate on this call's own operands (the GPU waits for each) and keeps the fastest; a candidate
+        that fails to launch is skipped. Outside capture only: a CUDA graph records whichever algorithm is chosen."""
+        self.timings_ms = []
+        for index in range(len(self.candidates)):
+            try:
+                self._run(index, *operands)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(_TIMED_RUNS):
+                    self._run(index, *operands)
+                end.record()
+                end.synchronize()
+                self.timings_ms.append(start.elapsed_time(end) / _TIMED_RUNS)
+            except CublasLtError:
+                self.timings_ms.append(float("inf"))
+        self.chosen = min(range(len(self.timings_ms)), key=self.timings_ms.__getitem__)
+        if self.timings_ms[self.chosen] == float("inf"):
+            raise CublasLtError(f"no cuBLASLt algorithm ran the fp8 GEMM M, N, K = {self.shape}")
+        self.tuned = True
+
+    def _run(self, index, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
         c = ctypes
-        for attribute, tensor in ((_DESC_A_SCALE, w_scale), (_DESC_B_SCALE, x_scale),
-                                  (_DESC_D_SCALE, out_scale_inverse)):
-            self._set(attribute, c.c_void_p(tensor.data_ptr()))
+        self._set(_DESC_A_SCALE, c.c_void_p(w_scale.data_ptr()))
+        self._set(_DESC_B_SCALE, c.c_void_p(x_scale.data_ptr()))
+        if self.out_type == _R_8F_E4M3:
+            self._set(_DESC_D_SCALE, c.c_void_p(out_scale_inverse.data_ptr()))
         if bias is not None:
             self._set(_DESC_BIAS_POINTER, c.c_void_p(bias.data_ptr()))
-        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=out.device)
+        candidate = self.candidates[index]
+        workspace_bytes = max(int(candidate.workspaceSize), 1)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=out.device)
         alpha, beta = c.c_float(1.0), c.c_float(0.0)
         stream = c.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)
         # beta = 0: C is never read, so none is passed (D's own address would mean "in place", which cuBLASLt refuses
@@ -162,8 +202,36 @@ class _Plan:
         self.lib.check(self.lib.lib.cublasLtMatmul(
             self.handle, self.desc, c.byref(alpha), c.c_void_p(w.data_ptr()), self.a, c.c_void_p(x.data_ptr()),
             self.b, c.byref(beta), None, self.c, c.c_void_p(out.data_ptr()), self.d,
-            c.byref(self.result.algo), c.c_void_p(workspace.data_ptr()), self.workspace_bytes, stream),
+            c.byref(candidate.algo), c.c_void_p(workspace.data_ptr()), workspace_bytes, stream),
             "cublasLtMatmul")
+
+    def describe(self) -> dict:
+        """The chosen algorithm's configuration and every candidate's time: what the bench records."""
+        return {"candidates": len(self.candidates), "chosen": self.chosen, "timings_ms": self.timings_ms,
+                "configs": [_algo_config(self.lib, candidate.algo) for candidate in self.candidates]}
+
+
+def _algo_config(lib: _Library, algo) -> dict:
+    config = {}
+    for name, attribute, ctype in (("id", 0, ctypes.c_int32), ("tile", 1, ctypes.c_uint32),
+                                   ("split_k", 2, ctypes.c_int32), ("stages", 6, ctypes.c_uint32),
+                                   ("cluster", 8, ctypes.c_uint16)):
+        value, written = ctype(0), ctypes.c_size_t(0)
+        status = lib.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
+                                                             ctypes.sizeof(value), ctypes.byref(written))
+        config[name] = value.value if status == 0 else None
+    return config
+
+
+def _plan(x, w, bias, out_type: int, gelu: bool, fast_accum: bool) -> _Plan:
+    m, k = x.shape
+    n = w.shape[0]
+    bias_type = None if bias is None else _DATA_TYPES[bias.dtype]
+    key = (m, n, k, bias_type, out_type, gelu, bool(fast_accum), x.device.index)
+    plan = _state["plans"].get(key)
+    if plan is None:
+        plan = _state["plans"][key] = _Plan(_library(), x.device, m, n, k, bias_type, out_type, gelu, fast_accum)
+    return plan
 
 
 def fp8_gemm_gelu(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -172,13 +240,26 @@ def fp8_gemm_gelu(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_sca
 
     x: (M, K) e4m3, row-major; w: (N, K) e4m3, row-major; scales: float32 one-element tensors on the GPU; bias: (N,)
     bf16/fp16 or None. K and N must be multiples of 16 (as for torch._scaled_mm)."""
-    m, k = x.shape
-    n = w.shape[0]
-    bias_type = None if bias is None else _DATA_TYPES[bias.dtype]
-    key = (m, n, k, bias_type, bool(fast_accum), x.device.index)
-    plan = _state["plans"].get(key)
-    if plan is None:
-        plan = _state["plans"][key] = _Plan(_library(), x.device, m, n, k, bias_type, fast_accum)
-    out = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
-    plan.run(x.contiguous(), w.contiguous(), x_scale, w_scale, bias, out_scale_inverse, out)
+    x, w = x.contiguous(), w.contiguous()
+    plan = _plan(x, w, bias, _R_8F_E4M3, True, fast_accum)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float8_e4m3fn, device=x.device)
+    plan.run(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
     return out
+
+
+def fp8_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
+    """16-bit (M, N) = x @ w^T * x_scale * w_scale + bias: `torch._scaled_mm` with tensor-wise scales, on the
+    algorithm timed fastest for the shape. Operands as for `fp8_gemm_gelu`; bias in out_dtype or None."""
+    x, w = x.contiguous(), w.contiguous()
+    plan = _plan(x, w, bias, _DATA_TYPES[out_dtype], False, fast_accum)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
+    plan.run(x, w, x_scale, w_scale, bias, None, out)
+    return out
+
+
+def plan_of(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+            fast_accum: bool = True) -> _Plan:
+    """The plan that calls on these operands use (out_dtype None: the GELU kernel writing e4m3); for the bench."""
+    gelu = out_dtype is None
+    return _plan(x, w, bias, _R_8F_E4M3 if gelu else _DATA_TYPES[out_dtype], gelu, fast_accum)

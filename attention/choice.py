@@ -36,6 +36,9 @@ class AttentionConfig:
     # digits (1.56e-2 / 1.06e-2 and 1.23e-2 / 9.8e-3 against CompileModel, bench/README.md): next to the fp8 GEMMs
     # it adds nothing measurable, while a 3 % bound kept SDPA on both.
     max_error: float = 0.05
+    # Where cuDNN's fp8 graph is chosen, a block traced at that shape takes its e4m3 output and dequantizes it in the
+    # compiled code (e4m3_output.py). Off: the backend's own 16-bit output (bench/bench_compile.py's A/B).
+    e4m3_output: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -106,11 +106,22 @@ if triton is not None:
         return tl.max(tl.max(tl.abs(x), axis=1), axis=0)
 
     @triton.jit
+    def _carry(amax_ptr, carried_ptr, HEADROOM: tl.constexpr, WINDOW: tl.constexpr):
+        """The scales a tensor was recast at are carried to the next call; amax[0..2] is reset (the casts that read
+        them are done)."""
+        three = tl.arange(0, 4)
+        used = three < 3
+        amax = tl.load(amax_ptr + three, mask=used, other=0.0)
+        carried = tl.load(carried_ptr + three, mask=used, other=0.0)
+        carried = tl.where(_recast_needed(amax, carried, HEADROOM, WINDOW), amax, carried)
+        tl.store(carried_ptr + three, carried, mask=used)
+        tl.store(amax_ptr + three, tl.zeros([4], tl.float32), mask=used)
+
+    @triton.jit
     def _output_kernel(o8_ptr, scales_ptr, out_ptr, amax_ptr, carried_ptr, n, heads, CARRY: tl.constexpr,
                        HEADROOM: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         """cuDNN's e4m3 (batch, heads, tokens, dim) output times V's descale, as (batch, tokens, heads, dim); with
-        CARRY, the scales a tensor was recast at are carried to the next call and amax[0..2] is reset (the casts that
-        read them are done)."""
+        CARRY, the scales are carried (`_carry`)."""
         pid, bh = tl.program_id(0), tl.program_id(1)
         rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = tl.arange(0, HEAD_DIM)
@@ -122,13 +133,15 @@ if triton is not None:
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=valid)
         if CARRY:
             if pid == 0 and bh == 0:
-                three = tl.arange(0, 4)
-                used = three < 3
-                amax = tl.load(amax_ptr + three, mask=used, other=0.0)
-                carried = tl.load(carried_ptr + three, mask=used, other=0.0)
-                carried = tl.where(_recast_needed(amax, carried, HEADROOM, WINDOW), amax, carried)
-                tl.store(carried_ptr + three, carried, mask=used)
-                tl.store(amax_ptr + three, tl.zeros([4], tl.float32), mask=used)
+                _carry(amax_ptr, carried_ptr, HEADROOM, WINDOW)
+
+    @triton.jit
+    def _finish_kernel(scales_ptr, descale_ptr, amax_ptr, carried_ptr, HEADROOM: tl.constexpr,
+                       WINDOW: tl.constexpr):
+        """After a graph that wrote its e4m3 output for the caller: that output's descale (V's) into the caller's
+        tensor, and the scales carried (`_carry`)."""
+        tl.store(descale_ptr, tl.load(scales_ptr + 2))
+        _carry(amax_ptr, carried_ptr, HEADROOM, WINDOW)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -146,9 +159,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 class _Graph:
-    """One built cuDNN fp8 SDPA graph for a (shape, sm_scale, device)."""
+    """One built cuDNN fp8 SDPA graph for a (shape, sm_scale, device), its e4m3 output (batch, heads, tokens, head dim)
+    in that order in memory, or, `tokens_major_out`, in (batch, tokens, heads, head dim) order: the layout the
+    out-projection reads."""
 
-    def __init__(self, shape_q, shape_kv, sm_scale, device, heuristics=("A", "FALLBACK")):
+    def __init__(self, shape_q, shape_kv, sm_scale, device, tokens_major_out=False, heuristics=("A", "FALLBACK")):
         self.handle = cudnn.create_handle()
         e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,
@@ -167,7 +182,8 @@ class _Graph:
                                                 scale_o=self.scales[5], is_inference=True, attn_scale=sm_scale,
                                                 use_causal_mask=False, name="overdrive_fp8_attention")
         b, h, s, d = shape_q
-        out.set_output(True).set_dim(list(shape_q)).set_stride([h * s * d, s * d, d, 1]).set_data_type(e4m3)
+        out_stride = [s * h * d, d, h * d, 1] if tokens_major_out else [h * s * d, s * d, d, 1]
+        out.set_output(True).set_dim(list(shape_q)).set_stride(out_stride).set_data_type(e4m3)
         for amax in (amax_s, amax_o):
             amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
         self.out, self.amax = out, (amax_s, amax_o)
@@ -178,7 +194,7 @@ class _Graph:
         graph.build_plans()
         self.graph = graph
         self.workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        self.shape_q, self.shape_kv = tuple(shape_q), tuple(shape_kv)
+        self.shape_q, self.shape_kv, self.tokens_major_out = tuple(shape_q), tuple(shape_kv), tokens_major_out
         self.constants = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
         self.amax_out = torch.empty(2, dtype=torch.float32, device=device)  # cuDNN's amax outputs, not used
         self.operands: dict = {}  # CUDA stream -> _Operands
@@ -189,9 +205,9 @@ class _Graph:
             operands = self.operands[stream.cuda_stream] = _Operands(self, stream.device)
         return operands
 
-    def run(self, operands: "_Operands", stream) -> None:
+    def run(self, pack: dict, stream) -> None:
         cudnn.set_stream(handle=self.handle, stream=stream.cuda_stream)
-        self.graph.execute(operands.pack, self.workspace, handle=self.handle)
+        self.graph.execute(pack, self.workspace, handle=self.handle)
 
 
 class _Casts:
@@ -216,7 +232,9 @@ class _Operands(_Casts):
 
     def __init__(self, graph: _Graph, device):
         super().__init__(graph.shape_q, graph.shape_kv, device)
-        self.out8 = torch.empty(graph.shape_q, dtype=torch.float8_e4m3fn, device=device)
+        # A tokens-major graph writes a new tensor for its caller at each call (`attention_e4m3`), set in the pack then.
+        self.out8 = None if graph.tokens_major_out else torch.empty(graph.shape_q, dtype=torch.float8_e4m3fn,
+                                                                    device=device)
         # P in [0, 1] is stored times 448 (descale_s 1/448, scale_s 448); O's rows are convex combinations of V's
         # rows, so |O| <= amax(V): O's scale is 1 / dv.
         scales, constants = self.scales, graph.constants
@@ -226,12 +244,12 @@ class _Operands(_Casts):
                      **dict(zip(graph.scales, values))}
 
 
-def _graph(shape_q, shape_kv, sm_scale, device) -> _Graph:
-    key = (tuple(shape_q), tuple(shape_kv), sm_scale, str(device))
+def _graph(shape_q, shape_kv, sm_scale, device, tokens_major_out=False) -> _Graph:
+    key = (tuple(shape_q), tuple(shape_kv), sm_scale, str(device), tokens_major_out)
     with _lock:
         graph = _graphs.get(key)
         if graph is None:
-            graph = _graphs[key] = _Graph(shape_q, shape_kv, sm_scale, device)
+            graph = _graphs[key] = _Graph(shape_q, shape_kv, sm_scale, device, tokens_major_out)
     return graph
 
 
@@ -273,5 +291,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     stream = torch.cuda.current_stream(q.device)
     operands = graph.operands_for(stream)
     quantize(q, k, v, operands)
-    graph.run(operands, stream)
+    graph.run(operands.pack, stream)
     return dequantize_output(operands.out8, operands.scales, q.dtype, operands)
+
+
+def attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention` that hands over cuDNN's e4m3 output instead of dequantizing it: (out8 (batch, tokens, heads, head
+    dim) e4m3, descale (1,) float32), output = out8 * descale. Both are new tensors (the caller may keep them); the
+    compiled graph dequantizes out8 inside the kernel that reads it next (attention/e4m3_output.py)."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    graph = _graph(q.shape, k.shape, sm_scale, q.device, tokens_major_out=True)
+    stream = torch.cuda.current_stream(q.device)
+    operands = graph.operands_for(stream)
+    batch, heads, tokens, dim = q.shape
+    out8 = torch.empty((batch, tokens, heads, dim), dtype=torch.float8_e4m3fn, device=q.device)
+    descale = torch.empty(1, dtype=torch.float32, device=q.device)
+    quantize(q, k, v, operands)
+    # cuDNN addresses the (batch, heads, tokens, dim) tensor it was built for through tokens-major strides.
+    graph.run({**operands.pack, graph.out: out8}, stream)
+    _finish_kernel[(1,)](operands.scales, descale, operands.amax, operands.carried, HEADROOM=HEADROOM, WINDOW=WINDOW,
+                         num_warps=1)
+    return out8, descale

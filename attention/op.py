@@ -1,9 +1,11 @@
 """`torch.ops.overdrive.attention`: attention through the per-shape choice, as one custom op, so that torch.compile
 traces it as a single opaque call (with a fake implementation for shapes) and CUDA graphs record it like any kernel.
-The backend is picked inside the op at run time; under torch.compile the surrounding graph does not change with it.
+The backend is picked inside the op at run time; under torch.compile the surrounding graph does not change with it,
+except where cuDNN's fp8 graph hands its e4m3 output to the graph (`attend`, e4m3_output.py).
 """
 import torch
 
+from . import e4m3_output
 from .choice import BACKENDS, CHOOSER, AttentionConfig, sdpa
 
 
@@ -31,3 +33,11 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     values as keys, the head dim contiguous."""
     return (q.ndim == k.ndim == v.ndim == 4 and k.shape[:2] == q.shape[:2] and v.shape[:3] == k.shape[:3]
             and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttentionConfig) -> torch.Tensor:
+    """What Overdrive's attention entry points call: the op, or, in a block traced at a shape the chooser gave to
+    cuDNN's fp8 graph, that graph with its e4m3 output dequantized in the compiled code (e4m3_output.py)."""
+    if e4m3_output.applies(q, k, config):
+        return e4m3_output.attention(q, k, v)
+    return attention(q, k, v, config.mode, config.max_error)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .choice import AttentionConfig, OnePerConfig
-from .op import fits
+from .op import attend, fits
 
 SDPA_ARGUMENTS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -25,7 +25,7 @@ class RoutedSDPA(OnePerConfig, TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             qkv = routable(args, kwargs)
             if qkv is not None:
-                out = torch.ops.overdrive.attention(*qkv, self.config.mode, self.config.max_error)
+                out = attend(*qkv, self.config)
                 return out.transpose(1, 2)  # SDPA's layout: (batch, heads, tokens, head dim)
         return func(*args, **kwargs)
 

@@ -131,16 +131,17 @@ def gelu_apart():
     return lambda: setattr(gelu_fusion, "fuse", original)
 
 
-def scaled_mm():
-    """Until the returned function is called, fp8 GEMMs without an epilogue run through `torch._scaled_mm` (cuBLASLt's
-    heuristic choice) instead of the binding's timed algorithm (quantization/cublaslt.py), for one variant's run."""
-    from overdrive.quantization import kernels
-    original = kernels.fp8_gemm
-    kernels.fp8_gemm = kernels.scaled_mm_gemm
-    return lambda: setattr(kernels, "fp8_gemm", original)
+def bf16_attention_output():
+    """Until the returned function is called, cuDNN's fp8 attention dequantizes its own output to 16 bits
+    (attention/e4m3_output.py off: the blocks trace the run-time op), for one variant's run."""
+    from overdrive.attention import e4m3_output
+    original = e4m3_output.applies
+    e4m3_output.applies = lambda q, k, config: False
+    return lambda: setattr(e4m3_output, "applies", original)
 
 
-SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "scaled-mm": scaled_mm}  # variant parts that change code for one run
+# variant parts that change code for one run
+SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "bf16-attention-output": bf16_attention_output}
 
 
 def main():
@@ -229,7 +230,8 @@ def main():
         percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
         where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
         tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
-        `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`). 'eager'
+        `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`).
+        'bf16-attention-output': cuDNN's fp8 attention writes its own 16-bit output (`bf16_attention_output`). 'eager'
         alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold

@@ -6,7 +6,7 @@
 #   [SHAPES=a,b] [MLP_VARIANTS=a,b] bash bench/gpu_attention.sh mlp "$OUT"   # bench/fp8_mlp_autotune.py: the fp8 MLP,
 #                                                                             compiled by default and with max-autotune
 #   bash bench/gpu_attention.sh gelu "$OUT"   # bench/fp8_gelu_gemm.py: the fp8 MLP's first GEMM with GELU, two ways
-#   bash bench/gpu_attention.sh algos "$OUT"  # bench/cublaslt_algos.py: cuBLASLt's algorithms for the DiTs' fp8 GEMMs
+#   bash bench/gpu_attention.sh algos "$OUT"  # bench/cublaslt_algos.py: cuBLASLt's algorithms for the fp8 MLP GEMM
 # The wheels the machine's image lacks travel in .devcarry/whl_attention (nvidia-cudnn-frontend, sageattention
 # 1.0.6) and whl (bench/device_carry.sh makes them).
 set -uo pipefail

@@ -24,6 +24,7 @@ from .activations import FastActivations
 from .disk_cache import compile_key
 from .remote_cache import configure_from_environment
 from .options import CompileOptions
+from .trace_state import tracing_static_shapes
 
 log = logging.getLogger("overdrive.compiler")
 
@@ -127,7 +128,10 @@ class SharedGraph:
                 _mark_step_begin()  # each call is a new inference step, not a continuation
             out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
             if out is _NOT_RUN:
-                out = self.compiled(module, method, args, kwargs)
+                # torch.compile's first trace has static sizes; a recompile may make them symbolic
+                with tracing_static_shapes(self.options.dynamic == "static"
+                                           or (self.options.dynamic == "auto" and self.graphs_compiled == 0)):
+                    out = self.compiled(module, method, args, kwargs)
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
@@ -182,7 +186,8 @@ class SharedGraph:
         if frame is None and signature not in frames.frames and (known_shape or not self.shapes_sealed):
             # A new shape among the first ones (later: the `dynamic` policy). A frame that no longer applies (a value
             # it read changed) is not built again: such calls take torch.compile's path, guards and all.
-            frame = frames.build(signature, directory, module, self.method, args, kwargs)
+            with tracing_static_shapes(self.options.dynamic != "dynamic"):  # a frame is one shape's fresh capture
+                frame = frames.build(signature, directory, module, self.method, args, kwargs)
             return frame, frame is not None  # built: its kernels go to the disk cache with the frame
         return frame, False
 

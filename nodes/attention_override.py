@@ -4,7 +4,7 @@ the attention function ComfyUI would have used."""
 import torch
 
 from ..attention.choice import AttentionConfig, OnePerConfig
-from ..attention.op import fits  # registers torch.ops.overdrive.attention
+from ..attention.op import attend, fits
 from ..compiler.regions import ATTENTION_OVERRIDE
 
 
@@ -27,7 +27,7 @@ class OverdriveAttention(OnePerConfig):
             q4, k4, v4 = (t.view(t.shape[0], -1, heads, dim).transpose(1, 2) for t in (q, k, v))
         if not fits(q4, k4, v4):
             return fallback()
-        out = torch.ops.overdrive.attention(q4, k4, v4, self.config.mode, self.config.max_error)
+        out = attend(q4, k4, v4, self.config)
         if skip_output_reshape:
             return out.transpose(1, 2)
         return out.reshape(out.shape[0], out.shape[1], -1)

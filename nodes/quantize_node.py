@@ -83,9 +83,12 @@ def eager_clone(model):
     return calib
 
 
-def quantized_clone(model, config: QuantConfig, run: CalibrationRun):
-    """(patched clone, report): calibrate if the cache has no decisions, quantize, install as object patches."""
+def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: AttentionConfig):
+    """(patched clone, report): calibrate if the cache has no decisions, quantize, install as object patches.
+    The calibration runs with Overdrive's attention, so that its shapes are measured before Compile Model traces the
+    blocks (attention/e4m3_output.py)."""
     calib = eager_clone(model)
+    install_attention(calib, attention)
     # Loaded, the module tree holds this model's weights with its LoRAs applied: what is hashed and quantized.
     comfy.model_management.load_models_gpu([calib])
     diffusion = calib.model.diffusion_model
@@ -168,7 +171,7 @@ class OverdriveQuantizeModel:
         run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)
         self.last_report = None
         try:
-            patched, self.last_report = quantized_clone(model, config, run)
+            patched, self.last_report = quantized_clone(model, config, run, attention_config)
         except comfy.model_management.InterruptProcessingException:
             raise
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization

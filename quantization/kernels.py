@@ -158,16 +158,7 @@ def fp8_linear(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bi
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
     """The GEMM of `fp8_linear` on an already quantized input: the scaling, the bias and the output cast happen
-    inside it. On CUDA with a 16-bit output: cuBLASLt on the algorithm timed fastest for the shape (`overdrive::
-    fp8_gemm`); else `torch._scaled_mm`, which runs cuBLASLt's heuristic choice."""
-    if xq.is_cuda and out_dtype in (torch.bfloat16, torch.float16) and _cublaslt_state["ok"]:
-        return torch.ops.overdrive.fp8_gemm(xq, x_scale, w_fp8, w_scale, None if bias is None else bias.to(out_dtype),
-                                            out_dtype, fast_accum)
-    return scaled_mm_gemm(xq, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
-
-
-def scaled_mm_gemm(xq, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=True):
-    """`fp8_gemm` through `torch._scaled_mm`."""
+    inside it."""
     fused_bias = bias is not None and out_dtype != torch.float32  # the fp8 GEMM adds a bias only for 16-bit outputs
     y = torch._scaled_mm(xq, w_fp8.t(), x_scale.reshape(()), w_scale.reshape(()),
                          bias=bias.to(out_dtype) if fused_bias else None, out_dtype=out_dtype,
@@ -191,43 +182,20 @@ def fp8_linear_gelu(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tenso
 _cublaslt_state = {"ok": True}
 
 
-def _on_cublaslt(kernel: str, *args):
-    """`cublaslt.<kernel>(*args)`, or None once cuBLASLt has failed (logged once: every fp8 GEMM then runs on torch's
-    own kernels)."""
-    if _cublaslt_state["ok"]:
-        try:
-            from . import cublaslt
-            return getattr(cublaslt, kernel)(*args)
-        except Exception as error:  # noqa: BLE001 - a missing or refusing cuBLASLt costs speed, never the run
-            _cublaslt_state["ok"] = False
-            log.warning("Overdrive quantization: cuBLASLt's fp8 GEMMs unavailable (%s); torch._scaled_mm runs them, "
-                        "and the MLPs' GELU as a kernel of its own.", error)
-    return None
-
-
-@torch.library.custom_op("overdrive::fp8_gemm", mutates_args=())
-def _fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """cuBLASLt's fp8 GEMM on its fastest algorithm for the shape; `torch._scaled_mm` if cuBLASLt fails."""
-    y = _on_cublaslt("fp8_gemm", xq, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
-    return scaled_mm_gemm(xq, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum) if y is None else y
-
-
-@_fp8_gemm.register_fake
-def _(xq, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum):
-    return xq.new_empty((xq.shape[0], w_fp8.shape[0]), dtype=out_dtype)
-
-
 @torch.library.custom_op("overdrive::fp8_gemm_gelu", mutates_args=())
 def _fp8_gemm_gelu(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None, out_inverse_scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
     """cuBLASLt's fp8 GEMM with its GELU epilogue on CUDA; elsewhere, or if cuBLASLt fails, the same function as torch
     ops (the fp8 GEMM writing 16 bits, tanh-GELU in float32, the cast)."""
-    if xq.is_cuda:
-        y = _on_cublaslt("fp8_gemm_gelu", xq, x_scale, w_fp8, w_scale, bias, out_inverse_scale, fast_accum)
-        if y is not None:
-            return y
-    y = scaled_mm_gemm(xq, x_scale, w_fp8, w_scale, bias, torch.bfloat16 if bias is None else bias.dtype, fast_accum)
+    if xq.is_cuda and _cublaslt_state["ok"]:
+        try:
+            from . import cublaslt
+            return cublaslt.fp8_gemm_gelu(xq, x_scale, w_fp8, w_scale, bias, out_inverse_scale, fast_accum)
+        except Exception as error:  # noqa: BLE001 - a missing or refusing cuBLASLt costs speed, never the run
+            _cublaslt_state["ok"] = False
+            log.warning("Overdrive quantization: cuBLASLt's fp8 GEMM + GELU kernel unavailable (%s); the MLPs run it "
+                        "as separate kernels.", error)
+    y = fp8_gemm(xq, x_scale, w_fp8, w_scale, bias, torch.bfloat16 if bias is None else bias.dtype, fast_accum)
     return quantize_tensor_fp8_static(F.gelu(y.float(), approximate="tanh"), out_inverse_scale)
 
 

@@ -5,6 +5,7 @@ their fp8 error on the GPU: bench/attention_kernels.py."""
 import copy
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive
 from overdrive.attention import reference as ref
 from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, pick
 from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_transformer_options
+from overdrive.compiler.trace_state import tracing_static_shapes
 
 
 def qkv(shape, seed=0, k_offset=0.0):
@@ -144,6 +146,86 @@ def test_custom_op_runs_sdpa_off_the_gpu_and_compiles_with_its_fake():
     torch.testing.assert_close(f(q, k, v), expected.reshape(2, 50, -1))
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), expected.reshape(2, 50, -1))
+
+
+@pytest.fixture()
+def chosen_cudnn_fp8():
+    """The chooser's record that cuDNN's fp8 graph won at a shape (the CPU cannot measure it), removed after."""
+    from overdrive.attention.choice import CHOOSER
+    keys = []
+
+    def choose(q, k, config, batch=None):
+        shape_q = (batch or q.shape[0], *q.shape[1:])
+        shape_k = (batch or k.shape[0], *k.shape[1:])
+        keys.append((shape_q, shape_k, str(q.dtype), str(q.device), config))
+        CHOOSER.choices[keys[-1]] = "cudnn_fp8"
+    yield choose
+    for key in keys:
+        CHOOSER.choices.pop(key, None)
+
+
+def test_a_block_traced_where_cudnn_fp8_was_chosen_dequantizes_its_e4m3_output_in_the_graph(chosen_cudnn_fp8):
+    """A block traced at a shape the chooser gave to cuDNN's fp8 graph calls `overdrive::attention_e4m3` (here SDPA's
+    output cast to e4m3, off the GPU) and multiplies by its descale in the compiled code, which Inductor fuses into
+    the kernel reading the output (no 16-bit copy of it is written); any other shape, a shape-generic trace, the
+    setting off and eager code keep the run-time op."""
+    from overdrive.attention import op
+    config = AttentionConfig("auto", 0.05)
+
+    def block(x):
+        q = torch.nn.functional.rms_norm(x, (64,))
+        out = op.attend(q, q.flip(2) + 0.5, x * 2, config).reshape(x.shape[0], x.shape[2], -1)
+        # two readers, as in Qwen-Image's blocks: the text stream's 16-bit input, the image stream's fp8 input cast
+        return out[:, :8] * 3, (out[:, 8:] * 4).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    x = torch.randn(1, 4, 300, 64, dtype=torch.bfloat16)
+    exact = block(x)  # eager: the op, SDPA off the GPU
+    chosen_cudnn_fp8(x, x, config, batch=2)  # measured at another batch (calibration's CFG): stands in
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def compiled(fn, x, static=True, **options):
+        """Compiled as Overdrive's compiler does: its first shape traced with static sizes (trace_state.py)."""
+        torch._dynamo.reset()
+        with tracing_static_shapes(static):
+            return torch.compile(fn, fullgraph=True, **options)(x)
+
+    def error(out):
+        return max(ref.relative_error(a.float(), b.float()) for a, b in zip(out, exact))  # e4m3: a step may differ
+
+    out = compiled(block, x, backend=backend)
+    calls = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert any("attention_e4m3" in c for c in calls) and not any("overdrive.attention." in c for c in calls), calls
+    assert 0.002 < error(out) < 0.05, error(out)  # the output's e4m3 rounding (~2.5 %), no more
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    with tracing_static_shapes(True):
+        fused, (code, *_) = run_and_get_code(torch.compile(block, fullgraph=True), x)
+    assert error(fused) < 0.05
+    # The readers' kernels read the e4m3 output: the only 16-bit buffers are Q, K, V and the text stream's input.
+    bf16 = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\),[^\n]*torch.bfloat16\)", code)
+    assert sorted(bf16) == ["1, 4, 300, 64"] * 3 + ["1, 8, 256"] and "# reuse" not in code, code
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):  # as compiler/precompiled.py builds and saves a frame
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(enable_aot_compile=True), tracing_static_shapes(True):
+            frame = torch.compile(block, fullgraph=True).aot_compile(((x,), {}))
+        assert type(frame).serialize(frame).serialized_data
+        assert error(frame(x)) < 0.05
+
+    def keeps_the_op(x, **options):
+        graphs.clear()
+        compiled(block, x, backend=backend, **options)
+        return not any("attention_e4m3" in str(n.target) for n in graphs[0].graph.nodes)
+
+    assert keeps_the_op(torch.randn(1, 4, 200, 64, dtype=torch.bfloat16))  # a shape never measured
+    assert keeps_the_op(x, static=False, dynamic=True)  # a later shape's trace, here shape-generic
+    config = AttentionConfig("auto", 0.05, e4m3_output=False)  # off: the op (block reads `config` when traced)
+    chosen_cudnn_fp8(x, x, config)
+    assert keeps_the_op(x)
+    torch._dynamo.reset()
 
 
 @pytest.fixture()

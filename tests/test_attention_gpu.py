@@ -81,3 +81,38 @@ def test_cudnn_fp8_carried_scales_cost_no_accuracy():
     torch.testing.assert_close(operands.scales[:3], amaxes * grown * cudnn8.HEADROOM / 448, rtol=1e-2, atol=0)
     carried = reference.relative_error(out.transpose(1, 2), exact)
     assert carried < own * 1.15, (own, carried)
+
+
+def test_cudnn_fp8_e4m3_output_under_inductor_and_cuda_graphs():
+    """e4m3_output.py's path as a compiled block runs it: the backend's casts, cuDNN's graph writing e4m3
+    tokens-major, the descale multiplied in the compiled code; recorded into a CUDA graph and replayed; as accurate as
+    the backend's own 16-bit output, and the same at every replay. The e4m3 output and descale are new tensors at
+    each call (a later call leaves an earlier one's alone)."""
+    from overdrive.attention import e4m3_output
+    q, k, v = inputs((2, 24, 1024, 128), seed=2)
+    if cudnn8.supports(q, k, v) is not None:
+        pytest.skip(cudnn8.supports(q, k, v))
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # ComfyUI's (batch, tokens, ...)
+    exact = reference.exact_attention(q, k, v).transpose(1, 2)
+    out8, descale = cudnn8.attention_e4m3(q, k, v)
+    kept = out8.clone(), descale.clone()
+    cudnn8.attention_e4m3(*(t * 3 for t in (q, k, v)))
+    assert torch.equal(out8.view(torch.uint8), kept[0].view(torch.uint8)) and torch.equal(descale, kept[1])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: e4m3_output.attention(q * 1.0, k * 1.0, v * 1.0), fullgraph=True)
+    out = compiled(q, k, v)
+    err = reference.relative_error(out, exact)
+    own = reference.relative_error(cudnn8.attention(q, k, v), exact)
+    assert out.shape == exact.shape and out.dtype == q.dtype
+    assert err < min(0.10, own * 1.05), (err, own)
+    graph = torch.cuda.CUDAGraph()
+    static = [t.clone() for t in (q, k, v)]
+    compiled(*static)  # warm on the side stream, as the block graphs do
+    with torch.cuda.graph(graph):
+        replayed = compiled(*static)
+    for scale in (1.0, 3.0):  # new inputs: the replay recasts them as the compiled call does
+        for t, source in zip(static, (q, k, v)):
+            t.copy_(source * scale)
+        graph.replay()
+        assert reference.relative_error(replayed, compiled(*static)) < 1e-3
+    torch._dynamo.reset()

@@ -1,0 +1,93 @@
+"""cuDNN's fp8 attention handing its e4m3 output to the compiled graph, which dequantizes it inside the kernel that
+reads it next.
+
+Run as an opaque op, cuDNN's fp8 attention (cudnn8.py) writes e4m3 and a Triton pass dequantizes that into a 16-bit
+copy in the op's layout; the fp8 out-projection after it then reads the copy back and casts it to e4m3 again. Where
+the chooser picked cuDNN's fp8 graph for a shape, a block traced at that shape instead calls
+`overdrive::attention_e4m3`, which returns cuDNN's e4m3 output (written tokens-major, the layout the out-projection
+reads) with its descale, and multiplies the two in traced code: Inductor fuses that into the out-projection's input
+cast (or whatever reads the output), so the 16-bit copy is never written. On Qwen-Image that copy and its cast took
+104 ms of a 6.7 s fp8 image, 45 ms with the dequantization fused (bench/README.md, "fp8 against CompileModel").
+Q, K and V keep the backend's own casts with carried scales: casting them in the graph measured slower.
+
+The decision is made when the block is traced, from the chooser's measurement at that shape: Quantize Model's
+calibration runs the model with Overdrive's attention, so the shapes it samples at are measured before Compile
+Model traces. A shape traced before it was measured, or a trace with symbolic sizes (a shape-generic graph), keeps
+the run-time choice of `torch.ops.overdrive.attention`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..compiler.trace_state import static_shapes
+from ..quantization.kernels import EPS, FP8_DTYPE, FP8_MAX
+from . import cudnn8
+from .choice import CHOOSER, AttentionConfig, sdpa
+
+log = logging.getLogger("overdrive")
+_failed_shapes: set = set()
+
+
+@torch.compiler.assume_constant_result
+def _chosen(shape_q: tuple, shape_k: tuple, dtype: str, device: str, settings: tuple) -> str:
+    """The chooser's backend for a shape, read while tracing as a constant (no guard: a later measurement at another
+    shape does not recompile this graph). Quantize Model calibrates with CFG (a batch of 2); a sampler at CFG 1 runs
+    the same attention at batch 1, so a shape measured at another batch size stands in. `settings`: the
+    AttentionConfig's fields (a precompiled frame cannot hold the object itself)."""
+    config = AttentionConfig(*settings)
+    choice = CHOOSER.choices.get((shape_q, shape_k, dtype, device, config))
+    if choice is None:
+        choice = next((made for (q, k, *rest), made in CHOOSER.choices.items()
+                       if q[1:] == shape_q[1:] and k[1:] == shape_k[1:] and tuple(rest) == (dtype, device, config)), "")
+    if choice == "cudnn_fp8":
+        log.info("Overdrive attention %s: cuDNN's fp8 graph, its e4m3 output dequantized in the compiled block",
+                 shape_q)
+    return choice
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, config: AttentionConfig) -> bool:
+    """Whether a call being traced takes this path: a trace of static sizes (compiler/trace_state.py: Overdrive's
+    compiler, at a graph's first shape; a shape-generic graph serves sizes the chooser may have judged otherwise, and
+    its sizes cannot be looked up) at a shape the chooser gave to cuDNN's fp8 graph."""
+    if not (config.e4m3_output and torch.compiler.is_compiling() and static_shapes()):
+        return False
+    return _chosen(tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device),
+                   (config.mode, config.max_error, config.e4m3_output)) == "cudnn_fp8"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, head dim) q, k, v -> (batch, tokens, heads, head dim) in q's dtype, its dequantization
+    traced."""
+    out8, descale = torch.ops.overdrive.attention_e4m3(q, k, v)
+    return (out8.float() * descale).to(q.dtype)
+
+
+def _quantized_sdpa(q, k, v):
+    """SDPA's output as the op returns it: e4m3 over V's maximum (|O| <= max |V|), tokens-major."""
+    descale = (v.abs().amax().float() / FP8_MAX).clamp_min(EPS).reshape(1)
+    return (sdpa(q, k, v).float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), descale
+
+
+@torch.library.custom_op("overdrive::attention_e4m3", mutates_args=())
+def attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, heads, tokens, head dim) q, k, v -> (e4m3 (batch, tokens, heads, head dim), descale (1,) float32).
+    cuDNN's fp8 graph on CUDA; off the GPU, or where cuDNN fails (logged once per shape), SDPA's output cast the same
+    way."""
+    if q.is_cuda and tuple(q.shape) not in _failed_shapes:
+        try:
+            return cudnn8.attention_e4m3(q, k, v)
+        except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
+            _failed_shapes.add(tuple(q.shape))
+            log.warning("Overdrive attention: cuDNN's fp8 graph failed at %s (%s: %s); SDPA runs there, its output "
+                        "cast to e4m3 for the compiled block", tuple(q.shape), type(error).__name__,
+                        str(error).splitlines()[0][:300] if str(error) else "")
+    return _quantized_sdpa(q, k, v)
+
+
+@attention_e4m3.register_fake
+def _(q, k, v):
+    batch, heads, tokens, dim = q.shape
+    return (q.new_empty((batch, tokens, heads, v.shape[-1]), dtype=FP8_DTYPE),
+            q.new_empty((1,), dtype=torch.float32))

@@ -6,7 +6,6 @@
 #   [SHAPES=a,b] [MLP_VARIANTS=a,b] bash bench/gpu_attention.sh mlp "$OUT"   # bench/fp8_mlp_autotune.py: the fp8 MLP,
 #                                                                             compiled by default and with max-autotune
 #   bash bench/gpu_attention.sh gelu "$OUT"   # bench/fp8_gelu_gemm.py: the fp8 MLP's first GEMM with GELU, two ways
-#   bash bench/gpu_attention.sh algos "$OUT"  # bench/cublaslt_algos.py: cuBLASLt's algorithms for the fp8 MLP GEMM
 # The wheels the machine's image lacks travel in .devcarry/whl_attention (nvidia-cudnn-frontend, sageattention
 # 1.0.6) and whl (bench/device_carry.sh makes them).
 set -uo pipefail
@@ -20,6 +19,5 @@ case "$part" in
   mlp) python3 bench/fp8_mlp_autotune.py ${SHAPES:+--shapes $SHAPES} ${MLP_VARIANTS:+--variants $MLP_VARIANTS} \
          --out "$out/${day}_${gpu}_fp8_mlp_autotune.json" 2>&1 | grep -v "^W1\|warn" ;;
   gelu) python3 bench/fp8_gelu_gemm.py --out "$out/${day}_${gpu}_fp8_gelu_gemm.json" 2>&1 | grep -v "^W1\|warn" ;;
-  algos) python3 bench/cublaslt_algos.py --out "$out/${day}_${gpu}_cublaslt_algos.json" 2>&1 | grep -v "^W1\|warn" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

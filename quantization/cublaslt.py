@@ -8,10 +8,9 @@ and converts D to e4m3 in the epilogue (Transformer Engine fuses its fp8 MLPs th
 form, which DiT MLPs use.
 
 Row-major y (M, N) = x (M, K) @ W^T, W (N, K), is column-major y^T = W x^T: A = W (transposed), B = x, D = y, the "TN"
-layout Hopper's fp8 kernels require. Descriptors are built once per problem, and its first call outside a CUDA graph's
-capture times the heuristic's first `CANDIDATES` algorithms and keeps the fastest; each call sets the data pointers
-and runs one cublasLtMatmul on torch's current stream (capturable in a CUDA graph: the workspace comes from torch's
-allocator).
+layout Hopper's fp8 kernels require. Descriptors and the heuristic's algorithm are built once per problem; each call
+sets the data pointers and runs one cublasLtMatmul on torch's current stream (capturable in a CUDA graph: the
+workspace comes from torch's allocator).
 """
 from __future__ import annotations
 
@@ -73,7 +72,6 @@ class _Library:
             "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_HeuristicResult),
                                                ctypes.POINTER(i)],
             "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p],
-            "cublasLtMatmulAlgoConfigGetAttribute": [p, i, p, sz, ctypes.POINTER(sz)],
         }
         for name, argtypes in signatures.items():
             function = getattr(lib, name)
@@ -106,22 +104,14 @@ def _library() -> _Library:
         return _state["library"]
 
 
-# How many of the heuristic's algorithms a plan times on its first call (outside CUDA-graph capture), keeping the
-# fastest: at Qwen-Image's rows the heuristic's first choice ran 5 % slower than its fourth (bench/README.md,
-# "cuBLASLt's algorithms"). 1 keeps the heuristic's choice untimed.
-CANDIDATES = 8
-_TIMED_RUNS = 7
-
-
 class _Plan:
-    """Descriptors and the algorithm of one fp8 GEMM + GELU problem (M, N, K, bias type, fast accumulation, GPU), kept
-    for the process. A call sets the data pointers on the shared descriptor, hence the lock."""
+    """Descriptors and the chosen algorithm of one fp8 GEMM + GELU problem (M, N, K, bias type, fast accumulation),
+    kept for the process. A call sets the data pointers on the shared descriptor, hence the lock."""
 
     def __init__(self, lib: _Library, device: torch.device, m: int, n: int, k: int, bias_type: int | None,
                  fast_accum: bool):
         c, p = ctypes, ctypes.c_void_p
         self.lib, self.handle, self.desc, self.lock = lib, lib.handle(device), p(), threading.Lock()
-        self.shape = (m, n, k)
         check = lib.check
         check(lib.lib.cublasLtMatmulDescCreate(c.byref(self.desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
         self._set(_DESC_TRANSA, c.c_int32(_OP_T))
@@ -140,14 +130,13 @@ class _Plan:
         workspace = c.c_uint64(WORKSPACE_BYTES)
         check(lib.lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE, c.byref(workspace),
                                                            c.sizeof(workspace)), "cublasLtMatmulPreferenceSetAttribute")
-        results, found = (_HeuristicResult * max(CANDIDATES, 1))(), c.c_int(0)
+        self.result, found = _HeuristicResult(), c.c_int(0)
         check(lib.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a, self.b, self.c, self.d,
-                                                     preference, len(results), results, c.byref(found)),
+                                                     preference, 1, c.byref(self.result), c.byref(found)),
               "cublasLtMatmulAlgoGetHeuristic")
-        self.candidates = [results[i] for i in range(found.value) if results[i].state == 0]
-        if not self.candidates:
+        if found.value < 1:
             raise CublasLtError(f"cuBLASLt has no fp8 GEMM + GELU kernel for M={m}, N={n}, K={k}")
-        self.chosen, self.tuned, self.timings_ms = 0, len(self.candidates) == 1, []
+        self.workspace_bytes = max(int(self.result.workspaceSize), 1)
 
     def _set(self, attribute: int, value):
         self.lib.check(self.lib.lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value),
@@ -156,50 +145,16 @@ class _Plan:
 
     def run(self, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
         with self.lock:
-            if not self.tuned and not torch.cuda.is_current_stream_capturing():
-                self._tune(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
-            self._run(self.chosen, x, w, x_scale, w_scale, bias, out_scale_inverse, out)
+            self._run(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
 
-    def _tune(self, *operands):
-        """Times each candidate on this call's own operands (the GPU waits for each) and keeps the fastest; a candidate
-        that fails to launch is skipped. Outside capture only: a CUDA graph records whichever algorithm is chosen.
-        Each run starts with the L2 cache overwritten, as in a model, where the weight comes from memory: timed
-        back to back instead, with the operands cached, the candidates ranked differently from `triton.testing.
-        do_bench` (2026-11-28_h100_cublaslt_algos.json)."""
-        device = operands[-1].device
-        flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
-                            device=device)
-        self.timings_ms = []
-        for index in range(len(self.candidates)):
-            try:
-                self._run(index, *operands)
-                runs = []
-                for _ in range(_TIMED_RUNS):
-                    flush.zero_()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    self._run(index, *operands)
-                    end.record()
-                    runs.append((start, end))
-                torch.cuda.synchronize(device)
-                self.timings_ms.append(sorted(s.elapsed_time(e) for s, e in runs)[_TIMED_RUNS // 2])
-            except CublasLtError:
-                self.timings_ms.append(float("inf"))
-        self.chosen = min(range(len(self.timings_ms)), key=self.timings_ms.__getitem__)
-        if self.timings_ms[self.chosen] == float("inf"):
-            raise CublasLtError(f"no cuBLASLt algorithm ran the fp8 GEMM M, N, K = {self.shape}")
-        self.tuned = True
-
-    def _run(self, index, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
+    def _run(self, x, w, x_scale, w_scale, bias, out_scale_inverse, out):
         c = ctypes
-        self._set(_DESC_A_SCALE, c.c_void_p(w_scale.data_ptr()))
-        self._set(_DESC_B_SCALE, c.c_void_p(x_scale.data_ptr()))
-        self._set(_DESC_D_SCALE, c.c_void_p(out_scale_inverse.data_ptr()))
+        for attribute, tensor in ((_DESC_A_SCALE, w_scale), (_DESC_B_SCALE, x_scale),
+                                  (_DESC_D_SCALE, out_scale_inverse)):
+            self._set(attribute, c.c_void_p(tensor.data_ptr()))
         if bias is not None:
             self._set(_DESC_BIAS_POINTER, c.c_void_p(bias.data_ptr()))
-        candidate = self.candidates[index]
-        workspace_bytes = max(int(candidate.workspaceSize), 1)
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=out.device)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=out.device)
         alpha, beta = c.c_float(1.0), c.c_float(0.0)
         stream = c.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)
         # beta = 0: C is never read, so none is passed (D's own address would mean "in place", which cuBLASLt refuses
@@ -207,37 +162,8 @@ class _Plan:
         self.lib.check(self.lib.lib.cublasLtMatmul(
             self.handle, self.desc, c.byref(alpha), c.c_void_p(w.data_ptr()), self.a, c.c_void_p(x.data_ptr()),
             self.b, c.byref(beta), None, self.c, c.c_void_p(out.data_ptr()), self.d,
-            c.byref(candidate.algo), c.c_void_p(workspace.data_ptr()), workspace_bytes, stream),
+            c.byref(self.result.algo), c.c_void_p(workspace.data_ptr()), self.workspace_bytes, stream),
             "cublasLtMatmul")
-
-    def describe(self) -> dict:
-        """The chosen algorithm's configuration and every candidate's time: what the bench records."""
-        return {"candidates": len(self.candidates), "chosen": self.chosen, "timings_ms": self.timings_ms,
-                "configs": [_algo_config(self.lib, candidate.algo) for candidate in self.candidates]}
-
-
-def _algo_config(lib: _Library, algo) -> dict:
-    config = {}
-    for name, attribute, ctype in (("id", 0, ctypes.c_int32), ("tile", 1, ctypes.c_uint32),
-                                   ("split_k", 2, ctypes.c_int32), ("stages", 6, ctypes.c_uint32),
-                                   ("cluster", 8, ctypes.c_uint16)):
-        value, written = ctype(0), ctypes.c_size_t(0)
-        status = lib.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
-                                                             ctypes.sizeof(value), ctypes.byref(written))
-        config[name] = value.value if status == 0 else None
-    return config
-
-
-def plan_of(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fast_accum: bool = True) -> _Plan:
-    """The plan that calls on these operands use (made on first use)."""
-    m, k = x.shape
-    n = w.shape[0]
-    bias_type = None if bias is None else _DATA_TYPES[bias.dtype]
-    key = (m, n, k, bias_type, bool(fast_accum), x.device.index)
-    plan = _state["plans"].get(key)
-    if plan is None:
-        plan = _state["plans"][key] = _Plan(_library(), x.device, m, n, k, bias_type, fast_accum)
-    return plan
 
 
 def fp8_gemm_gelu(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -246,8 +172,13 @@ def fp8_gemm_gelu(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_sca
 
     x: (M, K) e4m3, row-major; w: (N, K) e4m3, row-major; scales: float32 one-element tensors on the GPU; bias: (N,)
     bf16/fp16 or None. K and N must be multiples of 16 (as for torch._scaled_mm)."""
-    x, w = x.contiguous(), w.contiguous()
-    plan = plan_of(x, w, bias, fast_accum)
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float8_e4m3fn, device=x.device)
-    plan.run(x, w, x_scale, w_scale, bias, out_scale_inverse, out)
+    m, k = x.shape
+    n = w.shape[0]
+    bias_type = None if bias is None else _DATA_TYPES[bias.dtype]
+    key = (m, n, k, bias_type, bool(fast_accum), x.device.index)
+    plan = _state["plans"].get(key)
+    if plan is None:
+        plan = _state["plans"][key] = _Plan(_library(), x.device, m, n, k, bias_type, fast_accum)
+    out = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    plan.run(x.contiguous(), w.contiguous(), x_scale, w_scale, bias, out_scale_inverse, out)
     return out

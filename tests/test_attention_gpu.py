@@ -86,8 +86,8 @@ def test_cudnn_fp8_carried_scales_cost_no_accuracy():
 def test_cudnn_fp8_e4m3_output_under_inductor_and_cuda_graphs():
     """e4m3_output.py's path as a compiled block runs it: the backend's casts, cuDNN's graph writing e4m3
     tokens-major, the descale multiplied in the compiled code; recorded into a CUDA graph and replayed; as accurate as
-    the backend's own 16-bit output, and the same at every replay. The e4m3 output and descale are new tensors at
-    each call (a later call leaves an earlier one's alone)."""
+    the backend's own 16-bit output, at every replay. The e4m3 output and descale are new tensors at each call (a
+    later call leaves an earlier one's alone)."""
     from overdrive.attention import e4m3_output
     q, k, v = inputs((2, 24, 1024, 128), seed=2)
     if cudnn8.supports(q, k, v) is not None:
@@ -110,9 +110,10 @@ def test_cudnn_fp8_e4m3_output_under_inductor_and_cuda_graphs():
     compiled(*static)  # warm on the side stream, as the block graphs do
     with torch.cuda.graph(graph):
         replayed = compiled(*static)
-    for scale in (1.0, 3.0):  # new inputs: the replay recasts them as the compiled call does
+    for scale in (1.0, 3.0):  # new inputs: the replay casts them at scales carried on its own stream
         for t, source in zip(static, (q, k, v)):
             t.copy_(source * scale)
         graph.replay()
-        assert reference.relative_error(replayed, compiled(*static)) < 1e-3
+        exact = reference.exact_attention(*static).transpose(1, 2)
+        assert reference.relative_error(replayed, exact) < min(0.10, own * 1.15)
     torch._dynamo.reset()

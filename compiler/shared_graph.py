@@ -89,6 +89,7 @@ class SharedGraph:
         self.description = description
         self.lock = threading.RLock()
         self.graphs_compiled = 0  # new Dynamo graphs produced by calls through this entry point
+        self.shapes_seen: set = set()
         self.traced_signatures: set = set()  # call signatures of the calls that traced through torch.compile's path
         self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
         self.specialised_shapes: set = set()  # the shapes seen before sealing: they get precompiled frames

@@ -13,49 +13,44 @@ Q, K and V keep the backend's own casts with carried scales: casting them in the
 
 The decision is made when the block is traced, from the chooser's measurement at that shape: Quantize Model's
 calibration runs the model with Overdrive's attention, so the shapes it samples at are measured before Compile
-Model traces. A shape traced before it was measured, or a trace with symbolic sizes (a shape-generic graph), keeps
-the run-time choice of `torch.ops.overdrive.attention`.
+Model traces. A shape traced before it was measured keeps the run-time choice of `torch.ops.overdrive.attention`, and
+so does a precompiled frame saved then (compiler/precompiled.py), until the frames are built again.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from ..compiler.trace_state import static_shapes
 from ..quantization.kernels import EPS, FP8_DTYPE, FP8_MAX
 from . import cudnn8
 from .choice import CHOOSER, AttentionConfig, sdpa
 
 log = logging.getLogger("overdrive")
 _failed_shapes: set = set()
+_logged_shapes: set = set()
 
 
 @torch.compiler.assume_constant_result
-def _chosen(shape_q: tuple, shape_k: tuple, dtype: str, device: str, settings: tuple) -> str:
-    """The chooser's backend for a shape, read while tracing as a constant (no guard: a later measurement at another
-    shape does not recompile this graph). Quantize Model calibrates with CFG (a batch of 2); a sampler at CFG 1 runs
-    the same attention at batch 1, so a shape measured at another batch size stands in. `settings`: the
-    AttentionConfig's fields (a precompiled frame cannot hold the object itself)."""
-    config = AttentionConfig(*settings)
-    choice = CHOOSER.choices.get((shape_q, shape_k, dtype, device, config))
-    if choice is None:
-        choice = next((made for (q, k, *rest), made in CHOOSER.choices.items()
-                       if q[1:] == shape_q[1:] and k[1:] == shape_k[1:] and tuple(rest) == (dtype, device, config)), "")
-    if choice == "cudnn_fp8":
-        log.info("Overdrive attention %s: cuDNN's fp8 graph, its e4m3 output dequantized in the compiled block",
-                 shape_q)
-    return choice
+def _cudnn_fp8_shapes() -> frozenset:
+    """What the chooser gave to cuDNN's fp8 graph so far, as (q's and k's shapes without the batch, dtype, device,
+    config fields): read while tracing as a constant, with no guard, so a later measurement does not recompile a graph.
+    Quantize Model calibrates with CFG (a batch of 2); a sampler at CFG 1 runs the same attention at batch 1, so the
+    batch size is left out."""
+    return frozenset((q[1:], k[1:], dtype, device, dataclasses.astuple(config))
+                     for (q, k, dtype, device, config), made in list(CHOOSER.choices.items()) if made == "cudnn_fp8")
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, config: AttentionConfig) -> bool:
-    """Whether a call being traced takes this path: a trace of static sizes (compiler/trace_state.py: Overdrive's
-    compiler, at a graph's first shape; a shape-generic graph serves sizes the chooser may have judged otherwise, and
-    its sizes cannot be looked up) at a shape the chooser gave to cuDNN's fp8 graph."""
-    if not (config.e4m3_output and torch.compiler.is_compiling() and static_shapes()):
+    """Whether a call being traced takes this path: at a shape the chooser gave to cuDNN's fp8 graph. Compared size
+    by size, so that a trace with symbolic sizes (a shape-generic graph) gets a guard on them rather than a lookup it
+    cannot make: such a graph takes the path only at a chosen shape, and recompiles for it."""
+    if not (config.e4m3_output and torch.compiler.is_compiling()):
         return False
-    return _chosen(tuple(q.shape), tuple(k.shape), str(q.dtype), str(q.device),
-                   (config.mode, config.max_error, config.e4m3_output)) == "cudnn_fp8"
+    key = (str(q.dtype), str(q.device), (config.mode, config.max_error, config.e4m3_output))
+    return any(tuple(q.shape[1:]) == shape_q and tuple(k.shape[1:]) == shape_k and (dtype, device, settings) == key
+               for shape_q, shape_k, dtype, device, settings in _cudnn_fp8_shapes())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -77,6 +72,10 @@ def attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     cuDNN's fp8 graph on CUDA; off the GPU, or where cuDNN fails (logged once per shape), SDPA's output cast the same
     way."""
     if q.is_cuda and tuple(q.shape) not in _failed_shapes:
+        if tuple(q.shape) not in _logged_shapes:
+            _logged_shapes.add(tuple(q.shape))
+            log.info("Overdrive attention %s: cuDNN's fp8 graph, its e4m3 output read by the compiled block",
+                     tuple(q.shape))
         try:
             return cudnn8.attention_e4m3(q, k, v)
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization

@@ -24,7 +24,6 @@ from .activations import FastActivations
 from .disk_cache import compile_key
 from .remote_cache import configure_from_environment
 from .options import CompileOptions
-from .trace_state import tracing_static_shapes
 
 log = logging.getLogger("overdrive.compiler")
 
@@ -90,7 +89,6 @@ class SharedGraph:
         self.lock = threading.RLock()
         self.graphs_compiled = 0  # new Dynamo graphs produced by calls through this entry point
         self.shapes_seen: set = set()
-        self.traced_signatures: set = set()  # call signatures of the calls that traced through torch.compile's path
         self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
         self.specialised_shapes: set = set()  # the shapes seen before sealing: they get precompiled frames
         self.failure: str | None = None  # set once compiling or running compiled code failed
@@ -128,14 +126,11 @@ class SharedGraph:
             if self.options.cuda_graphs:
                 _mark_step_begin()  # each call is a new inference step, not a continuation
             out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
-            signature = None
             if out is _NOT_RUN:
-                out, signature = self._run_compiled(module, method, args, kwargs)
+                out = self.compiled(module, method, args, kwargs)
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
-        if new_graphs and signature is not None:
-            self.traced_signatures.add(signature)
         if new_graphs or built:
             self.graphs_compiled += new_graphs
             log.info(
@@ -162,15 +157,6 @@ class SharedGraph:
             self.frames.frames.clear()
             self.frames.not_on_disk.clear()
 
-    def _run_compiled(self, module, method, args, kwargs):
-        """(output, call signature) of a call through torch.compile's path. Its trace, if it makes one, has static sizes
-        unless Dynamo has traced other sizes before (automatic dynamic, `auto`) or the policy is `dynamic`; code that
-        looks sizes up while tracing is told which (trace_state.py). The signature is None where it is not needed."""
-        signature = precompiled.call_signature(self.method, args, kwargs) if self.options.dynamic == "auto" else None
-        static = self.options.dynamic == "static" or (signature is not None and self.traced_signatures <= {signature})
-        with tracing_static_shapes(static):
-            return self.compiled(module, method, args, kwargs), signature
-
     def _recompile_limit(self):
         # Entered at every UNet call: config.patch builds a class each time (~0.13 ms on the 2-core CPU), so it is
         # skipped when the limit already is ours (Dynamo's default 8 equals max_graphs' default).
@@ -196,8 +182,7 @@ class SharedGraph:
         if frame is None and signature not in frames.frames and (known_shape or not self.shapes_sealed):
             # A new shape among the first ones (later: the `dynamic` policy). A frame that no longer applies (a value
             # it read changed) is not built again: such calls take torch.compile's path, guards and all.
-            with tracing_static_shapes(self.options.dynamic != "dynamic"):  # a frame is one shape's fresh capture
-                frame = frames.build(signature, directory, module, self.method, args, kwargs)
+            frame = frames.build(signature, directory, module, self.method, args, kwargs)
             return frame, frame is not None  # built: its kernels go to the disk cache with the frame
         return frame, False
 

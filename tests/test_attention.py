@@ -17,7 +17,6 @@ from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive
 from overdrive.attention import reference as ref
 from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, pick
 from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_transformer_options
-from overdrive.compiler.trace_state import tracing_static_shapes
 
 
 def qkv(shape, seed=0, k_offset=0.0):
@@ -167,8 +166,8 @@ def chosen_cudnn_fp8():
 def test_a_block_traced_where_cudnn_fp8_was_chosen_dequantizes_its_e4m3_output_in_the_graph(chosen_cudnn_fp8):
     """A block traced at a shape the chooser gave to cuDNN's fp8 graph calls `overdrive::attention_e4m3` (here SDPA's
     output cast to e4m3, off the GPU) and multiplies by its descale in the compiled code, which Inductor fuses into
-    the kernel reading the output (no 16-bit copy of it is written); any other shape, a shape-generic trace, the
-    setting off and eager code keep the run-time op."""
+    the kernel reading the output (no 16-bit copy of it is written); any other shape, the setting off and eager code
+    keep the run-time op."""
     from overdrive.attention import op
     config = AttentionConfig("auto", 0.05)
 
@@ -187,11 +186,9 @@ def test_a_block_traced_where_cudnn_fp8_was_chosen_dequantizes_its_e4m3_output_i
         graphs.append(gm)
         return gm
 
-    def compiled(fn, x, static=True, **options):
-        """Compiled as Overdrive's compiler does: its first shape traced with static sizes (trace_state.py)."""
+    def compiled(fn, x, **options):
         torch._dynamo.reset()
-        with tracing_static_shapes(static):
-            return torch.compile(fn, fullgraph=True, **options)(x)
+        return torch.compile(fn, fullgraph=True, **options)(x)
 
     def error(out):
         return max(ref.relative_error(a.float(), b.float()) for a, b in zip(out, exact))  # e4m3: a step may differ
@@ -202,15 +199,14 @@ def test_a_block_traced_where_cudnn_fp8_was_chosen_dequantizes_its_e4m3_output_i
     assert 0.002 < error(out) < 0.05, error(out)  # the output's e4m3 rounding (~2.5 %), no more
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
-    with tracing_static_shapes(True):
-        fused, (code, *_) = run_and_get_code(torch.compile(block, fullgraph=True), x)
+    fused, (code, *_) = run_and_get_code(torch.compile(block, fullgraph=True), x)
     assert error(fused) < 0.05
     # The readers' kernels read the e4m3 output: the only 16-bit buffers are Q, K, V and the text stream's input.
     bf16 = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\),[^\n]*torch.bfloat16\)", code)
     assert sorted(bf16) == ["1, 4, 300, 64"] * 3 + ["1, 8, 256"] and "# reuse" not in code, code
     if hasattr(torch._dynamo.config, "enable_aot_compile"):  # as compiler/precompiled.py builds and saves a frame
         torch._dynamo.reset()
-        with torch._dynamo.config.patch(enable_aot_compile=True), tracing_static_shapes(True):
+        with torch._dynamo.config.patch(enable_aot_compile=True):
             frame = torch.compile(block, fullgraph=True).aot_compile(((x,), {}))
         assert type(frame).serialize(frame).serialized_data
         assert error(frame(x)) < 0.05
@@ -221,7 +217,9 @@ def test_a_block_traced_where_cudnn_fp8_was_chosen_dequantizes_its_e4m3_output_i
         return not any("attention_e4m3" in str(n.target) for n in graphs[0].graph.nodes)
 
     assert keeps_the_op(torch.randn(1, 4, 200, 64, dtype=torch.bfloat16))  # a shape never measured
-    assert keeps_the_op(x, static=False, dynamic=True)  # a later shape's trace, here shape-generic
+    # Shape-generic traces compare their sizes (a guard), never fail: the op at a shape never measured, the path at one.
+    assert keeps_the_op(torch.randn(1, 4, 200, 64, dtype=torch.bfloat16), dynamic=True)
+    assert not keeps_the_op(x, dynamic=True)
     config = AttentionConfig("auto", 0.05, e4m3_output=False)  # off: the op (block reads `config` when traced)
     chosen_cudnn_fp8(x, x, config)
     assert keeps_the_op(x)

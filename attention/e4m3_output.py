@@ -18,7 +18,6 @@ so does a precompiled frame saved then (compiler/precompiled.py), until the fram
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -32,13 +31,18 @@ _failed_shapes: set = set()
 _logged_shapes: set = set()
 
 
+def _settings(config: AttentionConfig) -> tuple:
+    """The config's fields in order (`dataclasses.astuple`, which Dynamo cannot trace)."""
+    return tuple(getattr(config, name) for name in AttentionConfig.__dataclass_fields__)
+
+
 @torch.compiler.assume_constant_result
 def _cudnn_fp8_shapes() -> frozenset:
     """What the chooser gave to cuDNN's fp8 graph so far, as (q's and k's shapes without the batch, dtype, device,
     config fields): read while tracing as a constant, with no guard, so a later measurement does not recompile a graph.
     Quantize Model calibrates with CFG (a batch of 2); a sampler at CFG 1 runs the same attention at batch 1, so the
     batch size is left out."""
-    return frozenset((q[1:], k[1:], dtype, device, dataclasses.astuple(config))
+    return frozenset((q[1:], k[1:], dtype, device, _settings(config))
                      for (q, k, dtype, device, config), made in list(CHOOSER.choices.items()) if made == "cudnn_fp8")
 
 
@@ -48,7 +52,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, config: AttentionConfig) -> bool:
     cannot make: such a graph takes the path only at a chosen shape, and recompiles for it."""
     if not (config.e4m3_output and torch.compiler.is_compiling()):
         return False
-    key = (str(q.dtype), str(q.device), (config.mode, config.max_error, config.e4m3_output))
+    key = (str(q.dtype), str(q.device), _settings(config))
     return any(tuple(q.shape[1:]) == shape_q and tuple(k.shape[1:]) == shape_k and (dtype, device, settings) == key
                for shape_q, shape_k, dtype, device, settings in _cudnn_fp8_shapes())
 
@@ -71,17 +75,17 @@ def attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     """(batch, heads, tokens, head dim) q, k, v -> (e4m3 (batch, tokens, heads, head dim), descale (1,) float32).
     cuDNN's fp8 graph on CUDA; off the GPU, or where cuDNN fails (logged once per shape), SDPA's output cast the same
     way."""
-    if q.is_cuda and tuple(q.shape) not in _failed_shapes:
-        if tuple(q.shape) not in _logged_shapes:
-            _logged_shapes.add(tuple(q.shape))
-            log.info("Overdrive attention %s: cuDNN's fp8 graph, its e4m3 output read by the compiled block",
-                     tuple(q.shape))
+    shape = tuple(q.shape)
+    if q.is_cuda and shape not in _failed_shapes:
+        if shape not in _logged_shapes:
+            _logged_shapes.add(shape)
+            log.info("Overdrive attention %s: cuDNN's fp8 graph, its e4m3 output read by the compiled block", shape)
         try:
             return cudnn8.attention_e4m3(q, k, v)
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
-            _failed_shapes.add(tuple(q.shape))
+            _failed_shapes.add(shape)
             log.warning("Overdrive attention: cuDNN's fp8 graph failed at %s (%s: %s); SDPA runs there, its output "
-                        "cast to e4m3 for the compiled block", tuple(q.shape), type(error).__name__,
+                        "cast to e4m3 for the compiled block", shape, type(error).__name__,
                         str(error).splitlines()[0][:300] if str(error) else "")
     return _quantized_sdpa(q, k, v)
 

@@ -113,6 +113,22 @@ def time_decodes(variant, target, latent, repeats) -> dict:
             else None, "image": image}
 
 
+def loaded_from_file(comfy, arch, size, dtype, directory):
+    """The built-in model of `arch` written to a file in `directory` (once) and loaded through ComfyUI's own loader,
+    as Load Diffusion Model (DiTs) or Load Checkpoint (SD1.5, SDXL) loads it: a ModelPatcherDynamic where dynamic VRAM
+    is on, which ComfyUI can load again (TorchCompileModel's and Compile Model's switch to the classic loader)."""
+    import pathlib
+
+    import comfy.sd
+    from overdrive.builtin_models import ensure_checkpoint
+    directory = pathlib.Path(directory)
+    if arch in dit.FAMILIES:
+        path = dit.ensure_diffusion_model(arch, size, 0, directory, dtype)
+        return comfy.sd.load_diffusion_model(str(path))
+    path = ensure_checkpoint(arch, size, 0, directory, dtype)
+    return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
+
+
 def slow_activations():
     """Until the returned function is called, DiT blocks compile with torch's own tanh-GELU (block_options without
     fast_activations), for the whole of one variant's run."""
@@ -163,6 +179,12 @@ def main():
     parser.add_argument("--cache-start", type=float, default=0.0, help="start_percent of the step cache variants")
     parser.add_argument("--cache-end", type=float, default=1.0, help="end_percent of the step cache variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
+    parser.add_argument("--dynamic-vram", choices=["on", "off"], default="on",
+                        help="ComfyUI's dynamic VRAM (its default on NVIDIA GPUs; off: --disable-dynamic-vram). With "
+                             "it on the model is loaded from a file, as Load Diffusion Model / Load Checkpoint do")
+    parser.add_argument("--from-file", action="store_true", help="load the model from a built-in file (written "
+                        "first under --models-dir) through ComfyUI's loader, also with dynamic VRAM off")
+    parser.add_argument("--models-dir", default="/tmp/overdrive-bench-models")
     parser.add_argument("--vae", action="store_true", help="also time VAE decode: eager vs CompileVAE")
     parser.add_argument("--out", default=None)
     parser.add_argument("--verbose", action="store_true", help="ComfyUI's own log too (model loads and unloads)")
@@ -180,7 +202,8 @@ def main():
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, quantized and why, beside the figures
     cuda = torch.cuda.is_available()
-    comfy = import_comfy(cpu=not cuda)
+    dynamic_vram = cuda and args.dynamic_vram == "on"
+    comfy = import_comfy(cpu=not cuda, dynamic_vram=dynamic_vram)
     import comfy.sample
     from overdrive.compiler import dynamo_graph_count
     if args.host_timers:  # before any model is built: callbacks keep the bound methods of install time
@@ -194,15 +217,18 @@ def main():
         os.environ["OVERDRIVE_DISK_CACHE"] = "0"
 
     width, height = args.width or args.res, args.res
+    from_file = args.from_file or dynamic_vram
     if args.arch in dit.FAMILIES:
         dtype = torch.bfloat16 if cuda else torch.float32
-        base = build_dit_model(comfy, args.arch, args.size, dtype)
+        base = loaded_from_file(comfy, args.arch, args.size, dtype, args.models_dir) if from_file \
+            else build_dit_model(comfy, args.arch, args.size, dtype)
         positive, negative = dit.conditioning(args.arch, 1), dit.conditioning(args.arch, 2)
         latent = dit.empty_latent(args.arch, width, height, args.frames)
         scheduler, cfg = "simple", args.cfg if args.cfg is not None else dit.FAMILIES[args.arch].sampling["cfg"]
     else:
         dtype = torch.float16 if cuda else torch.float32
-        base = build_model(comfy, args.arch, args.size, dtype)
+        base = loaded_from_file(comfy, args.arch, args.size, dtype, args.models_dir) if from_file \
+            else build_model(comfy, args.arch, args.size, dtype)
         positive, negative = conditioning(args.arch, width, height, seed=1)
         latent = torch.zeros(1, 4, height // 8, width // 8)
         scheduler, cfg = "normal", args.cfg if args.cfg is not None else 7.0
@@ -265,10 +291,13 @@ def main():
         if "peer" in parts:
             uninstall_regions(base.model.diffusion_model)  # an earlier Overdrive variant's regions: not the peer's
             patcher.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
-        if "builtin" in parts:  # ComfyUI's TorchCompileModel node, backend inductor: its own code path
+        if "builtin" in parts:  # ComfyUI's TorchCompileModel node, backend inductor: its own code path (the node's
+            # module imports ComfyUI's V3 API, whose video types need PyAV: its two lines, as they are)
             from comfy_api.torch_helpers import set_torch_compile_wrapper
             uninstall_regions(base.model.diffusion_model)
-            set_torch_compile_wrapper(patcher, backend="inductor")
+            patcher = patcher.clone(disable_dynamic=True)
+            set_torch_compile_wrapper(patcher, backend="inductor", options={"guard_filter_fn": lambda entries: [
+                "transformer_options" not in entry.name for entry in entries]})
         for name, overrides in compile_options.items():
             if name in parts:
                 patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)

@@ -1,9 +1,11 @@
 # Sourced by the GPU bench scripts, from the repository root on the GPU machine: installs the carried wheels
-# (.devcarry/whl*/, see device_carry.sh), unpacks the carried ComfyUI archive, and points Python at this checkout as the
-# package `overdrive` and at that ComfyUI.
+# (.devcarry/whl*/, see device_carry.sh), unpacks the carried ComfyUI archive (the newest carried), and points Python
+# at this checkout as the package `overdrive` and at that ComfyUI.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl*/*.whl || exit 1
-if [ -f .devcarry/ComfyUI-0.7.0.tar.gz ] && [ ! -f /tmp/ComfyUI/main.py ]; then
-  tar -xzf .devcarry/ComfyUI-0.7.0.tar.gz -C /tmp && rm -rf /tmp/ComfyUI && mv /tmp/ComfyUI-0.7.0 /tmp/ComfyUI || exit 1
+archive=$(ls .devcarry/ComfyUI-*.tar.gz 2>/dev/null | sort -V | tail -1)
+if [ -n "$archive" ] && [ ! -f /tmp/ComfyUI/main.py ]; then
+  name=$(basename "$archive" .tar.gz)
+  tar -xzf "$archive" -C /tmp && rm -rf /tmp/ComfyUI && mv "/tmp/$name" /tmp/ComfyUI || exit 1
 fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/overdrive
 export PYTHONPATH=/tmp/site:/tmp/pkg COMFYUI_PATH=/tmp/ComfyUI PYTHONUNBUFFERED=1

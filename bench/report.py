@@ -9,12 +9,27 @@ import torch
 
 
 def environment() -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
+            "comfyui": comfyui_version()}
     if torch.cuda.is_available():
         import triton
         info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                     triton=triton.__version__)
     return info
+
+
+def comfyui_version():
+    """The imported ComfyUI's version and whether it runs dynamic VRAM (None without ComfyUI)."""
+    import sys
+    if "comfy" not in sys.modules:
+        return None
+    import comfy.memory_management
+    try:
+        import comfyui_version
+        version = comfyui_version.__version__
+    except ImportError:
+        version = "unknown"
+    return {"version": version, "dynamic_vram": bool(getattr(comfy.memory_management, "aimdo_enabled", False))}
 
 
 def add_speedups(rows: list) -> None:

@@ -60,8 +60,8 @@ def _resolve(code):
 
 def _name_of(value) -> str:
     """Where a function or class comes from, stable across processes (a patched one has another name or line)."""
-    code = getattr(value, "__code__", None)
-    line = f":{code.co_firstlineno}" if code is not None else ""
+    code = getattr(value, "__code__", None)  # a function's; on a class such as types.FunctionType, a descriptor
+    line = f":{code.co_firstlineno}" if isinstance(code, types.CodeType) else ""
     return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}{line}"
 
 

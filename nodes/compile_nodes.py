@@ -11,7 +11,9 @@ from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
 from ..compiler.eager_vaes import eager_reason
 from ..compiler.layouts import conv_weights_channels_last_
+from . import quantize_patches
 from .cache_folder import comfy_cache_dir
+from .dynamic_vram import compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
 
@@ -89,7 +91,11 @@ class OverdriveCompileModel:
     def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=True):
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
                                  precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
-        patched = model.clone()
+        patched, reloaded = compile_clone(model)
+        if reloaded:  # a new module tree: Quantize Model's layers stand in for its float layers now
+            quantize_patches.retarget(patched)
+        elif is_dynamic(patched):  # its weights stream per layer: compiled blocks would run slower than eager
+            return (patched,)
         # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
         # A DeepCache already on the model is kept, with its paths compiled.

@@ -22,6 +22,7 @@ from comfy.patcher_extension import CallbacksMP
 from ..compiler.shared_graph import first_device
 from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
+from ..quantization.kernels import fp8_gemm_gelu_runs_as
 from ..quantization.modules import requantize
 from .load_state import forget_load_state
 
@@ -250,7 +251,8 @@ def install(patcher, modules: dict) -> None:
         patcher.add_object_patch(f"{PREFIX}{name}.__class__", cls)
     if fused:
         log.info("Overdrive quantization: %d MLP(s) run their first fp8 GEMM, tanh-GELU and the second GEMM's input "
-                 "cast as one cuBLASLt kernel (fc1 writes e4m3).", len(fused))
+                 "cast %s.", gelu_fusion.mlp_count(fused),
+                 fp8_gemm_gelu_runs_as(patcher.load_device))
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
@@ -305,6 +307,16 @@ def requantize_onto(patcher, diffusion_model) -> list:
     patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old layers' follower
     install(patcher, fresh)
     return sorted(fresh)
+
+
+def retarget(patcher) -> int:
+    """After ComfyUI made `patcher`'s model anew (Compile Model's loader change, nodes/dynamic_vram.py): the same
+    quantized layers installed over the new module tree, whose float layers they now stand in for. Returns how many."""
+    modules = quantized_modules(patcher)
+    if modules:
+        patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old tree's follower
+        install(patcher, modules)
+    return len(modules)
 
 
 def float_view(patcher):

@@ -27,15 +27,22 @@ def with_diffusion_model(model, diffusion_model):
     config = getattr(model.model, "model_config", None)
     if config is not None:  # the architecture's, the same for both; it cannot be deep-copied
         replace[id(config)] = config
-    for value in vars(model.model).values():
-        if isinstance(value, comfy.model_patcher.ModelPatcher):  # the patcher of a prompt running now
-            replace[id(value)] = None
+    loader_state = [name for name in _LOADER_STATE if hasattr(model.model, name)]
+    for name, value in vars(model.model).items():
+        if isinstance(value, comfy.model_patcher.ModelPatcher) or name in loader_state:
+            replace[id(value)] = None  # the patcher of a prompt running now; dynamic VRAM's buffers of this model
     base = copy.deepcopy(model.model, replace)
-    switched = model.clone()
-    switched.model = base
-    switched.backup, switched.object_patches_backup = {}, {}  # clone() shares these with the original
+    for name in loader_state:
+        delattr(base, name)  # the new patcher makes its own
+    # ComfyUI's clone convention: the model and the loader's records of what it changed on it (weights and buffers
+    # moved or patched, object patches applied, pinned weights), none yet for the new model.
+    switched = model.clone(model_override=(base, ({}, {}, {}, set())))
     mark_unloaded(switched)
     return switched
+
+
+# What dynamic VRAM (ModelPatcherDynamic) keeps on a BaseModel about its loads: per model, never copied.
+_LOADER_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
 
 
 # What ComfyUI's loader records about a loaded model (on the BaseModel and on each layer), as it is before any load.

@@ -19,6 +19,11 @@ The MLPs found, in the float model's tree (ComfyUI 0.7 and diffusers):
   FeedForward;
 - timm's `Mlp` (fc1, act = nn.GELU("tanh"), dropouts, norm = Identity, fc2): SD3.5's blocks.
 Flux's single blocks concatenate the attention's output before their second GEMM, so they have no such pair.
+
+ComfyUI 0.33's Wan and LTX feed-forwards skip their activation module: their forward calls
+`comfy.ops.linear_input_act(fc2, fc1(x), "gelu_tanh")`, which applies GELU itself. A fused MLP under such a holder also
+gets the holder's class swapped, to one that runs its Sequential in order (the same function at inference), so the
+e4m3 output of fc1 meets the pass-through activation rather than a second GELU.
 """
 from __future__ import annotations
 
@@ -35,11 +40,17 @@ from .kernels import FP8_DTYPE
 PASS_THROUGH = (nn.Dropout, nn.Identity)  # identities at inference, for any dtype
 
 
+# Functions of ComfyUI's model code that apply an MLP's activation themselves, bypassing its module.
+ACTIVATION_BYPASSES = ("linear_input_act",)
+
+
 @dataclasses.dataclass(frozen=True)
 class GeluMlp:
     fc1: str         # the quantized layers' names in the tree
     fc2: str
     activation: str  # the module that applies GELU (holding fc1 as `proj`, or a bare nn.GELU)
+    holder: str | None = None  # a module whose forward bypasses the activation (ACTIVATION_BYPASSES), or None
+    sequence: str = ""         # the holder's Sequential that holds the MLP ("": the holder itself)
 
 
 class GeluUnlessFused(nn.GELU):
@@ -63,6 +74,39 @@ def projection_unless_fused(cls: type) -> type:
                                                        "fused_from": cls,
                                                        "__doc__": f"{cls.__name__}, passing a fused proj's e4m3 "
                                                                   f"output through."})
+
+
+def _run_in_order(self, x):
+    sequence = self.get_submodule(self.overdrive_sequence) if self.overdrive_sequence else self
+    for layer in sequence:
+        x = layer(x)
+    return x
+
+
+@functools.lru_cache(maxsize=None)
+def runs_in_order(cls: type, sequence: str) -> type:
+    """`cls` (whose forward bypasses its MLP's activation) with a forward that runs its Sequential `sequence` layer by
+    layer, activation included."""
+    return type(f"{cls.__name__}InOrder", (cls,), {"forward": _run_in_order, "__module__": __name__,
+                                                   "fused_from": cls, "overdrive_sequence": sequence,
+                                                   "__doc__": f"{cls.__name__}, running its layers in order."})
+
+
+def _bypasses_activation(module) -> bool:
+    forward = getattr(_original_class(module), "forward", None)
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    return any(name in names for name in ACTIVATION_BYPASSES)
+
+
+def _holder(tree: nn.Module, name: str, module: nn.Module) -> tuple:
+    """(holder's name, its Sequential's name relative to it) where `module` (at `name`) or its parent bypasses the
+    activation; (None, "") otherwise."""
+    if _bypasses_activation(module):
+        return name, ""
+    parent_name, _, attribute = name.rpartition(".")
+    if name and _bypasses_activation(tree.get_submodule(parent_name) if parent_name else tree):
+        return parent_name, attribute
+    return None, ""
 
 
 def _original_class(module) -> type:
@@ -103,7 +147,8 @@ def gelu_mlps(tree: nn.Module) -> list:
                     continue
                 fc2 = _next_layer(children, i + 1)
                 if fc2 is not None:
-                    found.append(GeluMlp(prefix + fc1, prefix + fc2, prefix + child_name))
+                    holder, sequence = _holder(tree, name, module)
+                    found.append(GeluMlp(prefix + fc1, prefix + fc2, prefix + child_name, holder, sequence))
         elif type(module).__name__ == "Mlp" and {"fc1", "act", "fc2"} <= set(module._modules) \
                 and _tanh_gelu(module.act) and all(isinstance(child, PASS_THROUGH) for child_name, child in children
                                                     if child_name not in ("fc1", "act", "fc2")):
@@ -129,7 +174,14 @@ def fuse(tree: nn.Module, layers: dict, dtype: torch.dtype) -> dict:
         activation = tree.get_submodule(mlp.activation)
         classes[mlp.activation] = GeluUnlessFused if _tanh_gelu(activation) else \
             projection_unless_fused(_original_class(activation))
+        if mlp.holder is not None:
+            classes[mlp.holder] = runs_in_order(_original_class(tree.get_submodule(mlp.holder)), mlp.sequence)
     return classes
+
+
+def mlp_count(classes: dict) -> int:
+    """How many MLPs `fuse`'s classes link (a holder's class comes beside its MLP's activation)."""
+    return sum(not hasattr(cls, "overdrive_sequence") for cls in classes.values())
 
 
 def fuse_in_place(tree: nn.Module, layers: dict, dtype: torch.dtype) -> int:
@@ -137,4 +189,4 @@ def fuse_in_place(tree: nn.Module, layers: dict, dtype: torch.dtype) -> int:
     classes = fuse(tree, layers, dtype)
     for name, cls in classes.items():
         tree.get_submodule(name).__class__ = cls
-    return len(classes)
+    return mlp_count(classes)

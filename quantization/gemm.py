@@ -102,6 +102,13 @@ class QuantizedGemm(nn.Module):
             self._buffers[name] = moved
         return self
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The quantized storage, read-only. ComfyUI's model code reads `linear.weight` to choose its own kernels
+        (comfy.ops.linear_input_act: Wan's and LTX's feed-forwards); storage that is not ComfyUI's QuantizedTensor
+        makes it call this layer as any other module."""
+        return self.weight_q
+
     # -- compute ---------------------------------------------------------------------------------------------
     def gemm(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

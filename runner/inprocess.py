@@ -12,16 +12,41 @@ EXTRA_CONFIG = {"sd15": {}, "sdxl": dict(num_classes="sequential", num_head_chan
 CONTEXT_DIM = {arch: FULL[arch]["context_dim"] for arch in FULL}
 
 
-def import_comfy(cpu: bool):
+def import_comfy(cpu: bool, dynamic_vram: bool = False):
+    """ComfyUI's modules in this process, set up as `main.py --cpu` (`cpu`) or on the GPU; `dynamic_vram`: with dynamic
+    VRAM as main.py turns it on by default on NVIDIA GPUs (else as with --disable-dynamic-vram)."""
     from .server import find_comfyui
     path = str(find_comfyui())
     if path not in sys.path:
         sys.path.insert(0, path)
     import comfy.cli_args
-    comfy.cli_args.args.cpu = cpu
-    comfy.cli_args.args.use_pytorch_cross_attention = cpu or comfy.cli_args.args.use_pytorch_cross_attention
+    args = comfy.cli_args.args
+    args.cpu = cpu
+    args.use_pytorch_cross_attention = cpu or args.use_pytorch_cross_attention
+    args.disable_dynamic_vram = not dynamic_vram
+    if dynamic_vram:  # before ComfyUI's model management touches the GPU, as in main.py
+        import comfy_aimdo.control
+        comfy_aimdo.control.init(simple_vram_headroom=None if args.reserve_vram is None
+                                 else int(args.reserve_vram * 2**30), nvml_pressure=not args.disable_nvml_pressure)
     import comfy.model_management, comfy.sample, comfy.samplers, comfy.supported_models, comfy.model_patcher  # noqa: E401,F401
+    if dynamic_vram:
+        enable_dynamic_vram()
     return sys.modules["comfy"]
+
+
+def enable_dynamic_vram() -> None:
+    """ComfyUI's dynamic VRAM on every GPU, as main.py enables it (models loaded from files then get a
+    ModelPatcherDynamic). Raises if comfy-aimdo cannot start here."""
+    import comfy.cli_args
+    import comfy.memory_management
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy_aimdo.control
+    headroom = int(comfy.cli_args.args.vram_headroom * 2**30)
+    if not comfy_aimdo.control.init_devices((d.index, headroom) for d in comfy.model_management.get_all_torch_devices()):
+        raise RuntimeError("comfy-aimdo did not start on this GPU: ComfyUI would run without dynamic VRAM here")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
 
 
 @torch.no_grad()

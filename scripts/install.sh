@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine for Overdrive: torch, ComfyUI 0.7.0 with its own requirements, the test tools.
-#   COMFYUI_PATH=/path/to/ComfyUI  use that ComfyUI (>= 0.7.0) instead of setting one up (Overdrive is linked into it)
+# Sets up a fresh machine for Overdrive: torch, ComfyUI 0.33.0 with its own requirements, the test tools.
+#   COMFYUI_PATH=/path/to/ComfyUI  use that ComfyUI (>= 0.33.0) instead of setting one up (Overdrive is linked into it)
 #   OVERDRIVE_NO_SYSTEM_PACKAGES=1 skip the Debian packages that only the tests use (redis-server, chromium)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 py="${PYTHON:-python3}"
-comfy_version="0.7.0"
+comfy_version="0.33.0"     # what a fresh machine gets
+comfy_commit="783545f6"     # upstream master at 0.33.0 (no release tag)
 pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
 
 # 1. torch: keep the one a user already has; on a fresh machine take the pinned build.
@@ -39,8 +40,9 @@ if [ -z "${COMFYUI_PATH:-}" ]; then
     if [ -f "$archive" ]; then
       tar -xzf "$archive" -C "$repo/.comfyui" && mv "$repo/.comfyui/ComfyUI-$comfy_version" "$COMFYUI_PATH"
     else
-      git clone -q --depth 1 --branch "v$comfy_version" https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH" || {
-        echo "Could not download ComfyUI $comfy_version from GitHub. Set COMFYUI_PATH to your ComfyUI (>= 0.7.0), or put" \
+      { git clone -q https://github.com/comfyanonymous/ComfyUI "$COMFYUI_PATH" &&
+        git -C "$COMFYUI_PATH" checkout -q "$comfy_commit"; } || {
+        echo "Could not download ComfyUI $comfy_version from GitHub. Set COMFYUI_PATH to your ComfyUI (>= 0.33.0), or put" \
              "ComfyUI-$comfy_version.tar.gz in $(cd "$repo/.." && pwd)/shared/comfyui/, and run this again." >&2
         exit 1
       }
@@ -49,9 +51,8 @@ if [ -z "${COMFYUI_PATH:-}" ]; then
 fi
 [ -f "$COMFYUI_PATH/main.py" ] || { echo "COMFYUI_PATH=$COMFYUI_PATH has no main.py" >&2; exit 1; }
 
-# ComfyUI's own requirements, with the installed torch held as it is. torchaudio is left out: no build of it
-# matches every torch (ComfyUI then skips only its audio nodes). A requirement that cannot install here is named,
-# and the rest still install.
+# ComfyUI's own requirements, with the installed torch held as it is. A requirement that cannot install here is
+# named, and the rest still install.
 constraints="$(mktemp)"
 "$py" - >"$constraints" <<'PY'
 import torch, torchvision
@@ -59,7 +60,7 @@ print(f"torch=={torch.__version__.split('+')[0]}\ntorchvision=={torchvision.__ve
 PY
 requirements="$(mktemp)"
 grep -v -E '^\s*(#|$|torchaudio)' "$COMFYUI_PATH/requirements.txt" >"$requirements"
-echo "requests" >>"$requirements"   # ComfyUI imports it without listing it
+echo "requests" >>"$requirements"   # ComfyUI 0.7 imports it without listing it
 if ! pip_install -r "$requirements" -c "$constraints" 2>/dev/null; then
   while read -r requirement; do
     pip_install "$requirement" -c "$constraints" 2>/dev/null ||
@@ -67,6 +68,16 @@ if ! pip_install -r "$requirements" -c "$constraints" 2>/dev/null; then
   done <"$requirements"
 fi
 rm -f "$constraints" "$requirements"
+
+# torchaudio: ComfyUI 0.33's comfy/sd.py imports it. Its build for the installed torch where PyPI has one, else the
+# newest build that imports beside it (installed without its torch pin: torchaudio's Python API is what ComfyUI uses).
+if ! "$py" -c "import torchaudio" 2>/dev/null; then
+  torch_minor="$("$py" -c "import torch; print('.'.join(torch.__version__.split('+')[0].split('.')[:2]))")"
+  pip_install --no-deps "torchaudio==${torch_minor}.*" 2>/dev/null ||
+    pip_install --no-deps "torchaudio==${TORCHAUDIO_FALLBACK_VERSION:-2.11.0}" ||
+    echo "WARNING: torchaudio does not install here; ComfyUI 0.33 cannot load models without it." >&2
+  "$py" -c "import torchaudio" 2>/dev/null || echo "WARNING: torchaudio is installed but does not import." >&2
+fi
 
 # 4. On a Hopper or newer NVIDIA GPU: NVIDIA's cuDNN frontend, for the 8-bit attention's cuDNN fp8 backend (chosen by
 #    default on Flux, Qwen-Image, Wan 2.2 and Z-Image, bench/README.md). Without its declared dependencies (CUTLASS's
@@ -81,4 +92,5 @@ fi
 link="$COMFYUI_PATH/custom_nodes/overdrive"
 if [ ! -e "$link" ]; then ln -s "$repo" "$link"; fi
 pip_install --no-deps --no-build-isolation -e .
-echo "Overdrive is set up: ComfyUI $comfy_version at $COMFYUI_PATH"
+installed_version="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$COMFYUI_PATH/comfyui_version.py" 2>/dev/null)"
+echo "Overdrive is set up: ComfyUI ${installed_version:-of unknown version} at $COMFYUI_PATH"

@@ -512,6 +512,19 @@ def test_globals_read_sees_a_replaced_function_and_keeps_an_entry_gone_since_tra
     assert gone._all is None and gone.unchanged()
 
 
+def test_globals_read_names_a_class_whose_code_attribute_is_a_descriptor():
+    """A frame may read a class such as types.FunctionType (Quantize Model's layers did), whose `__code__` is a
+    descriptor, not code: it is named by module and name, and the frame is saved (it once failed with
+    "'getset_descriptor' object has no attribute 'co_firstlineno'", and a restart traced the model again)."""
+    import types
+
+    from overdrive.compiler.traced_reads import GlobalsRead
+
+    read = GlobalsRead([("G['__import_types'].FunctionType", "types.function")])
+    assert read.unchanged() and read.renamed() == ["G['__import_types'].FunctionType: types.function -> "
+                                                   "builtins.function"]
+
+
 def test_a_specialised_shape_called_with_other_settings_gets_its_own_frame(tmp_path):
     """Once the first shapes are sealed, a call of a known shape with another plain argument (another model of the
     architecture with other settings) still gets a precompiled frame; a new shape takes torch.compile's path."""

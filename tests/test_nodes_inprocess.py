@@ -227,6 +227,10 @@ def test_switched_model_loads_its_own_weights_and_gives_the_original_back(nodes,
     before = sample(compiled)
     switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
     assert switched.model is not compiled.model and not switched.is_clone(compiled)
+    # ComfyUI's clones share the loader's records of what a load changed on their model (backups, pinned weights):
+    # the switched model has its own, or unloading it would restore or unpin the original's tensors.
+    for records in ("backup", "backup_buffers", "object_patches_backup", "pinned"):
+        assert getattr(switched, records) is not getattr(compiled, records), records
     after = sample(switched)
     assert relative_error(after, before) > 1e-3
     assert torch.equal(sample(compiled), before)  # back to the original, and its weights are where they were

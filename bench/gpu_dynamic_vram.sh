@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# ComfyUI 0.33 on the GPU: the dynamic-VRAM GPU tests, then eager / ComfyUI's TorchCompileModel / Compile Model /
+# + fp8 / + step cache side by side in one process per family, with dynamic VRAM on (ComfyUI's default on NVIDIA) or
+# off, the model loaded from a file through ComfyUI's loader.
+# Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl and site_kitchen
+# carried (bench/device_carry.sh):
+#   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off
+set -uo pipefail
+part="$1"; out="${2:-bench/results}"; day=$(date +%F)
+source bench/device_env.sh
+variants="${VARIANTS:-eager,builtin,overdrive,overdrive+fp8+attn,overdrive+fp8+attn+deepcache4+window0.1-0.95}"
+run() {  # name, dynamic on|off, then bench_compile.py arguments
+  local name="$1" dynamic="$2"; shift 2
+  python3 bench/bench_compile.py "$@" --dynamic-vram "$dynamic" --variants "$variants" ${BENCH_ARGS:-} \
+    --out "$out/${day}_${gpu}_comfy033_dynamic-${dynamic}_${name}.json" > "$out/${name}_${dynamic}.log" 2>&1
+  grep -v "^W1\|Warning\|warn(\|it/s\]\|^{" "$out/${name}_${dynamic}.log" | cut -c1-400 | tail -${TAIL:-30}
+}
+case "$part" in
+  tests)
+    python3 -m pytest tests/test_dynamic_vram_gpu.py -x -q -p no:cacheprovider ${TEST_ARGS:-} > "$out/tests.log" 2>&1
+    tail -${TAIL:-40} "$out/tests.log" ;;
+  flux-on|flux-off) run flux_1024 "${part#flux-}" --arch flux --res 1024 --steps 20 --repeats 2 ;;
+  wan22-on|wan22-off) run wan22_480p "${part#wan22-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 \
+                        --repeats 2 ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac

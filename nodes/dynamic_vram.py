@@ -1,0 +1,68 @@
+"""Compile Model under ComfyUI's dynamic VRAM (ModelPatcherDynamic with comfy-aimdo, ComfyUI's default on NVIDIA GPUs).
+
+Dynamic VRAM keeps every weight of a model in host memory and has each layer fetch its weights onto the GPU inside its
+own call. A compiled block then traces ComfyUI's fetching code instead of a plain GEMM, and its weights are host tensors,
+so it can be replayed as no CUDA graph: compiled Flux ran slower than eager that way. Where the model fits the GPU whole,
+Compile Model therefore takes ComfyUI's classic loader for its clone, as ComfyUI's own TorchCompileModel does
+(`clone(disable_dynamic=True)`: ComfyUI reloads the file through the loader that made the model), and logs it. Where it
+does not fit, the clone keeps dynamic VRAM and its blocks run as ComfyUI runs them (never slower than eager); the log
+says so.
+"""
+import logging
+
+import torch
+
+import comfy.model_management
+
+log = logging.getLogger("overdrive")
+
+# Room beside the weights for activations, compiled code's workspace and the CUDA graphs' pools, as a fraction of the
+# weights (at least WORKSPACE_MIN_BYTES).
+WORKSPACE_FRACTION = 0.25
+WORKSPACE_MIN_BYTES = 3 * 2**30
+
+
+def is_dynamic(model) -> bool:
+    return bool(getattr(model, "is_dynamic", lambda: False)())
+
+
+def gpu_budget_bytes(device) -> int:
+    """What this process may hold on `device`: the card's memory less ComfyUI's reserve (--reserve-vram), capped by
+    torch's per-process memory fraction where one is set."""
+    total = comfy.model_management.get_total_memory(device)
+    fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction_of is not None and getattr(device, "type", None) == "cuda":
+        total = min(total, fraction_of(device) * torch.cuda.get_device_properties(device).total_memory)
+    return int(total - comfy.model_management.EXTRA_RESERVED_VRAM)
+
+
+def fits_whole(model) -> tuple:
+    """(fits, GiB needed, GiB the process may hold): whether `model`'s weights and a compiled model's working memory
+    fit the GPU at once."""
+    weights = model.model_size()
+    needed = weights + max(WORKSPACE_MIN_BYTES, int(weights * WORKSPACE_FRACTION))
+    budget = gpu_budget_bytes(model.load_device)
+    return needed <= budget, needed / 2**30, budget / 2**30
+
+
+def compile_clone(model):
+    """A clone of `model` for Compile Model: on ComfyUI's classic loader where `model` is on dynamic VRAM and fits the
+    GPU whole, else a plain clone. Returns (clone, whether the loader changed)."""
+    if not is_dynamic(model):
+        return model.clone(), False
+    fits, needed, budget = fits_whole(model)
+    name = type(model.model).__name__
+    if not fits:
+        log.warning("Overdrive Compile Model: %s needs %.1f GiB with its working memory and this GPU allows %.1f: it "
+                    "keeps ComfyUI's dynamic VRAM (weights streamed per layer) and its blocks run uncompiled.",
+                    name, needed, budget)
+        return model.clone(), False
+    try:
+        clone = model.clone(disable_dynamic=True)
+    except RuntimeError as error:  # a model no loader can make again (built by another node): nothing to reload
+        log.warning("Overdrive Compile Model: %s stays on dynamic VRAM (%s); its blocks run uncompiled.", name, error)
+        return model.clone(), False
+    log.info("Overdrive Compile Model: %s fits the GPU whole (%.1f of %.1f GiB): loaded by ComfyUI's classic loader "
+             "instead of dynamic VRAM, so its compiled blocks keep their weights on the GPU and replay as CUDA graphs.",
+             name, needed, budget)
+    return clone, True

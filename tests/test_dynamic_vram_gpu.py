@@ -1,0 +1,93 @@
+"""Every node on ComfyUI's default NVIDIA path: dynamic VRAM (ModelPatcherDynamic with comfy-aimdo), the built-in
+tiny Flux.1 and Wan 2.2 files loaded by ComfyUI's own loader as Load Diffusion Model loads them, sampled by its
+sampler. Fidelity per model call against eager on the same dynamic-VRAM model.
+
+Skipped without CUDA (CI has no GPU); run on the GPU machine, apart from the CPU suite (this imports ComfyUI for the
+GPU): `python3 -m pytest tests/test_dynamic_vram_gpu.py`."""
+import logging
+
+import pytest
+import torch
+
+from overdrive.compiler import dynamo_graph_count
+from test_dit_families import (assert_calls_match, base, compiled, eager, files, models_folder,  # noqa: F401
+                               nodes, quantize_every_layer, sample)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PER_CALL_TOLERANCE = 2e-2  # compiled vs eager in bf16
+FP8_TOLERANCE = 0.1
+log = logging.getLogger("overdrive")
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from overdrive.runner.inprocess import import_comfy
+    return import_comfy(cpu=False, dynamic_vram=True)
+
+
+@pytest.fixture(scope="module", params=["flux", "wan22"])
+def family(request):
+    return request.param
+
+
+def test_the_loader_gives_a_dynamic_vram_model(base):
+    assert base.is_dynamic(), type(base).__name__
+
+
+def test_compile_model_takes_the_classic_loader_and_replays_its_blocks_as_cuda_graphs(compiled, base, sample, eager,
+                                                                                     family, caplog):
+    assert not compiled.is_dynamic() and base.is_dynamic()  # the input MODEL keeps dynamic VRAM
+    out, calls = sample(compiled)
+    error = assert_calls_match(calls, eager[1], PER_CALL_TOLERANCE)
+    graphs = dynamo_graph_count()
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        sample(compiled)
+    assert dynamo_graph_count() == graphs
+    assert "runs without a CUDA graph" not in caplog.text, caplog.text[-2000:]
+    described = compiled.object_patches["diffusion_model.forward"].graphs.describe()
+    log.info("%s on dynamic VRAM: compiled per-call error %.2e, block graphs %s", family, error, described)
+    assert torch.isfinite(out).all()
+
+
+def test_the_step_cache_over_the_compiled_model_samples(nodes, compiled, sample, eager):
+    cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+    out, calls = sample(cached)
+    assert_calls_match(calls[:1], eager[1][:1], PER_CALL_TOLERANCE)  # the first step runs in full
+    assert torch.isfinite(out).all()
+
+
+def test_the_step_cache_alone_samples_on_dynamic_vram(nodes, base, sample, eager):
+    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
+    assert cached.is_dynamic()
+    out, calls = sample(cached)
+    assert_calls_match(calls[:1], eager[1][:1], 1e-6)
+    assert torch.isfinite(out).all()
+
+
+def test_quantize_model_fp8_then_compile_model(nodes, base, family, sample, eager):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    quantize, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
+    assert quantize.last_report is not None and quantize.last_report.quantized, "quantizing fell back"
+    error_eager = assert_calls_match(sample(quantized)[1], eager[1], FP8_TOLERANCE)
+    both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
+    assert not both.is_dynamic()
+    error = assert_calls_match(sample(both)[1], eager[1], FP8_TOLERANCE)
+    log.info("%s on dynamic VRAM: %d layers fp8, per-call error %.2e eager, %.2e compiled", family,
+             len(quantize.last_report.quantized), error_eager, error)
+
+
+def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, files, sample):
+    sample(compiled)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=files[1].name)[0]
+    out, _ = sample(switched)
+    assert dynamo_graph_count() == graphs and torch.isfinite(out).all()
+
+
+def test_switch_diffusion_model_on_a_dynamic_vram_model(nodes, base, files, sample):
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(base, unet_name=files[1].name)[0]
+    assert switched.is_dynamic() and switched.model is not base.model
+    out, _ = sample(switched)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(sample(base)[0]).all()  # the input model still loads and runs

@@ -213,6 +213,19 @@ def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
+@contextlib.contextmanager
+def layers_with_weights():
+    """ComfyUI's layers built with their weights: under dynamic VRAM its layers leave them unset until a state dict
+    loads (comfy.ops), and a built-in model is laid out and initialised from its modules' own tensors."""
+    import comfy.memory_management
+    enabled = getattr(comfy.memory_management, "aimdo_enabled", False)
+    comfy.memory_management.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        comfy.memory_management.aimdo_enabled = enabled
+
+
 def build_model(family: str, size: str, dtype: torch.dtype, device):
     """ComfyUI's BaseModel of the family (its weights uninitialised), built on `device` through the model config that
     ComfyUI's detection picks for the family's unet_config; in `dtype` where the family's code asks for it (some
@@ -224,7 +237,7 @@ def build_model(family: str, size: str, dtype: torch.dtype, device):
     if type(model_config).__name__ != expected:
         raise AssertionError(f"{family}/{size}: ComfyUI picks {type(model_config).__name__} for {cfg}, not {expected}")
     model_config.set_inference_dtype(dtype, None)
-    with torch.device(device), _quiet():
+    with torch.device(device), _quiet(), layers_with_weights():
         return model_config.get_model({}, "", device=device)
 
 
@@ -259,7 +272,7 @@ def vae_layout(name: str, size: str) -> Specs:
     comfy = _import_comfy()
     kind, cfg = VAES[name]
     cfg = {**cfg, **(TINY_VAE.get(name, {}) if size == "tiny" else {})}
-    with torch.device("meta"), _quiet():
+    with torch.device("meta"), _quiet(), layers_with_weights():
         if kind == "sd_kl":
             import comfy.ldm.models.autoencoder
             module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=cfg, embed_dim=cfg["z_channels"])

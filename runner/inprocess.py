@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from ..builtin_models.dit import MODULATION, MODULATION_GAIN
+from ..builtin_models.dit import MODULATION, MODULATION_GAIN, layers_with_weights
 from ..builtin_models.unet import FULL, unet_config
 
 # What ComfyUI's detection adds beside the shapes in builtin_models.unet (SDXL's label embedding and head size).
@@ -79,7 +79,8 @@ def build_vae(comfy, seed: int = 0):
     import io
 
     import comfy.sd
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints every key it did not get; we fill them just below
+    # It prints every key it did not get; we fill them just below.
+    with contextlib.redirect_stdout(io.StringIO()), layers_with_weights():
         vae = comfy.sd.VAE(sd={}, config=SD_VAE_CONFIG)
     seeded_init_(vae.first_stage_model, seed)
     return vae
@@ -92,7 +93,8 @@ def build_model(comfy, arch: str, size: str, dtype: torch.dtype, seed: int = 0):
                   **EXTRA_CONFIG[arch])
     model_config = {"sd15": comfy.supported_models.SD15, "sdxl": comfy.supported_models.SDXL}[arch](config)
     model_config.set_inference_dtype(dtype, None)
-    model = model_config.get_model({}, "")
+    with layers_with_weights():
+        model = model_config.get_model({}, "")
     load_device = comfy.model_management.get_torch_device()
     seeded_init_(model.diffusion_model, seed)
     model.diffusion_model.to(dtype)

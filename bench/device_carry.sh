@@ -4,10 +4,11 @@
 #   bash bench/device_carry.sh            (COMFY_VERSION=0.7.0 for the older ComfyUI)
 # then carry what the call needs (the repository and the carried paths travel in at most 64 MiB); the bench scripts
 # install every carried .devcarry/whl*/ and unpack the archive there:
-#   ComfyUI runs (gpu_dit_suite.sh, gpu_dynamic_vram.sh ...): ComfyUI-0.33.0.tar.gz (7.3 MiB), whl (ComfyUI's
+#   ComfyUI runs (gpu_dit_suite.sh, gpu_dynamic_vram.sh ...): ComfyUI-0.33.0.tar.gz (1.9 MiB), whl (ComfyUI's
 #                  torchsde/trampoline and comfy-aimdo, dynamic VRAM), whl_kitchen (comfy-kitchen, 0.33's quantized
 #                  layers and attention, 45 MiB: without the ROCm library a CUDA machine never loads)
 #   whl_av (PyAV, 34 MiB): only for ComfyUI's V3 nodes' modules (EasyCache, video nodes); carried apart
+#   whl_cudnn (nvidia-cudnn-frontend alone, 11 MiB): the cuDNN fp8 attention backend beside a ComfyUI run
 #   gpu_attention.sh: whl_attention (nvidia-cudnn-frontend, sageattention 1.0.6; 11 MiB), whl
 #   gpu_dit_suite.sh diffusers-flux: whl_diffusers (diffusers, torchao; 9.3 MiB), no ComfyUI
 set -euo pipefail
@@ -20,7 +21,13 @@ download() {  # folder, then requirements
     --platform manylinux2014_x86_64 -d ".devcarry/$folder" "$@"
 }
 mkdir -p .devcarry
-cp "../shared/comfyui/ComfyUI-$version.tar.gz" .devcarry/
+# The source less what no bench or GPU test imports (its tests, workflow blueprints, API nodes, tokenizer data), so
+# that the archive, comfy-kitchen and cuDNN's frontend travel together: 1.9 MiB instead of 7.3.
+unpacked=$(mktemp -d) && tar -xzf "../shared/comfyui/ComfyUI-$version.tar.gz" -C "$unpacked"
+tar -czf ".devcarry/ComfyUI-$version.tar.gz" -C "$unpacked" --exclude="ComfyUI-$version/tests" \
+  --exclude="ComfyUI-$version/tests-unit" --exclude="ComfyUI-$version/blueprints" \
+  --exclude="ComfyUI-$version/comfy_api_nodes" --exclude="ComfyUI-$version/comfy/text_encoders/*/*" \
+  --exclude="ComfyUI-$version/comfy/sd1_tokenizer/*" "ComfyUI-$version" && rm -rf "$unpacked"
 download whl torchsde==0.2.6 trampoline==0.1.2 comfy-aimdo==0.4.13
 if [ "$version" != "0.7.0" ]; then  # repacked without its ROCm library, at zip's highest compression
   download kitchen_wheel comfy-kitchen==0.2.31
@@ -32,5 +39,6 @@ if [ "$version" != "0.7.0" ]; then  # repacked without its ROCm library, at zip'
 fi
 download whl_av av==18.1.0
 download whl_attention nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6
+mkdir -p .devcarry/whl_cudnn && cp .devcarry/whl_attention/nvidia_cudnn_frontend-* .devcarry/whl_cudnn/
 download whl_diffusers diffusers==0.42.1 torchao==0.18.0 importlib_metadata zipp
 du -sh .devcarry/*

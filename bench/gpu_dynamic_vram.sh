@@ -17,7 +17,7 @@ run() {  # name, dynamic on|off, then bench_compile.py arguments
 }
 case "$part" in
   tests)
-    python3 -m pytest tests/test_dynamic_vram_gpu.py -x -q -p no:cacheprovider ${TEST_ARGS:-} > "$out/tests.log" 2>&1
+    python3 -m pytest tests/test_dynamic_vram_gpu.py -q -p no:cacheprovider ${TEST_ARGS:-} > "$out/tests.log" 2>&1
     tail -${TAIL:-40} "$out/tests.log" ;;
   flux-on|flux-off) run flux_1024 "${part#flux-}" --arch flux --res 1024 --steps 20 --repeats 2 ;;
   wan22-on|wan22-off) run wan22_480p "${part#wan22-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 \

@@ -56,11 +56,13 @@ def test_the_step_cache_over_the_compiled_model_samples(nodes, compiled, sample,
     assert torch.isfinite(out).all()
 
 
-def test_the_step_cache_alone_samples_on_dynamic_vram(nodes, base, sample, eager):
+def test_the_step_cache_alone_samples_on_dynamic_vram(nodes, base, sample, eager, family):
     cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
     assert cached.is_dynamic()
     out, calls = sample(cached)
-    assert_calls_match(calls[:1], eager[1][:1], 1e-6)
+    # The first step runs every block, through the blockwise forward rather than the model's own (bf16 rounding).
+    error = assert_calls_match(calls[:1], eager[1][:1], PER_CALL_TOLERANCE)
+    log.info("%s on dynamic VRAM: the step cache's full step %.2e from eager", family, error)
     assert torch.isfinite(out).all()
 
 

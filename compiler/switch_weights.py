@@ -95,12 +95,19 @@ def _cast_like(state: dict, reference: dict) -> dict:
     return {k: v.to(dtype=reference[k].dtype) for k, v in state.items()}
 
 
-def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "checkpoint") -> torch.nn.Module:
-    """A structural copy of `module` holding `state` as its weights (validated, cast), sharing no tensors with it."""
+def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "checkpoint",
+                      loader_state: tuple = ()) -> torch.nn.Module:
+    """A structural copy of `module` holding `state` as its weights (validated, cast), sharing no tensors with it.
+    `loader_state`: names of attributes a host's loader keeps on each submodule about its own loads (handles to
+    pinned host memory, say); they belong to `module`'s load and are left out of the copy."""
     reference = reference_tensors(module)
     check_compatible(reference, state, source)
     state = _cast_like(state, reference)
     memo = {}
+    for sub in module.modules():
+        for name in loader_state:
+            if name in sub.__dict__:
+                memo[id(sub.__dict__[name])] = None
     for name, tensor in reference.items():  # deepcopy uses these instead of copying the old weights
         new = state[name]
         memo[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else new
@@ -113,6 +120,9 @@ def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "check
     twin = copy.deepcopy(module, memo)
     for attr in [a for a, v in twin.__dict__.items() if v is None and callable(getattr(module, a, None))]:
         del twin.__dict__[attr]
+    for sub in twin.modules():
+        for name in loader_state:
+            sub.__dict__.pop(name, None)
     return twin
 
 

@@ -9,6 +9,7 @@ import folder_paths
 
 from ..compiler import twin_with_weights
 from ..compiler.switch_weights import SWITCH_LOCK, module_keys, read_safetensors_subset, reference_tensors, unreadable
+from .dynamic_vram import LAYER_LOADER_STATE, MODEL_LOADER_STATE
 from .load_state import forget_load_state
 from .forward_patch import rebuild
 from .quantize_patches import float_view, requantize_onto
@@ -27,10 +28,10 @@ def with_diffusion_model(model, diffusion_model):
     config = getattr(model.model, "model_config", None)
     if config is not None:  # the architecture's, the same for both; it cannot be deep-copied
         replace[id(config)] = config
-    loader_state = [name for name in _LOADER_STATE if hasattr(model.model, name)]
+    loader_state = [name for name in MODEL_LOADER_STATE if hasattr(model.model, name)]
     for name, value in vars(model.model).items():
         if isinstance(value, comfy.model_patcher.ModelPatcher) or name in loader_state:
-            replace[id(value)] = None  # the patcher of a prompt running now; dynamic VRAM's buffers of this model
+            replace[id(value)] = None  # the patcher of a prompt running now; dynamic VRAM's state of this model
     base = copy.deepcopy(model.model, replace)
     for name in loader_state:
         delattr(base, name)  # the new patcher makes its own
@@ -40,9 +41,6 @@ def with_diffusion_model(model, diffusion_model):
     mark_unloaded(switched)
     return switched
 
-
-# What dynamic VRAM (ModelPatcherDynamic) keeps on a BaseModel about its loads: per model, never copied.
-_LOADER_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
 
 
 # What ComfyUI's loader records about a loaded model (on the BaseModel and on each layer), as it is before any load.
@@ -103,7 +101,7 @@ class OverdriveSwitchWeights:
         current = float_view(model)  # a loaded quantized model has 8-bit layers in the shared tree
         with SWITCH_LOCK:  # one switch at a time; the running model is never written to
             state = load_unet_weights(path, reference_tensors(current))
-            twin = twin_with_weights(current, state, source=name)
+            twin = twin_with_weights(current, state, source=name, loader_state=LAYER_LOADER_STATE)
             switched = with_diffusion_model(model, twin)
             requantized = requantize_onto(switched, twin)
             # The same Stack (compiled, step cache) over the twin. Same architecture: same graphs, no recompile.

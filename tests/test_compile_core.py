@@ -136,6 +136,23 @@ def test_twin_weights_take_the_running_dtype():
     assert {p.dtype for p in twin.parameters()} == {torch.float16}
 
 
+def test_twin_leaves_out_the_loaders_state_of_each_layer():
+    """A host loader's records on the layers (ComfyUI's dynamic VRAM: handles to pinned host buffers) belong to the
+    original's load: never copied (a copied handle is freed twice, which aborted the process) nor shared."""
+    from overdrive.compiler import twin_with_weights
+
+    class HostBuffer:
+        def __deepcopy__(self, memo):
+            raise AssertionError("a loader's handle was copied")
+
+    original = seeded_block(0)
+    pins = HostBuffer()
+    original.conv._pins, original.proj._pins = pins, {"pin": pins}
+    twin = twin_with_weights(original, seeded_block(1).state_dict(), loader_state=("_pins",))
+    assert all("_pins" not in layer.__dict__ for layer in twin.modules())
+    assert original.conv._pins is pins  # the original keeps its own
+
+
 def test_resolution_policy_auto_bounds_graphs_across_many_shapes():
     """dynamic='auto': the first shape gets a specialised graph, the second a shape-generic one that serves every
     later resolution; PyTorch specialises size-1 dims, so batch 1 and batch > 1 take one generic graph each: at

@@ -70,7 +70,23 @@ def compile_clone(model):
     except RuntimeError as error:  # a model no loader can make again (built by another node): nothing to reload
         log.warning("Overdrive Compile Model: %s stays on dynamic VRAM (%s); its blocks run uncompiled.", name, error)
         return model.clone(), False
+    cast = cast_to_layer_dtypes_(clone.model)
     log.info("Overdrive Compile Model: %s fits the GPU whole (%.1f of %.1f GiB): loaded by ComfyUI's classic loader "
-             "instead of dynamic VRAM, so its compiled blocks keep their weights on the GPU and replay as CUDA graphs.",
-             name, needed, budget)
+             "instead of dynamic VRAM, so its compiled blocks keep their weights on the GPU and replay as CUDA graphs%s.",
+             name, needed, budget, f" ({cast} weights cast from the file's dtype to the model's)" if cast else "")
     return clone, True
+
+
+def cast_to_layer_dtypes_(module: torch.nn.Module) -> int:
+    """Each ComfyUI layer's weight and bias in the dtype its layer was built for. With dynamic VRAM on in the process,
+    ComfyUI's layers take a file's tensors as they are and cast them at each call; a model its classic loader makes
+    then keeps them so too (a bf16 Wan file under fp16 inference failed "mat1 and mat2 must have the same dtype").
+    Returns how many tensors were cast."""
+    cast = 0
+    for layer in module.modules():
+        for name in ("weight", "bias"):
+            dtype, tensor = getattr(layer, f"{name}_comfy_model_dtype", None), layer._parameters.get(name)
+            if dtype is not None and tensor is not None and tensor.dtype != dtype:
+                layer._parameters[name] = torch.nn.Parameter(tensor.detach().to(dtype), requires_grad=False)
+                cast += 1
+    return cast

@@ -1,0 +1,59 @@
+"""Compile Model's side of ComfyUI's dynamic VRAM that runs without a GPU: the classic loader's model it switches to
+has its layers' weights in the dtypes they were built for. The dynamic-VRAM paths themselves need an NVIDIA GPU
+(comfy-aimdo): tests/test_dynamic_vram_gpu.py."""
+import contextlib
+
+import pytest
+import torch
+
+from overdrive.builtin_models.dit import ensure_diffusion_model
+
+
+@contextlib.contextmanager
+def fp16_inference_with_dynamic_vram_on(comfy):
+    """The process as main.py sets it up on an NVIDIA GPU (comfy-aimdo enabled), with ComfyUI's fp16 inference (its
+    choice for Wan on an H200)."""
+    import comfy.cli_args
+    import comfy.memory_management
+    before = comfy.memory_management.aimdo_enabled, comfy.cli_args.args.fp16_unet
+    comfy.memory_management.aimdo_enabled, comfy.cli_args.args.fp16_unet = True, True
+    try:
+        yield
+    finally:
+        comfy.memory_management.aimdo_enabled, comfy.cli_args.args.fp16_unet = before
+
+
+def mismatched(module):
+    return [f"{name}.{kind}" for name, layer in module.named_modules() for kind in ("weight", "bias")
+            if getattr(layer, f"{kind}_comfy_model_dtype", None) is not None
+            and layer._parameters.get(kind) is not None
+            and layer._parameters[kind].dtype != getattr(layer, f"{kind}_comfy_model_dtype")]
+
+
+def test_the_classic_loaders_model_gets_its_layers_dtypes(comfy, tmp_path):
+    import comfy.sd
+    from overdrive.nodes.dynamic_vram import cast_to_layer_dtypes_
+
+    import comfy.utils
+
+    # bf16 weights, read as ComfyUI reads them without comfy-aimdo's file mapping (it needs a GPU)
+    state, metadata = comfy.utils.load_torch_file(str(ensure_diffusion_model("wan22", "tiny", 0, tmp_path)),
+                                                  return_metadata=True)
+    with fp16_inference_with_dynamic_vram_on(comfy):
+        classic = comfy.sd.load_diffusion_model_state_dict(state, metadata=metadata, disable_dynamic=True)
+    module = classic.model.diffusion_model
+    before = mismatched(module)
+    assert before, "ComfyUI cast the file's weights itself: the cast is no longer needed"
+    assert cast_to_layer_dtypes_(classic.model) == len(before)
+    assert not mismatched(module)
+    assert module.time_embedding[0].weight.dtype == torch.float16
+    assert module.patch_embedding.weight.dtype == torch.float32  # built in float32 by Wan's code, and kept so
+
+
+def test_compile_clone_of_a_classic_model_is_a_plain_clone(comfy, tmp_path):
+    import comfy.sd
+    from overdrive.nodes.dynamic_vram import compile_clone
+
+    model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("wan22", "tiny", 0, tmp_path)))
+    clone, reloaded = compile_clone(model)
+    assert not reloaded and clone.model is model.model and clone is not model

@@ -97,7 +97,8 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
     float_layers = dict(getattr(family_of(diffusion), "float_layers", ()))
     plan = plan_quantization(diffusion, config, calibration=lambda: run(calib), filter_fn=keeping_float(float_layers),
                              cache=cache, resolution=run.cache_context(), device=model.load_device,
-                             weights_digest=digest)
+                             weights_digest=digest,
+                             between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
     patched = model.clone()
     baked = bake_weight_patches(patched, plan.modules, model.load_device)
     install(patched, plan.modules)

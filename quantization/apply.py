@@ -123,7 +123,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
 
 def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calibration=None,
                       filter_fn: FilterFn | None = None, *, cache=None, resolution=None, device=None,
-                      weights_digest: str | None = None) -> QuantPlan:
+                      weights_digest: str | None = None, between_layers=None) -> QuantPlan:
     """Decide per layer and build the quantized replacements, without changing `model`.
 
     - calibration: a callable that runs the model for a few steps (called with the model if it takes an
@@ -133,14 +133,17 @@ def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calib
     - resolution: (h, w) or (batch, h, w) of the sampling run (or a string); part of the cache key.
     - device: where the quantized modules run (default: the model's parameters' device).
     - weights_digest: the model's weights identity if the caller already has one (skips hashing the weights).
+    - between_layers: called before each layer is measured (a host's stop check, which raises to end the plan).
     """
     # Built outside inference mode (even when called inside one, as ComfyUI runs nodes): the quantized buffers are
     # then ordinary tensors that `load_float_weight` may overwrite later from any mode.
     with torch.inference_mode(False), torch.no_grad():
-        return _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest)
+        return _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
+                     between_layers)
 
 
-def _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest) -> QuantPlan:
+def _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
+          between_layers) -> QuantPlan:
     started = time.perf_counter()
     config = (config or QuantConfig()).validate()
     device = torch.device(device) if device is not None else _model_device(model)
@@ -165,7 +168,7 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
 
     calibrator = _run_calibration(model, config, filter_fn, calibration)
     measure_started = time.perf_counter()
-    decisions, modules = decide(candidates, calibrator.samples, config, fmt)
+    decisions, modules = decide(candidates, calibrator.samples, config, fmt, between_layers)
     report = QuantReport(format=fmt, device=str(device), config=config.to_dict(), layers=decisions,
                          cache_hit=False, calibrated=True, cache_key=key)
     modules = {name: module.to(device) for name, module in modules.items()}

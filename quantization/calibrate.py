@@ -136,9 +136,9 @@ class Calibrator:
             sample.rows[positions] = rows.to(sample.rows.dtype)
 
     # -- measuring and deciding ------------------------------------------------------------------------------
-    def decide(self, fmt: str, config: QuantConfig | None = None):
+    def decide(self, fmt: str, config: QuantConfig | None = None, between_layers=None):
         """Measure every measurable layer with format `fmt` and decide. Returns (decisions, {name: module})."""
-        return decide(self.candidates, self.samples, config or self.config, fmt)
+        return decide(self.candidates, self.samples, config or self.config, fmt, between_layers)
 
 
 def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig,
@@ -250,10 +250,13 @@ def _gemm_if_faster(decision: LayerDecision, candidate: Candidate, sample: Layer
     return quantized
 
 
-def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str):
-    """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision."""
+def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, between_layers=None):
+    """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision.
+    `between_layers()`, if given, is called before each layer's measurement: a host's stop check (it raises)."""
     decisions, modules = [], {}
     for candidate in candidates:
+        if between_layers is not None:
+            between_layers()
         module = candidate.module
         sample = samples.get(candidate.name)
         decision = LayerDecision(name=candidate.name, kind=candidate.kind, shape=list(module.weight.shape),

@@ -80,8 +80,10 @@ def comfy_progress_hook(comfy):
 
 def test_a_stop_while_compiling_ends_the_run_as_interrupted_and_keeps_the_model_compiled(
         comfy, nodes, base, sample, eager_latent, comfy_progress_hook, caplog):
-    """The progress heartbeat thread used to raise (and so clear) the stop request itself: the prompt finished as if
-    nothing happened. And a stop that did reach the compiled call counted as a compile failure: eager until restart."""
+    """A stop sent while a graph compiles ends the compile there (a cold DiT block compiles for tens of seconds on a
+    GPU; the stop used to wait for it): the prompt ends interrupted, nothing counts as a compile failure (that meant
+    eager until a restart), and the next prompt compiles the graph from the start and matches eager. (The progress
+    heartbeat thread once raised, and so cleared, the stop itself: the prompt finished as if nothing happened.)"""
     from comfy.model_management import InterruptProcessingException, interrupt_current_processing, processing_interrupted
 
     # Options no other test compiles with: this run really compiles (several seconds on the CPU).
@@ -89,15 +91,17 @@ def test_a_stop_while_compiling_ends_the_run_as_interrupted_and_keeps_the_model_
                                                      regional=False)[0]
     stop = threading.Timer(1.5, interrupt_current_processing, args=(True,))  # POST /interrupt, mid-compile
     stop.start()
-    with caplog.at_level(logging.WARNING, logger="overdrive"), pytest.raises(InterruptProcessingException):
+    graphs = dynamo_graph_count()
+    with caplog.at_level(logging.INFO, logger="overdrive"), pytest.raises(InterruptProcessingException):
         sample(model)
     stop.join()
     assert not processing_interrupted()  # the stop was delivered (and consumed) in the sampling thread
+    assert "stopped in" in caplog.text and "finished in" not in caplog.text, caplog.text  # cut short mid-compile
     forward = model.object_patches["diffusion_model.forward"]
     assert forward.graph.failure is None and "runs eager" not in caplog.text
-    graphs = dynamo_graph_count()
-    assert relative_error(sample(model), eager_latent) < TOLERANCE  # the next prompt runs compiled
-    assert dynamo_graph_count() == graphs  # the graph compiled before the stop is kept
+    assert dynamo_graph_count() == graphs  # no graph came out of the stopped compile
+    assert relative_error(sample(model), eager_latent) < TOLERANCE  # the next prompt compiles and runs compiled
+    assert dynamo_graph_count() > graphs and forward.graph.failure is None
 
 
 def test_lora_on_a_compiled_model_applies_without_recompiling(base, compiled, sample):

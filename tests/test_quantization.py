@@ -466,6 +466,29 @@ def test_calibrator_keeps_a_bounded_sample_and_plan_does_not_mutate():
     assert {n: type(m) for n, m in model.named_modules()} == before
 
 
+def test_a_stop_between_layers_ends_the_plan_with_the_model_unchanged():
+    """The per-layer measurements (tens of seconds for a DiT on a GPU) check the host's stop before each layer: the
+    stop ends the plan there and nothing is left half-applied."""
+    class Stop(Exception):
+        pass
+
+    model = make_model()
+    before = {n: type(m) for n, m in model.named_modules()}
+    checks = []
+
+    def stop_at_the_third_layer():
+        checks.append(len(checks))
+        if len(checks) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model),
+                          between_layers=stop_at_the_third_layer)
+    assert len(checks) == 3 and {n: type(m) for n, m in model.named_modules()} == before
+    plan = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model), between_layers=lambda: None)
+    assert set(plan.modules) == QUANTIZABLE
+
+
 def test_plan_made_in_inference_mode_can_be_reloaded_outside_it():
     """ComfyUI runs nodes under torch.inference_mode(); weight switching may happen elsewhere."""
     model = make_model()

@@ -56,6 +56,17 @@ LIFECYCLE_CALLBACKS = "callbacks"
 WRAPPERS, FORWARD_WRAPPERS = "wrappers", "diffusion_model"
 
 
+def _slot_names(cls: type) -> tuple:
+    """The attributes of a class whose instances hold nothing but __slots__ (no __dict__); () for any other class."""
+    if cls.__module__ == "builtins" or "__dict__" in dir(cls) or not hasattr(cls, "__slots__"):
+        return ()
+    names = []
+    for base in reversed(cls.__mro__[:-1]):  # object last: it has no slots
+        slots = base.__dict__.get("__slots__", ())
+        names.extend((slots,) if isinstance(slots, str) else slots)
+    return tuple(names)
+
+
 def _describe(value, parts: list) -> bool:
     """Append what the compiled code may depend on in `value`; False if `value` holds something unkeyable."""
     if isinstance(value, torch.Tensor):
@@ -79,6 +90,10 @@ def _describe(value, parts: list) -> bool:
         # as a tuple is; the frame reads the fields at every call.
         parts.append(("D", type(value).__module__, type(value).__qualname__))
         return all(_describe(getattr(value, field.name), parts) for field in dataclasses.fields(value))
+    elif _slot_names(type(value)):
+        # Plain records with __slots__ (LTX-2's CompressedTimestep since ComfyUI 0.33): as a dataclass.
+        parts.append(("R", type(value).__module__, type(value).__qualname__))
+        return all(_describe(getattr(value, name, None), parts) for name in _slot_names(type(value)))
     elif isinstance(value, dict):
         parts.append(("dict", len(value)))
         for key, item in value.items():

@@ -59,7 +59,7 @@ import torch, torchvision
 print(f"torch=={torch.__version__.split('+')[0]}\ntorchvision=={torchvision.__version__.split('+')[0]}")
 PY
 requirements="$(mktemp)"
-grep -v -E '^\s*(#|$|torchaudio)' "$COMFYUI_PATH/requirements.txt" >"$requirements"
+grep -v -E '^\s*(#|$|torchaudio)' "$COMFYUI_PATH/requirements.txt" >"$requirements" || true  # none left: fine
 echo "requests" >>"$requirements"   # ComfyUI 0.7 imports it without listing it
 if ! pip_install -r "$requirements" -c "$constraints" 2>/dev/null; then
   while read -r requirement; do
@@ -93,4 +93,9 @@ link="$COMFYUI_PATH/custom_nodes/overdrive"
 if [ ! -e "$link" ]; then ln -s "$repo" "$link"; fi
 pip_install --no-deps --no-build-isolation -e .
 installed_version="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$COMFYUI_PATH/comfyui_version.py" 2>/dev/null)"
+if [ -n "$installed_version" ] &&
+   [ "$(printf '%s\n%s\n' "$comfy_version" "$installed_version" | sort -V | head -1)" != "$comfy_version" ]; then
+  echo "WARNING: ComfyUI $installed_version at $COMFYUI_PATH is older than $comfy_version, the oldest Overdrive is" \
+       "tested on; update it (git pull in that folder) if a node fails." >&2
+fi
 echo "Overdrive is set up: ComfyUI ${installed_version:-of unknown version} at $COMFYUI_PATH"

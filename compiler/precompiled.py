@@ -26,6 +26,7 @@ That is what Dynamo's guards check, less two things (compiler/traced_reads.py); 
 """
 import contextlib
 import dataclasses
+import itertools
 import hashlib
 import inspect
 import logging
@@ -134,6 +135,19 @@ def code_digest(module: torch.nn.Module) -> str:
         except OSError:  # a class without a readable file (built in): its module name stands for it
             files.add(path)
     return hashlib.sha256("".join(sorted(files)).encode()).hexdigest()[:16]
+
+
+def flatten_weight_subclasses(module: torch.nn.Module) -> int:
+    """Flatten each weight of `module` that is a traceable tensor subclass (torch's __tensor_flatten__ protocol). Some
+    set the attributes that hold their inner tensors only when flattened (comfy-kitchen's QuantizedTensor:
+    `_param_scale`), and a frame reads those attributes directly: a weight made since tracing (moved to a device,
+    switched to another checkpoint's) has them only once flattened. Returns how many were flattened."""
+    flattened = 0
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+            tensor.__tensor_flatten__()
+            flattened += 1
+    return flattened
 
 
 # module -> (weights generation, the dicts that hold its tensors). Not the module itself: a value holding its key would

@@ -187,15 +187,18 @@ class SharedGraph:
         return frame, False
 
     def _run_frame(self, frame, module, args, kwargs):
-        try:
-            with self.frames.settings():
-                return frame(module, self.method, args, kwargs)
-        except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
-            raise_if_interrupt(error)
-            self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-            log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",
-                        self.description, self.method, self.frames.failure)
-            return _NOT_RUN
+        for attempt in (1, 2):
+            try:
+                with self.frames.settings():
+                    return frame(module, self.method, args, kwargs)
+            except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
+                raise_if_interrupt(error)
+                if attempt == 1 and isinstance(error, AttributeError) and precompiled.flatten_weight_subclasses(module):
+                    continue  # weights made since tracing, whose inner tensors' attributes a flatten sets
+                self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",
+                            self.description, self.method, self.frames.failure)
+                return _NOT_RUN
 
 
 _NOT_RUN = object()

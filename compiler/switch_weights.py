@@ -98,21 +98,29 @@ def _cast_like(state: dict, reference: dict) -> dict:
 def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "checkpoint",
                       loader_state: tuple = ()) -> torch.nn.Module:
     """A structural copy of `module` holding `state` as its weights (validated, cast), sharing no tensors with it.
-    `loader_state`: names of attributes a host's loader keeps on each submodule about its own loads (handles to
-    pinned host memory, say); they belong to `module`'s load and are left out of the copy."""
+    `loader_state`: see `structural_copy`."""
     reference = reference_tensors(module)
     check_compatible(reference, state, source)
     state = _cast_like(state, reference)
-    memo = {}
+    replacements = {}
+    for name, tensor in reference.items():  # deepcopy uses these instead of copying the old weights
+        new = state[name]
+        replacements[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) \
+            if isinstance(tensor, torch.nn.Parameter) else new
+    return structural_copy(module, replacements, loader_state)
+
+
+def structural_copy(module: torch.nn.Module, replacements: dict, loader_state: tuple = ()) -> torch.nn.Module:
+    """A copy of `module` in which each object whose id is a key of `replacements` is that value instead (its tensors:
+    nothing of the old weights is copied). Instance-level forwarders (compiled methods shadowing the class's own)
+    are not copied; other callables the model keeps as attributes (LTX-Video's frequency-grid function) are part of
+    the model and are. `loader_state`: names of attributes a host's loader keeps on each submodule about its own loads
+    (handles to pinned host memory, say); they belong to `module`'s load and are left out of the copy."""
+    memo = dict(replacements)
     for sub in module.modules():
         for name in loader_state:
             if name in sub.__dict__:
                 memo[id(sub.__dict__[name])] = None
-    for name, tensor in reference.items():  # deepcopy uses these instead of copying the old weights
-        new = state[name]
-        memo[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else new
-    # Instance-level forwarders (compiled methods shadowing the class's own) are not copied; other callables the
-    # model keeps as attributes (LTX-Video's frequency-grid function) are part of the model and are.
     for attr, value in module.__dict__.items():
         if (not attr.startswith("_") and callable(value) and not isinstance(value, torch.nn.Module)
                 and hasattr(type(module), attr)):

@@ -8,7 +8,9 @@ import comfy.utils
 import folder_paths
 
 from ..compiler import twin_with_weights
-from ..compiler.switch_weights import SWITCH_LOCK, module_keys, read_safetensors_subset, reference_tensors, unreadable
+from ..compiler.switch_weights import (SWITCH_LOCK, check_compatible, module_keys, read_safetensors_subset,
+                                       reference_tensors, unreadable)
+from . import checkpoint_formats
 from .dynamic_vram import LAYER_LOADER_STATE, MODEL_LOADER_STATE
 from .load_state import forget_load_state
 from .forward_patch import rebuild
@@ -100,8 +102,14 @@ class OverdriveSwitchWeights:
             raise FileNotFoundError(f"{name!r} is not in ComfyUI's {self.FOLDER} folder.")
         current = float_view(model)  # a loaded quantized model has 8-bit layers in the shared tree
         with SWITCH_LOCK:  # one switch at a time; the running model is never written to
-            state = load_unet_weights(path, reference_tensors(current))
-            twin = twin_with_weights(current, state, source=name, loader_state=LAYER_LOADER_STATE)
+            reference = reference_tensors(current)
+            if checkpoint_formats.is_mixed_precision(current):  # a checkpoint stored quantized: ComfyUI's conversion
+                state = checkpoint_formats.converted_state(path, reference)
+                check_compatible(reference, state, source=name)
+                twin = checkpoint_formats.twin_loaded_by_its_layers(current, state, LAYER_LOADER_STATE)
+            else:
+                state = load_unet_weights(path, reference)
+                twin = twin_with_weights(current, state, source=name, loader_state=LAYER_LOADER_STATE)
             switched = with_diffusion_model(model, twin)
             requantized = requantize_onto(switched, twin)
             # The same Stack (compiled, step cache) over the twin. Same architecture: same graphs, no recompile.

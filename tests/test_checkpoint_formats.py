@@ -79,3 +79,25 @@ def test_compile_model_and_the_step_cache_run_over_comfyuis_quantized_layers(nod
     assert_calls_match(calls, eager[1], PER_CALL_TOLERANCE)
     assert_calls_match(cached_calls[:1], calls[:1], PER_CALL_TOLERANCE)  # the first step runs every block
     assert torch.isfinite(cached_out).all()
+
+
+def test_switch_diffusion_model_takes_another_file_of_the_layout_without_recompiling(comfy, nodes, model, layout,
+                                                                                     models_folder, family, sample):
+    import comfy.sd
+    from overdrive.compiler import WeightMismatchError, dynamo_graph_count
+
+    other = ensure_quantized_diffusion_model(family, "tiny", 1, models_folder, layout)
+    # Compiled for the mixed file (both kinds of layers); the scaled file's own conversion runs on the eager model,
+    # which keeps the CPU suite short.
+    compiled = nodes["OverdriveCompileModel"]().compile(model)[0] if layout == "fp8_mixed" else model.clone()
+    before, _ = sample(compiled)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=other.name)[0]
+    _, calls = sample(switched)
+    assert dynamo_graph_count() == graphs  # the same compiled blocks
+    _, expected = sample(comfy.sd.load_diffusion_model(str(other)))
+    assert_calls_match(calls, expected, PER_CALL_TOLERANCE)
+    assert torch.equal(sample(compiled)[0], before)  # the running model keeps its own weights
+    bf16 = models_folder / other.name.replace(f"-{layout}", "")  # the same weights, not stored quantized
+    with pytest.raises(WeightMismatchError, match="left unchanged"):
+        nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=bf16.name)

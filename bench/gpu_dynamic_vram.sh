@@ -2,8 +2,8 @@
 # ComfyUI 0.33 on the GPU: the dynamic-VRAM GPU tests, then eager / ComfyUI's TorchCompileModel / Compile Model /
 # + fp8 / + step cache side by side in one process per family, with dynamic VRAM on (ComfyUI's default on NVIDIA) or
 # off, the model loaded from a file through ComfyUI's loader.
-# Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl and site_kitchen
-# carried (bench/device_carry.sh):
+# Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen and
+# whl_cudnn carried (bench/device_carry.sh):
 #   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)

@@ -26,6 +26,7 @@ That is what Dynamo's guards check, less two things (compiler/traced_reads.py); 
 """
 import contextlib
 import dataclasses
+import functools
 import itertools
 import hashlib
 import inspect
@@ -57,8 +58,10 @@ LIFECYCLE_CALLBACKS = "callbacks"
 WRAPPERS, FORWARD_WRAPPERS = "wrappers", "diffusion_model"
 
 
+@functools.lru_cache(maxsize=None)
 def _slot_names(cls: type) -> tuple:
-    """The attributes of a class whose instances hold nothing but __slots__ (no __dict__); () for any other class."""
+    """The attributes of a class whose instances hold nothing but __slots__ (no __dict__); () for any other class.
+    Cached per class: it is asked at every call for each value no other rule keys."""
     if cls.__module__ == "builtins" or "__dict__" in dir(cls) or not hasattr(cls, "__slots__"):
         return ()
     names = []
@@ -91,10 +94,6 @@ def _describe(value, parts: list) -> bool:
         # as a tuple is; the frame reads the fields at every call.
         parts.append(("D", type(value).__module__, type(value).__qualname__))
         return all(_describe(getattr(value, field.name), parts) for field in dataclasses.fields(value))
-    elif _slot_names(type(value)):
-        # Plain records with __slots__ (LTX-2's CompressedTimestep since ComfyUI 0.33): as a dataclass.
-        parts.append(("R", type(value).__module__, type(value).__qualname__))
-        return all(_describe(getattr(value, name, None), parts) for name in _slot_names(type(value)))
     elif isinstance(value, dict):
         parts.append(("dict", len(value)))
         for key, item in value.items():
@@ -107,6 +106,10 @@ def _describe(value, parts: list) -> bool:
                 item = {kind: wrappers for kind, wrappers in item.items() if kind == FORWARD_WRAPPERS}
             if not _describe(item, parts):
                 return False
+    elif _slot_names(type(value)):
+        # Plain records with __slots__ (LTX-2's CompressedTimestep since ComfyUI 0.33): as a dataclass.
+        parts.append(("R", type(value).__module__, type(value).__qualname__))
+        return all(_describe(getattr(value, name, None), parts) for name in _slot_names(type(value)))
     else:
         return False
     return True

@@ -21,11 +21,15 @@ def stored_formats(module: torch.nn.Module) -> dict:
     return found
 
 
+def _is_mixed_precision_layer(layer: torch.nn.Module) -> bool:
+    """A layer of ComfyUI's mixed-precision ops (comfy.ops.mixed_precision_ops, a class made per model)."""
+    return type(layer).__qualname__.startswith("mixed_precision_ops.")
+
+
 def mixed_precision_float_layers(module: torch.nn.Module, stored: dict) -> list:
     """The float layers of ComfyUI's mixed-precision ops (not nn.Linear: Overdrive's quantizer does not take them)."""
     return [name for name, layer in module.named_modules()
-            if name not in stored and type(layer).__qualname__.startswith("mixed_precision_ops.")
-            and layer._parameters.get("weight") is not None]
+            if name not in stored and _is_mixed_precision_layer(layer) and layer._parameters.get("weight") is not None]
 
 
 def describe(stored: dict) -> str:
@@ -51,7 +55,7 @@ def report(module: torch.nn.Module) -> tuple:
 
 def is_mixed_precision(module: torch.nn.Module) -> bool:
     """Whether `module` holds ComfyUI's mixed-precision layers (a checkpoint stored quantized, in whole or in part)."""
-    return any(type(layer).__qualname__.startswith("mixed_precision_ops.") for layer in module.modules())
+    return any(_is_mixed_precision_layer(layer) for layer in module.modules())
 
 
 def converted_state(path, reference: dict) -> dict:

@@ -206,15 +206,18 @@ def _fp8_gemm_gelu(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
 
 def fp8_gemm_gelu_runs_as(device) -> str:
     """What runs a fused MLP's first layer on `device`, in words for the log."""
-    if torch.device(device).type == "cuda" and _cublaslt_state["ok"]:
-        try:
-            from . import cublaslt
-            cublaslt._library()
-            return "as one cuBLASLt kernel (fp8 GEMM with a tanh-GELU epilogue writing fc2's e4m3 input)"
-        except Exception:  # noqa: BLE001 - the message below says what runs instead
-            pass
-    return (f"as separate torch ops on {torch.device(device).type} (fp8 GEMM, tanh-GELU, cast to fc2's e4m3 input): "
-            f"the fused cuBLASLt kernel needs an NVIDIA GPU")
+    device = torch.device(device)
+    why = "the fused cuBLASLt kernel needs an NVIDIA GPU"
+    if device.type == "cuda":
+        why = "cuBLASLt's fused kernel is unavailable here"
+        if _cublaslt_state["ok"]:
+            try:
+                from . import cublaslt
+                cublaslt._library()
+                return "as one cuBLASLt kernel (fp8 GEMM with a tanh-GELU epilogue writing fc2's e4m3 input)"
+            except Exception:  # noqa: BLE001 - the message below says what runs instead
+                pass
+    return f"as separate torch ops on {device.type} (fp8 GEMM, tanh-GELU, cast to fc2's e4m3 input): {why}"
 
 
 @_fp8_gemm_gelu.register_fake

@@ -1,10 +1,14 @@
 """Layers a checkpoint already stores in 8 or 4 bits: ComfyUI's mixed-precision layers holding comfy-kitchen
 QuantizedTensors (fp8 scaled and mixed, nvfp4, int8 convrot, mxfp8 files), run by ComfyUI's own kernels. Quantize Model
-reports them (one line per run, the layers at debug level) rather than passing such a model through without a word."""
+takes them as candidates like any linear layer (registered here), measured from their dequantized weights against the
+stored layer itself: converted where Overdrive's kernel is faster, kept where ComfyUI's is as fast; one line per run
+says which, and each layer is at debug level."""
 import collections
 import logging
 
 import torch
+
+from ..quantization.linear_layers import register_linear_layer
 
 log = logging.getLogger("overdrive")
 
@@ -26,10 +30,11 @@ def _is_mixed_precision_layer(layer: torch.nn.Module) -> bool:
     return type(layer).__qualname__.startswith("mixed_precision_ops.")
 
 
-def mixed_precision_float_layers(module: torch.nn.Module, stored: dict) -> list:
-    """The float layers of ComfyUI's mixed-precision ops (not nn.Linear: Overdrive's quantizer does not take them)."""
-    return [name for name, layer in module.named_modules()
-            if name not in stored and _is_mixed_precision_layer(layer) and layer._parameters.get("weight") is not None]
+def _is_mixed_precision_linear(layer: torch.nn.Module) -> bool:
+    return _is_mixed_precision_layer(layer) and type(layer).__name__ == "Linear"
+
+
+register_linear_layer(_is_mixed_precision_linear)
 
 
 def describe(stored: dict) -> str:
@@ -37,20 +42,29 @@ def describe(stored: dict) -> str:
     return ", ".join(f"{count} in {fmt}" for fmt, count in sorted(counts.items()))
 
 
-def report(module: torch.nn.Module) -> tuple:
-    """(layers stored quantized, float layers of ComfyUI's mixed-precision ops), logged: one line, and each layer at
-    debug level."""
+def report(module: torch.nn.Module) -> dict:
+    """{layer: stored format} of the layers `module` holds quantized as its checkpoint stores them, logged."""
     stored = stored_formats(module)
-    others = mixed_precision_float_layers(module, stored)
-    if stored or others:
-        log.info("Overdrive quantization: this checkpoint stores %d layer(s) quantized (%s), kept as they are and run "
-                 "by ComfyUI's own kernels; its %d other layer(s) are ComfyUI's mixed-precision layers, which "
-                 "Overdrive's quantizer does not convert.", len(stored), describe(stored) or "none", len(others))
-        for name, fmt in stored.items():
-            log.debug("Overdrive quantization: %s stored in %s (kept)", name, fmt)
-        for name in others:
-            log.debug("Overdrive quantization: %s is a mixed-precision float layer (kept)", name)
-    return stored, others
+    if stored:
+        log.info("Overdrive quantization: this checkpoint stores %d layer(s) quantized (%s); each is measured "
+                 "against Overdrive's kernels from its dequantized weights, converted where those are faster and "
+                 "kept for ComfyUI's own kernels where not.", len(stored), describe(stored))
+    return stored
+
+
+def report_conversions(stored: dict, converted: dict) -> None:
+    """One line: how many of the layers stored quantized (`stored`: {layer: format}) Quantize Model replaced by its
+    own (`converted`: {layer: its new format}) and how many it kept; each layer at debug level."""
+    if not stored:
+        return
+    taken = {name: fmt for name, fmt in stored.items() if name in converted}
+    kept = {name: fmt for name, fmt in stored.items() if name not in converted}
+    log.info("Overdrive quantization: of the %d layer(s) this checkpoint stores quantized, %d now run Overdrive's "
+             "kernels (%s) and %d keep ComfyUI's (%s).", len(stored), len(taken),
+             describe({name: converted[name] for name in taken}) or "none", len(kept), describe(kept) or "none")
+    for name, fmt in stored.items():
+        log.debug("Overdrive quantization: %s stored in %s: %s", name, fmt,
+                  f"converted to {converted[name]}" if name in taken else "kept")
 
 
 def is_mixed_precision(module: torch.nn.Module) -> bool:

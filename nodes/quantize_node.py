@@ -8,7 +8,7 @@ from ..attention.choice import MODES as ATTENTION_MODES
 from ..attention.choice import AttentionConfig
 from ..families import family_of
 from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization, weights_digest
-from ..quantization.candidates import find_candidates, keeping_float
+from ..quantization.candidates import keeping_float
 from ..quantization.formats import bit_widths
 from . import checkpoint_formats
 from .cache_folder import comfy_cache_dir
@@ -172,14 +172,7 @@ class OverdriveQuantizeModel:
         attention_config = AttentionConfig(attention, attention_max_error)
         run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)
         self.last_report = None
-        diffusion = model.model.diffusion_model
-        stored, mixed = checkpoint_formats.report(diffusion)
-        if (stored or mixed) and not any(c.skip_reason is None for c in find_candidates(diffusion, config, None)):
-            log.warning("Overdrive Quantize Model: no layer of this checkpoint to convert (above); the model runs as "
-                        "ComfyUI loaded it.")
-            patched = model.clone()
-            log.info("Overdrive %s", install_attention(patched, attention_config))
-            return (patched,)
+        stored = checkpoint_formats.report(model.model.diffusion_model)
         try:
             patched, self.last_report = quantized_clone(model, config, run, attention_config)
         except comfy.model_management.InterruptProcessingException:
@@ -189,5 +182,6 @@ class OverdriveQuantizeModel:
                         "Reason: %s: %s", type(error).__name__, str(error).splitlines()[0][:500] if str(error) else "",
                         exc_info=log.isEnabledFor(logging.DEBUG))
             patched = model.clone()
+        checkpoint_formats.report_conversions(stored, self.last_report.formats() if self.last_report else {})
         log.info("Overdrive %s", install_attention(patched, attention_config))
         return (patched,)

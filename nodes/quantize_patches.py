@@ -23,6 +23,7 @@ from ..compiler.shared_graph import first_device
 from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
 from ..quantization.kernels import fp8_gemm_gelu_runs_as
+from ..quantization.linear_layers import dequantized, float_weight
 from ..quantization.modules import requantize
 from .load_state import forget_load_state
 
@@ -46,6 +47,7 @@ def patched_tensor(patcher, key: str, device):
     original = getattr(original, "weight", original)  # the backup holds (weight, inplace_update) tuples
     if original is None or key not in patcher.patches:
         return original
+    original = dequantized(original)  # a layer the checkpoint stores in low bits: LoRA applies to its float weight
     weight = original.to(device=device, dtype=torch.float32, copy=True)
     return comfy.lora.calculate_weight(patcher.patches[key], weight, key).to(original.dtype)
 
@@ -303,7 +305,11 @@ def requantize_onto(patcher, diffusion_model) -> list:
     old = quantized_modules(patcher)
     if not old:
         return []
-    fresh = requantize(old, diffusion_model.state_dict(), copy=True)
+    state = {}
+    for name in old:  # each layer's float weights, dequantized where the new checkpoint stores the layer in low bits
+        layer = diffusion_model.get_submodule(name)
+        state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
+    fresh = requantize(old, state, copy=True)
     patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old layers' follower
     install(patcher, fresh)
     return sorted(fresh)

@@ -24,6 +24,7 @@ from ..interrupts import raise_if_interrupt
 from . import formats, metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
+from .linear_layers import baseline, float_weight
 from .modules import gemm_of, quantized_module_for, weight_only_module_for
 from .report import QUANTIZE, SKIP, LayerDecision
 
@@ -152,7 +153,7 @@ def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: Quant
 def measured_error(module: nn.Module, quantized: nn.Module, rows: torch.Tensor) -> float:
     """Normalised MSE of `quantized` (the replacement of `module`) on `rows`, against float32."""
     gemm = gemm_of(quantized)
-    weight = module.weight.detach().to(rows.device)
+    weight = float_weight(module).detach().to(rows.device)
     weight = weight.reshape(weight.shape[0], -1).float()
     bias = None if module.bias is None else module.bias.detach().to(rows.device).float()
     with torch.no_grad():
@@ -185,7 +186,7 @@ def _too_slow(decision: LayerDecision, candidate: Candidate, sample: LayerSample
         return f"measuring its speed failed ({type(error).__name__}), so it stays in float"
     if decision.speedup is None or decision.speedup >= config.min_speedup:
         return None
-    return (f"measured {decision.speedup:.2f}x the float layer's speed in {fmt} at input "
+    return (f"measured {decision.speedup:.2f}x {baseline(candidate.module)}'s speed in {fmt} at input "
             f"{'x'.join(map(str, sample.input_shape))} (< min_speedup {config.min_speedup:g})")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Callable
 
@@ -9,6 +10,7 @@ import torch.nn as nn
 
 from . import formats
 from .config import QuantConfig
+from .linear_layers import is_linear_layer
 
 # torchao style: filter_fn(module, qualified_name) -> keep? A string instead of False leaves the layer alone and is the
 # report's reason for it (a family's layers that must stay float say why).
@@ -38,7 +40,7 @@ class Candidate:
 
     @property
     def in_features(self) -> int:
-        return self.module.weight.reshape(self.module.weight.shape[0], -1).shape[1]
+        return math.prod(self.module.weight.shape[1:])
 
     @property
     def out_features(self) -> int:
@@ -46,7 +48,7 @@ class Candidate:
 
 
 def layer_kind(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Linear):
+    if is_linear_layer(module):
         return "linear"
     if isinstance(module, nn.Conv2d):
         kh, kw = module.kernel_size
@@ -98,7 +100,7 @@ def find_candidates(model: nn.Module, config: QuantConfig, fmt: str | None,
         elif not module.weight.is_floating_point():
             reason = f"weight dtype {module.weight.dtype} is not a float type"
         elif fmt is not None:
-            w = module.weight
-            reason = formats.get(fmt).shape_problem(w.reshape(w.shape[0], -1).shape[1], w.shape[0])
+            shape = module.weight.shape
+            reason = formats.get(fmt).shape_problem(math.prod(shape[1:]), shape[0])
         found.append(Candidate(name, module, kind, reason, record_inputs=reason is None or record))
     return found

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .linear_layers import float_weight
+
 
 class QuantizedGemm(nn.Module):
     """Shared body of the quantized linears: buffers, in-place re-quantization, dtype-preserving `_apply`."""
@@ -36,7 +38,7 @@ class QuantizedGemm(nn.Module):
     def from_float(cls, module_or_weight, bias=None, **kwargs):
         """From an nn.Linear (or a (N, K[, 1, 1]) weight and optional bias): quantized on the weight's device."""
         if isinstance(module_or_weight, nn.Module):
-            weight, bias = module_or_weight.weight, module_or_weight.bias
+            weight, bias = float_weight(module_or_weight), module_or_weight.bias
         else:
             weight = module_or_weight
         weight = weight.detach().reshape(weight.shape[0], -1)

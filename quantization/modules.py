@@ -11,6 +11,7 @@ from . import formats
 from .formats.fp8 import Fp8Linear
 from .formats.int8 import Int8Linear
 from .gemm import QuantizedGemm
+from .linear_layers import float_weight, is_linear_layer
 from .weight_only import Int8WeightOnlyLinear
 
 __all__ = ["QuantConv2d1x1", "QuantizedGemm", "Int8Linear", "Fp8Linear", "quantized_module_for", "replacement_for",
@@ -86,12 +87,12 @@ def gemm_of(layer: nn.Module) -> QuantizedGemm:
 def replacement_for(module: nn.Module, build, device=None) -> nn.Module:
     """An nn.Linear or 1x1 nn.Conv2d replaced by the quantized linear `build(weight, bias)` makes from its weights
     (moved to `device` first, default: where they are); a conv gets its GEMM wrapper."""
-    weight, bias = module.weight, module.bias
+    weight, bias = float_weight(module), module.bias
     if device is not None:
         weight = weight.to(device)
         bias = None if bias is None else bias.to(device)
     gemm = build(weight, bias)
-    if isinstance(module, nn.Linear):
+    if is_linear_layer(module):
         return gemm
     if isinstance(module, nn.Conv2d):
         return QuantConv2d1x1(gemm)

@@ -83,6 +83,11 @@ class QuantReport:
     def weight_only(self) -> list:
         return [layer.name for layer in self.layers if layer.quantized and layer.weight_only]
 
+    def formats(self) -> dict:
+        """{quantized layer: the format it runs in}."""
+        return {layer.name: "int8 weight-only" if layer.weight_only else self.format
+                for layer in self.layers if layer.quantized}
+
     @property
     def skipped(self) -> list:
         return [layer.name for layer in self.layers if not layer.quantized]

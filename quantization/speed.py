@@ -20,6 +20,8 @@ import threading
 
 import torch
 
+from .linear_layers import baseline
+
 log = logging.getLogger("overdrive.quantization")
 
 REPEATS = 10   # calls per captured graph
@@ -66,14 +68,15 @@ def compiled_cost(quantized, x: torch.Tensor):
 
 
 def measured_speedup(module, quantized, input_shape: tuple, dtype: torch.dtype) -> float | None:
-    """Time of `module` (the float nn.Linear / 1x1 nn.Conv2d, on its CUDA device) / time of `quantized` (its 8-bit
-    replacement) on a random input of `input_shape` and `dtype`; None where nothing can be timed (not CUDA)."""
+    """Time of `module` (the float nn.Linear / 1x1 nn.Conv2d, or a layer the checkpoint stores in low bits run by its
+    own kernels, on its CUDA device) / time of `quantized` (its 8-bit replacement) on a random input of `input_shape`
+    and `dtype`; None where nothing can be timed (not CUDA)."""
     weight = module.weight
     if weight.device.type != "cuda" or not input_shape or 0 in input_shape:
         return None
     device = weight.device
     key = (torch.cuda.get_device_name(device), quantized.format, str(dtype), type(module).__name__,
-           tuple(input_shape), tuple(weight.shape), module.bias is not None)
+           type(weight).__name__, tuple(input_shape), tuple(weight.shape), module.bias is not None)
     with _lock:
         if key in _timings:
             return _timings[key]
@@ -86,7 +89,7 @@ def measured_speedup(module, quantized, input_shape: tuple, dtype: torch.dtype) 
             warm_up(quantized_call)
             speedup = graph_seconds(lambda: module(x)) / graph_seconds(quantized_call)
         _timings[key] = speedup
-        log.debug("Overdrive quantization: %s %s %s on %s: %.2fx the float layer's speed", key[1], key[3],
-                  "x".join(map(str, input_shape)), key[0], speedup)
+        log.debug("Overdrive quantization: %s %s %s on %s: %.2fx %s's speed", key[1], key[3],
+                  "x".join(map(str, input_shape)), key[0], speedup, baseline(module))
         return speedup
 

@@ -9,7 +9,7 @@ import torch
 
 from overdrive.builtin_models.dit import MODULATION
 from overdrive.builtin_models.quantized import BLOCK_LINEAR, LAYOUTS, ensure_quantized_diffusion_model
-from test_dit_families import assert_calls_match, models_folder, nodes, sample  # noqa: F401
+from test_dit_families import QUANTIZED_TOLERANCE, assert_calls_match, models_folder, nodes, sample  # noqa: F401
 
 PER_CALL_TOLERANCE = 1e-3  # compiled vs eager over the same fp8 weights, float32 compute on the CPU
 
@@ -42,28 +42,52 @@ def eager(model, sample):
 
 def test_comfyui_loads_the_file_with_its_quantized_layers(model, layout):
     from comfy.quant_ops import QuantizedTensor
-    from overdrive.nodes.checkpoint_formats import mixed_precision_float_layers, stored_formats
+    from overdrive.nodes.checkpoint_formats import stored_formats
 
-    stored = stored_formats(model.model.diffusion_model)
+    tree = model.model.diffusion_model
+    stored = stored_formats(tree)
     assert stored and set(stored.values()) == {"float8_e4m3fn"}
-    assert all(isinstance(model.model.diffusion_model.get_submodule(name).weight, QuantizedTensor) for name in stored)
+    assert all(isinstance(tree.get_submodule(name).weight, QuantizedTensor) for name in stored)
     # the mixed file keeps the blocks' modulation layers in bf16 beside the e4m3 ones; the scaled file stores them too
-    floats = mixed_precision_float_layers(model.model.diffusion_model, stored)
-    modulation = [name for name in [*stored, *floats] if BLOCK_LINEAR.search(name) and MODULATION.search(name)]
-    assert modulation and set(modulation) <= set(floats if layout == "fp8_mixed" else stored), modulation
+    modulation = [name for name, layer in tree.named_modules()
+                  if BLOCK_LINEAR.search(name) and MODULATION.search(name) and hasattr(layer, "weight")]
+    assert modulation and (set(modulation) <= set(stored)) == (layout == "fp8_scaled"), modulation
 
 
-def test_quantize_model_says_what_the_checkpoint_stores_and_leaves_it_as_loaded(nodes, family, model, sample, eager,
-                                                                               caplog):
+@pytest.fixture(scope="module")
+def quantized(nodes, family, model):
+    """Quantize Model (fp8, every layer whose error passes) on the file as ComfyUI loaded it: (the node, its model,
+    what it logged)."""
     from test_dit_families import quantize_every_layer
 
-    with caplog.at_level(logging.INFO, logger="overdrive"):
-        quantize, quantized = quantize_every_layer(nodes, model, family, "fp8_e4m3")
-    assert "this checkpoint stores" in caplog.text and "in float8_e4m3fn" in caplog.text, caplog.text[-2000:]
-    assert "no layer of this checkpoint to convert" in caplog.text
-    assert "quantizing failed" not in caplog.text and quantize.last_report is None
-    out, calls = sample(quantized)
-    assert torch.equal(out, eager[0])
+    lines, handler, logger = [], logging.Handler(logging.INFO), logging.getLogger("overdrive")
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler), logger.setLevel(logging.INFO)
+    try:
+        return (*quantize_every_layer(nodes, model, family, "fp8_e4m3"), "\n".join(lines))
+    finally:
+        logger.removeHandler(handler), logger.setLevel(level)
+
+
+def test_quantize_model_converts_the_stored_layers_exactly_and_says_so(model, quantized, sample, eager):
+    from overdrive.nodes.checkpoint_formats import stored_formats
+    from overdrive.nodes.quantize_patches import quantized_modules
+
+    node, patched, logged = quantized
+    report, stored = node.last_report, stored_formats(model.model.diffusion_model)
+    assert report is not None and "quantizing failed" not in logged, logged[-2000:]
+    assert f"this checkpoint stores {len(stored)} layer(s) quantized (" in logged
+    assert (f"of the {len(stored)} layer(s) this checkpoint stores quantized, {len(stored)} now run Overdrive's "
+            f"kernels ({len(stored)} in fp8_e4m3) and 0 keep ComfyUI's") in logged, logged
+    layers = quantized_modules(patched)
+    assert set(stored) <= set(layers)  # the float layers beside them too (every layer here: no speed rule)
+    for name in stored:  # one e4m3 weight with one scale in both: the conversion changes no weight bit
+        weight = model.model.diffusion_model.get_submodule(name).weight
+        assert torch.equal(layers[name].weight_q.view(torch.uint8), weight._qdata.view(torch.uint8)), name
+        assert torch.equal(layers[name].weight_scale.reshape(()), weight._params.scale.float().reshape(())), name
+    _, calls = sample(patched)
+    assert_calls_match(calls, eager[1], QUANTIZED_TOLERANCE)  # what is left: the inputs' e4m3 cast
 
 
 def test_compile_model_and_the_step_cache_run_over_comfyuis_quantized_layers(nodes, model, layout, sample, eager,
@@ -101,3 +125,22 @@ def test_switch_diffusion_model_takes_another_file_of_the_layout_without_recompi
     bf16 = models_folder / other.name.replace(f"-{layout}", "")  # the same weights, not stored quantized
     with pytest.raises(WeightMismatchError, match="left unchanged"):
         nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=bf16.name)
+
+
+def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quantize_model(comfy, nodes, quantized,
+                                                                                          layout, models_folder,
+                                                                                          family, sample):
+    import comfy.sd
+    from overdrive.nodes.checkpoint_formats import stored_formats
+    from overdrive.nodes.quantize_patches import quantized_modules
+
+    other = ensure_quantized_diffusion_model(family, "tiny", 1, models_folder, layout)
+    _, patched, _ = quantized
+    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(patched, unet_name=other.name)[0]
+    expected = comfy.sd.load_diffusion_model(str(other))
+    layers = quantized_modules(switched)
+    for name in stored_formats(expected.model.diffusion_model):
+        weight = expected.model.diffusion_model.get_submodule(name).weight
+        assert torch.equal(layers[name].weight_q.view(torch.uint8), weight._qdata.view(torch.uint8)), name
+    _, calls = sample(switched)
+    assert_calls_match(calls, sample(expected)[1], QUANTIZED_TOLERANCE)

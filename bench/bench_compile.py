@@ -113,17 +113,21 @@ def time_decodes(variant, target, latent, repeats) -> dict:
             else None, "image": image}
 
 
-def loaded_from_file(comfy, arch, size, dtype, directory):
+def loaded_from_file(comfy, arch, size, dtype, directory, layout=None):
     """The built-in model of `arch` written to a file in `directory` (once) and loaded through ComfyUI's own loader,
     as Load Diffusion Model (DiTs) or Load Checkpoint (SD1.5, SDXL) loads it: a ModelPatcherDynamic where dynamic VRAM
-    is on, which ComfyUI can load again (TorchCompileModel's and Compile Model's switch to the classic loader)."""
+    is on, which ComfyUI can load again (TorchCompileModel's and Compile Model's switch to the classic loader).
+    `layout`: a DiT file in a quantized layout users download (builtin_models/quantized.py), run by ComfyUI's own
+    mixed-precision layers."""
     import pathlib
 
     import comfy.sd
     from overdrive.builtin_models import ensure_checkpoint
+    from overdrive.builtin_models.quantized import ensure_quantized_diffusion_model
     directory = pathlib.Path(directory)
     if arch in dit.FAMILIES:
-        path = dit.ensure_diffusion_model(arch, size, 0, directory, dtype)
+        path = dit.ensure_diffusion_model(arch, size, 0, directory, dtype) if layout is None else \
+            ensure_quantized_diffusion_model(arch, size, 0, directory, layout)
         return comfy.sd.load_diffusion_model(str(path))
     path = ensure_checkpoint(arch, size, 0, directory, dtype)
     return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
@@ -163,7 +167,9 @@ SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "bf16-atten
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
-    parser.add_argument("--size", default="full", choices=["full", "tiny"])
+    parser.add_argument("--size", default="full", choices=["full", "quarter", "tiny"])
+    parser.add_argument("--layout", choices=["fp8_scaled", "fp8_mixed"], help="DiTs: load a file stored in this "
+                        "quantized layout (its 'eager' is ComfyUI's own fp8 path on it); implies --from-file")
     parser.add_argument("--res", type=int, default=1024)
     parser.add_argument("--width", type=int, help="default: --res")
     parser.add_argument("--frames", type=int, default=33, help="video families: frames of the video")
@@ -217,10 +223,10 @@ def main():
         os.environ["OVERDRIVE_DISK_CACHE"] = "0"
 
     width, height = args.width or args.res, args.res
-    from_file = args.from_file or dynamic_vram
+    from_file = args.from_file or dynamic_vram or args.layout is not None
     if args.arch in dit.FAMILIES:
         dtype = torch.bfloat16 if cuda else torch.float32
-        base = loaded_from_file(comfy, args.arch, args.size, dtype, args.models_dir) if from_file \
+        base = loaded_from_file(comfy, args.arch, args.size, dtype, args.models_dir, args.layout) if from_file \
             else build_dit_model(comfy, args.arch, args.size, dtype)
         positive, negative = dit.conditioning(args.arch, 1), dit.conditioning(args.arch, 2)
         latent = dit.empty_latent(args.arch, width, height, args.frames)

@@ -4,7 +4,9 @@
 # off, the model loaded from a file through ComfyUI's loader.
 # Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen and
 # whl_cudnn carried (bench/device_carry.sh):
-#   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off
+#   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off |
+#     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8
+#     path (Flux.2 at a quarter of its blocks: its 32 B parameters take longer to write than a device call lasts)
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 source bench/device_env.sh
@@ -22,5 +24,11 @@ case "$part" in
   flux-on|flux-off) run flux_1024 "${part#flux-}" --arch flux --res 1024 --steps 20 --repeats 2 ;;
   wan22-on|wan22-off) run wan22_480p "${part#wan22-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 \
                         --repeats 2 ;;
+  wan22-fp8_scaled-on|wan22-fp8_scaled-off)
+    run wan22_480p_fp8_scaled "${part##*-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 --repeats 2 \
+      --layout fp8_scaled ;;
+  flux2-fp8_mixed-on|flux2-fp8_mixed-off)
+    run flux2_quarter_1024_fp8_mixed "${part##*-}" --arch flux2 --size quarter --res 1024 --steps 20 --repeats 2 \
+      --layout fp8_mixed ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

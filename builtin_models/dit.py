@@ -11,6 +11,7 @@ checkpoints in checkpoint.py do not).
 Qwen-Image 3072, Z-Image 3840), so only their depth shrinks (one block of each kind: Flux 0.5 B parameters, Flux.2
 2.3 B, Qwen-Image 0.4 B, Z-Image 1 B); Wan, SD3.5 and LTX-Video read their width from the weights and shrink to a few
 million, and LTX-2 reads its audio stream's widths from the file's metadata, as its released files carry them.
+"quarter" keeps the full width with a quarter of the blocks, for benchmarks of models too large to write in their time.
 Text encoders are not built: ComfyUI builds them at fixed full sizes (T5-XXL alone is 4.7 B parameters);
 the `OverdriveBuiltinConditioning` node gives these models conditioning of the right shape instead.
 """
@@ -181,7 +182,11 @@ TINY_VAE = {"wan21": dict(dim=16), "ltxv": dict(version=0)}
 
 
 def unet_config(family: str, size: str) -> dict:
+    """"full", "tiny", or "quarter": the full width with a quarter of each stack of blocks "tiny" shortens (a model too
+    large to write and load in a benchmark's time, timed per block as the full one runs)."""
     f = FAMILIES[family]
+    if size == "quarter":
+        return {**f.full, **{key: max(1, f.full[key] // 4) for key in f.tiny if "depth" in key or "layers" in key}}
     return {**f.full, **(f.tiny if size == "tiny" else {})}
 
 

@@ -93,3 +93,34 @@ def test_switch_diffusion_model_on_a_dynamic_vram_model(nodes, base, files, samp
     out, _ = sample(switched)
     assert torch.isfinite(out).all()
     assert torch.isfinite(sample(base)[0]).all()  # the input model still loads and runs
+
+
+@pytest.mark.parametrize("layout", ["fp8_scaled", "fp8_mixed"])
+def test_a_checkpoint_stored_in_fp8_through_quantize_compile_and_switch(comfy, nodes, family, models_folder, sample,
+                                                                       layout, caplog):
+    """A file users download stored in fp8, on ComfyUI's default path: Quantize Model (its own defaults: layers
+    timed against ComfyUI's stored fp8 layers) converts or keeps each, Compile Model runs it with CUDA graphs, and
+    Switch Diffusion Model takes another file of the layout without recompiling."""
+    import comfy.sd
+    from overdrive.builtin_models.quantized import ensure_quantized_diffusion_model
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    files = [ensure_quantized_diffusion_model(family, "tiny", seed, models_folder, layout) for seed in (0, 1)]
+    loaded = comfy.sd.load_diffusion_model(str(files[0]))
+    _, comfy_calls = sample(loaded)  # ComfyUI's own fp8 path on the file
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        quantize = nodes["OverdriveQuantizeModel"]()
+        quantized = quantize.quantize(loaded, format="fp8_e4m3", calibration_steps=1)[0]
+        both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
+        error = assert_calls_match(sample(both)[1], comfy_calls, FP8_TOLERANCE)
+        graphs = dynamo_graph_count()
+        switched = nodes["OverdriveSwitchDiffusionModel"]().switch(both, unet_name=files[1].name)[0]
+        out, _ = sample(switched)
+    assert quantize.last_report is not None, caplog.text[-3000:]
+    assert dynamo_graph_count() == graphs and torch.isfinite(out).all()
+    assert "runs without a CUDA graph" not in caplog.text and "failed" not in caplog.text, caplog.text[-3000:]
+    converted = [line for line in caplog.text.splitlines() if "this checkpoint stores quantized, " in line]
+    assert len(converted) == 1, caplog.text[-3000:]  # one summary line: what was converted, what kept
+    log.info("%s %s on dynamic VRAM: %s; compiled per-call error %.2e against ComfyUI's own path", family, layout,
+             converted[0].split("Overdrive quantization: ")[-1], error)

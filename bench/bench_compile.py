@@ -18,6 +18,7 @@ import logging
 import os
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -409,6 +410,7 @@ def main():
             # LTX-2's [video, audio] input as one tensor): its row says why, and the other variants still run
             report.setdefault("failed", []).append({"variant": variant, "error": f"{type(error).__name__}: {error}"})
             print(json.dumps(report["failed"][-1]), flush=True)
+            traceback.print_exc()  # where it failed, in the log beside the row
             write_report(report, args.out)
             del patcher
             comfy.model_management.unload_all_models()

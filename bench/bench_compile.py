@@ -66,11 +66,18 @@ def weights_gib_on_gpu(module) -> float:
     """GiB of the diffusion model's weights on the GPU while it samples: the unique storages of its module tree's
     parameters and buffers as loaded (a quantized layer's 8-bit weight and scales included, a float copy kept
     elsewhere not)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain(tensor):  # a weight subclass (comfy-kitchen's QuantizedTensor) holds its data in inner tensors
+        if not is_traceable_wrapper_subclass(tensor):
+            return [tensor]
+        return [inner for name in tensor.__tensor_flatten__()[0] for inner in plain(getattr(tensor, name))]
     storages = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.is_cuda:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        for data in plain(tensor):
+            if data.is_cuda:
+                storage = data.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
     return round(sum(storages.values()) / 2**30, 3)
 
 

@@ -159,6 +159,12 @@ class QuantizedModules:
         layers in again, as ComfyUI re-applies object patches at every load."""
         if self not in followers(patcher):
             return
+        # ComfyUI's dynamic-VRAM loader recorded the 8-bit layers' buffers to restore at the next load (a record its
+        # clones share): restored over the float layers put back here, they fail ("attribute 'bias' already exists").
+        under_layers = tuple(f"diffusion_model.{name}." for name in self.modules)
+        backups = getattr(patcher, "backup_buffers", {})
+        for key in [key for key in backups if key.startswith(under_layers)]:
+            del backups[key]
         tree = patcher.model.diffusion_model
         for look_up_again in (False, True):  # again: a layer not where it was found (a container replaced since)
             missed = False

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from overdrive.compiler import dynamo_graph_count
-from test_dit_families import (assert_calls_match, base, compiled, eager, files, models_folder,  # noqa: F401
-                               nodes, quantize_every_layer, sample)
+from test_dit_families import (FRAMES, RES, assert_calls_match, base, compiled, conditioning,  # noqa: F401
+                               eager, empty_latent, files, models_folder, nodes, quantize_every_layer, sample)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PER_CALL_TOLERANCE = 2e-2  # compiled vs eager in bf16
@@ -111,7 +111,9 @@ def test_a_checkpoint_stored_in_fp8_through_quantize_compile_and_switch(comfy, n
     _, comfy_calls = sample(loaded)  # ComfyUI's own fp8 path on the file
     with caplog.at_level(logging.INFO, logger="overdrive"):
         quantize = nodes["OverdriveQuantizeModel"]()
-        quantized = quantize.quantize(loaded, format="fp8_e4m3", calibration_steps=1)[0]
+        quantized = quantize.quantize(loaded, format="fp8_e4m3", calibration_steps=1, positive=conditioning(family, 1),
+                                      negative=conditioning(family, 2),
+                                      latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
         both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
         error = assert_calls_match(sample(both)[1], comfy_calls, FP8_TOLERANCE)
         graphs = dynamo_graph_count()

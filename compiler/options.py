@@ -88,13 +88,8 @@ class CompileOptions:
         return {"auto": None, "static": False, "dynamic": True}[self.dynamic]
 
     def for_module(self, module) -> "CompileOptions":
-        """The options `module` compiles with: "auto" means one graph per shape for the classes above, and for a
-        module holding weights its checkpoint stores in low bits (comfy-kitchen's QuantizedTensor: its layers'
-        shape-generic trace failed on the H200, "vr must not be None for symbol")."""
-        from ..quantization.linear_layers import stored_low_bit
-
-        if self.dynamic == "auto" and (type(module).__name__ in STATIC_UNDER_AUTO
-                                       or any(stored_low_bit(weight) for weight in module.parameters())):
+        """The options `module` compiles with: "auto" means one graph per shape for the classes above."""
+        if self.dynamic == "auto" and type(module).__name__ in STATIC_UNDER_AUTO:
             return replace(self, dynamic="static")
         return self
 

@@ -67,6 +67,22 @@ def report_conversions(stored: dict, converted: dict) -> None:
                   f"converted to {converted[name]}" if name in taken else "kept")
 
 
+def advise_before_compile(patcher) -> None:
+    """Compile Model on layers the checkpoint stores quantized that Quantize Model did not convert: on an NVIDIA GPU
+    their input quantization (comfy-kitchen's QuantizedTensor) did not compile (on an H200 their blocks fell back to
+    eager), so the log says what to do."""
+    from .quantize_patches import quantized_modules
+
+    if torch.device(patcher.load_device).type != "cuda":
+        return
+    left = set(stored_formats(patcher.model.diffusion_model)) - set(quantized_modules(patcher))
+    if left:
+        log.warning("Overdrive Compile Model: %d layer(s) of this checkpoint stay stored quantized on ComfyUI's own "
+                    "layers, whose input quantization may not compile (the blocks holding them then run eager). Put "
+                    "Quantize Model before Compile Model: it runs them as Overdrive's 8-bit layers where faster.",
+                    len(left))
+
+
 def is_mixed_precision(module: torch.nn.Module) -> bool:
     """Whether `module` holds ComfyUI's mixed-precision layers (a checkpoint stored quantized, in whole or in part)."""
     return any(_is_mixed_precision_layer(layer) for layer in module.modules())

@@ -11,7 +11,7 @@ from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
 from ..compiler.eager_vaes import eager_reason
 from ..compiler.layouts import conv_weights_channels_last_
-from . import quantize_patches
+from . import checkpoint_formats, quantize_patches
 from .cache_folder import comfy_cache_dir
 from .dynamic_vram import compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
@@ -92,6 +92,7 @@ class OverdriveCompileModel:
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
                                  precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
         patched, reloaded = compile_clone(model)
+        checkpoint_formats.advise_before_compile(patched)
         if reloaded:  # a new module tree: Quantize Model's layers stand in for its float layers now
             quantize_patches.retarget(patched)
         elif is_dynamic(patched):  # its weights stream per layer: compiled blocks would run slower than eager

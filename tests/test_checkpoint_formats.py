@@ -134,8 +134,14 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
     from overdrive.nodes.checkpoint_formats import stored_formats
     from overdrive.nodes.quantize_patches import quantized_modules
 
+    from overdrive.compiler import dynamo_graph_count
+
     other = ensure_quantized_diffusion_model(family, "tiny", 1, models_folder, layout)
     _, patched, _ = quantized
+    # Compiled for the scaled file (every block linear stored in fp8); the mixed file's runs eager (a short CPU suite).
+    patched = nodes["OverdriveCompileModel"]().compile(patched)[0] if layout == "fp8_scaled" else patched
+    sample(patched)
+    graphs = dynamo_graph_count()
     switched = nodes["OverdriveSwitchDiffusionModel"]().switch(patched, unet_name=other.name)[0]
     expected = comfy.sd.load_diffusion_model(str(other))
     layers = quantized_modules(switched)
@@ -143,4 +149,5 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
         weight = expected.model.diffusion_model.get_submodule(name).weight
         assert torch.equal(layers[name].weight_q.view(torch.uint8), weight._qdata.view(torch.uint8)), name
     _, calls = sample(switched)
+    assert dynamo_graph_count() == graphs  # the converted layers' blocks run the same compiled graphs
     assert_calls_match(calls, sample(expected)[1], QUANTIZED_TOLERANCE)

@@ -121,9 +121,10 @@ class QuantizedModules:
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
     def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None,
-                 tree: torch.nn.Module | None = None):
+                 tree: torch.nn.Module | None = None, classes: dict | None = None):
         self.modules = modules
         self.originals = originals or {}
+        self.classes = classes or {}  # {module name: its own class} where the fused MLPs swap another in
         self.load_device = torch.device(load_device) if load_device is not None else None
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
         self.tree = tree
@@ -152,11 +153,12 @@ class QuantizedModules:
             move(self.modules.values(), self.offload_device)  # unloaded: the float layers went with the tree
 
     def on_cleanup(self, patcher) -> None:
-        """After each sampling run (also a stopped one): the checkpoint's float layers back into the shared module
-        tree. ComfyUI leaves object patches applied until another clone loads, and the next prompt's nodes read that
-        tree: LoraLoader accepts only keys of its state_dict (with 8-bit layers there, a LoRA for another clone of
-        this model silently lost those layers), Compile Model keys its graph by it. The next load swaps the 8-bit
-        layers in again, as ComfyUI re-applies object patches at every load."""
+        """After each sampling run (also a stopped one): the checkpoint's float layers and classes back into the
+        shared module tree. ComfyUI leaves object patches applied until another clone loads, and the next prompt's
+        nodes read that tree: LoraLoader accepts only keys of its state_dict (with 8-bit layers there, a LoRA for
+        another clone of this model silently lost those layers), Compile Model keys its graph by it (a switched copy of
+        it too). The next load swaps the 8-bit layers and classes in again, as ComfyUI re-applies object patches at
+        every load."""
         if self not in followers(patcher):
             return
         # ComfyUI's dynamic-VRAM loader recorded the 8-bit layers' buffers to restore at the next load (a record its
@@ -166,6 +168,10 @@ class QuantizedModules:
         for key in [key for key in backups if key.startswith(under_layers)]:
             del backups[key]
         tree = patcher.model.diffusion_model
+        for name, cls in self.classes.items():
+            module = tree.get_submodule(name) if name else tree
+            if getattr(type(module), "fused_from", None) is cls:
+                module.__class__ = cls
         for look_up_again in (False, True):  # again: a layer not where it was found (a container replaced since)
             missed = False
             for parent, attribute, quantized, original in self.slots(tree, look_up_again):
@@ -264,7 +270,8 @@ def install(patcher, modules: dict) -> None:
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
-    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree)
+    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree,
+                                {name: cls.fused_from for name, cls in fused.items()})
     patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
     patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
     patcher.set_model_patch(follower, FOLLOWER)
@@ -333,8 +340,8 @@ def retarget(patcher) -> int:
 
 def float_view(patcher):
     """`patcher`'s diffusion model as its checkpoint has it: where quantized layers are swapped into the shared
-    module tree right now (a loaded quantized model), the float layers they replaced. Shares every tensor; only
-    read (SwitchWeights builds its twin from it), never run."""
+    module tree right now (a loaded quantized model), the float layers they replaced and the classes the fused MLPs
+    swapped. Shares every tensor; only read (SwitchWeights builds its twin from it), never run."""
     current = patcher.model.diffusion_model
     originals = {key[len(PREFIX):]: module for key, module in patcher.object_patches_backup.items()
                  if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
@@ -343,4 +350,9 @@ def float_view(patcher):
     memo = {id(current.get_submodule(name)): original for name, original in originals.items()}
     memo.update({id(t): t for t in current.state_dict(keep_vars=True).values()})
     memo.update({id(v): v for v in current.__dict__.values() if callable(v) and not isinstance(v, torch.nn.Module)})
-    return copy.deepcopy(current, memo)
+    view = copy.deepcopy(current, memo)
+    for module in view.modules():  # the fused MLPs' own classes too (a compiled graph is keyed by the classes)
+        original = getattr(type(module), "fused_from", None)
+        if original is not None:
+            module.__class__ = original
+    return view

@@ -8,19 +8,17 @@ import logging
 
 import torch
 
-from ..quantization.linear_layers import register_linear_layer
+from ..quantization.linear_layers import register_linear_layer, stored_low_bit
 
 log = logging.getLogger("overdrive")
 
 
 def stored_formats(module: torch.nn.Module) -> dict:
     """{layer name: its stored format} for every layer of `module` whose weight is a QuantizedTensor."""
-    from comfy.quant_ops import QuantizedTensor
-
     found = {}
     for name, layer in module.named_modules():
         weight = layer._parameters.get("weight")
-        if isinstance(weight, QuantizedTensor):
+        if weight is not None and stored_low_bit(weight):
             found[name] = getattr(layer, "quant_format", None) or type(weight).__name__
     return found
 

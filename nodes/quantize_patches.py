@@ -29,6 +29,7 @@ from .load_state import forget_load_state
 
 log = logging.getLogger("overdrive.quantization")
 PREFIX = "diffusion_model."
+CLASS_PATCH = ".__class__"  # the key suffix of the object patches that give the fused MLPs' modules their classes
 LORA_AFTER_QUANTIZE = (
     "{key} belongs to a layer that Quantize Model (Overdrive) replaced with an 8-bit layer, so this LoRA (or other "
     "weight patch) cannot be applied to it after quantizing. Put LoraLoader before QuantizeModel: LoRAs applied "
@@ -121,10 +122,9 @@ class QuantizedModules:
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
     def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None,
-                 tree: torch.nn.Module | None = None, classes: dict | None = None):
+                 tree: torch.nn.Module | None = None):
         self.modules = modules
         self.originals = originals or {}
-        self.classes = classes or {}  # {module name: its own class} where the fused MLPs swap another in
         self.load_device = torch.device(load_device) if load_device is not None else None
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
         self.tree = tree
@@ -168,10 +168,9 @@ class QuantizedModules:
         for key in [key for key in backups if key.startswith(under_layers)]:
             del backups[key]
         tree = patcher.model.diffusion_model
-        for name, cls in self.classes.items():
-            module = tree.get_submodule(name) if name else tree
-            if getattr(type(module), "fused_from", None) is cls:
-                module.__class__ = cls
+        for key in patcher.object_patches:  # the fused MLPs' class patches (install)
+            if key.startswith(PREFIX) and key.endswith(CLASS_PATCH):
+                gelu_fusion.restore_class(tree.get_submodule(key[len(PREFIX):-len(CLASS_PATCH)]))
         for look_up_again in (False, True):  # again: a layer not where it was found (a container replaced since)
             missed = False
             for parent, attribute, quantized, original in self.slots(tree, look_up_again):
@@ -262,7 +261,7 @@ def install(patcher, modules: dict) -> None:
         patcher.add_object_patch(PREFIX + name, module)
     fused = gelu_fusion.fuse(tree, modules, compute_dtype(patcher))
     for name, cls in fused.items():
-        patcher.add_object_patch(f"{PREFIX}{name}.__class__", cls)
+        patcher.add_object_patch(f"{PREFIX}{name}{CLASS_PATCH}", cls)
     if fused:
         log.info("Overdrive quantization: %d MLP(s) run their first fp8 GEMM, tanh-GELU and the second GEMM's input "
                  "cast %s.", gelu_fusion.mlp_count(fused),
@@ -270,8 +269,7 @@ def install(patcher, modules: dict) -> None:
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
-    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree,
-                                {name: cls.fused_from for name, cls in fused.items()})
+    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree)
     patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
     patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
     patcher.set_model_patch(follower, FOLLOWER)
@@ -352,7 +350,5 @@ def float_view(patcher):
     memo.update({id(v): v for v in current.__dict__.values() if callable(v) and not isinstance(v, torch.nn.Module)})
     view = copy.deepcopy(current, memo)
     for module in view.modules():  # the fused MLPs' own classes too (a compiled graph is keyed by the classes)
-        original = getattr(type(module), "fused_from", None)
-        if original is not None:
-            module.__class__ = original
+        gelu_fusion.restore_class(module)
     return view

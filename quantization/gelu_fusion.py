@@ -113,6 +113,11 @@ def _original_class(module) -> type:
     return getattr(type(module), "fused_from", type(module))
 
 
+def restore_class(module: nn.Module) -> None:
+    """Give a module `fuse` swapped a class for its own class back (any other module is left as it is)."""
+    module.__class__ = _original_class(module)
+
+
 def _tanh_gelu(module) -> bool:
     return _original_class(module) is nn.GELU and module.approximate == "tanh"
 

@@ -1,11 +1,13 @@
-"""Which attention runs at a shape: SDPA or an 8-bit backend, chosen once per shape, dtype and GPU by measuring
-them on the call's own inputs, as QuantizeModel's `min_speedup` and error thresholds decide per layer.
+"""Which attention runs at a shape: SDPA as torch picks it, a faster 16-bit kernel, or an 8-bit backend, chosen once
+per shape, dtype and GPU by measuring them on the call's own inputs, as QuantizeModel's `min_speedup` and error
+thresholds decide per layer.
 
 At the first call of a shape each applicable backend runs on those inputs: its relative error against SDPA's
 output (at its second call, as later calls run), and its time (median of a few runs, CUDA events). `auto` takes the
-fastest backend within the error bound that beats SDPA by 3 %; `8bit` the fastest within the bound even when SDPA is
-faster; `sdpa` never measures. The choice is logged with its figures and kept for the process. A backend that
-fails is never tried again at that shape.
+fastest backend within the error bound that beats SDPA by 3 %; `exact` the same among the 16-bit kernels only (SDPA's
+cuDNN kernel, FlashAttention-3: SDPA's result to 16-bit rounding; Compile Model's choice); `8bit` the fastest 8-bit
+backend within the bound even when SDPA is faster; `sdpa` never measures. The choice is logged with its figures and
+kept for the process. A backend that fails is never tried again at that shape.
 """
 from __future__ import annotations
 
@@ -15,13 +17,17 @@ import threading
 
 import torch
 
-from . import cudnn8, triton8
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import cudnn8, fa3, triton8
 from .reference import relative_error
 
 log = logging.getLogger("overdrive")
 
-MODES = ("auto", "sdpa", "8bit")
-MIN_SPEEDUP = 1.03  # auto: an 8-bit backend must beat SDPA by this much (timing noise is ~1 %)
+MODES = ("auto", "exact", "sdpa", "8bit")
+MIN_SPEEDUP = 1.03  # auto, exact: a backend must beat SDPA by this much (timing noise is ~1 %)
+# The bound of `exact`: a 16-bit kernel differs from SDPA's by rounding (~0.3 % per call); more means it is broken.
+EXACT_MAX_ERROR = 0.01
 
 
 class AttentionConfigError(ValueError):
@@ -76,12 +82,39 @@ def sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()
 
 
-# name -> (applies(q, k, v) -> None or why not, run(q, k, v) -> (batch, tokens, heads, head dim))
+def sdpa_cudnn(q, k, v):
+    """SDPA on cuDNN's fused kernel, which torch does not pick by itself."""
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return sdpa(q, k, v)
+
+
+def cuda_16_bit(q, k, v):
+    """None where SDPA's cuDNN kernel may run, else why not (torch says so itself at the call)."""
+    return None if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "needs 16-bit CUDA tensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    applies: object  # (q, k, v) -> None, or why it does not run there
+    run: object  # (q, k, v) -> (batch, tokens, heads, head dim)
+    exact: bool  # a 16-bit kernel (`exact` mode's), else an 8-bit one
+
+
 BACKENDS = {
-    "int8_fp8": (triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8")),
-    "int8_fp16": (triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16")),
-    "cudnn_fp8": (cudnn8.supports, cudnn8.attention),
+    "sdpa_cudnn": Backend(cuda_16_bit, sdpa_cudnn, exact=True),
+    "fa3_bf16": Backend(fa3.supports, fa3.attention, exact=True),
+    "int8_fp8": Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8"), exact=False),
+    "int8_fp16": Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16"), exact=False),
+    "cudnn_fp8": Backend(cudnn8.supports, cudnn8.attention, exact=False),
 }
+
+
+def considered(config: AttentionConfig) -> list:
+    """The backends a mode measures."""
+    if config.mode == "sdpa":
+        return []
+    return [name for name, backend in BACKENDS.items()
+            if config.mode == "auto" or backend.exact == (config.mode == "exact")]
 
 
 @dataclasses.dataclass
@@ -92,12 +125,19 @@ class Measurement:
     failed: str | None = None
 
 
+def bound(exact: bool, config: AttentionConfig) -> float:
+    """The error a backend may show at a shape: the user's bound, and at most EXACT_MAX_ERROR for a 16-bit kernel."""
+    return min(config.max_error, EXACT_MAX_ERROR) if exact else config.max_error
+
+
 def pick(measurements: list, sdpa_ms: float, config: AttentionConfig) -> str:
     """The backend for a shape from its measurements (pure: the rule the docstring above states)."""
     if config.mode == "sdpa":
         return "sdpa"
-    within = [m for m in measurements if m.failed is None and m.rel_err is not None and m.rel_err <= config.max_error]
-    if config.mode == "auto":
+    names = considered(config)
+    within = [m for m in measurements if m.backend in names and m.failed is None and m.rel_err is not None
+              and m.rel_err <= bound(BACKENDS[m.backend].exact, config)]
+    if config.mode in ("auto", "exact"):
         within = [m for m in within if m.ms * MIN_SPEEDUP <= sdpa_ms]
     return min(within, key=lambda m: m.ms).backend if within else "sdpa"
 
@@ -159,7 +199,8 @@ class Chooser:
         ref = sdpa(q, k, v)
         sdpa_ms = _median_ms(lambda: sdpa(q, k, v))
         measurements = []
-        for name, (applies, run) in BACKENDS.items():
+        for name in considered(config):
+            applies, run = BACKENDS[name].applies, BACKENDS[name].run
             why = applies(q, k, v)
             if why is not None:
                 measurements.append(Measurement(name, failed=why))
@@ -177,7 +218,8 @@ class Chooser:
             f"{m.backend} {m.ms:.3f} ms ({sdpa_ms / m.ms:.2f}x), error {m.rel_err:.2%}" if m.failed is None
             else f"{m.backend}: {m.failed}" for m in measurements)
         log.info("Overdrive attention %s %s, mode %s, error bound %.1f%%: SDPA %.3f ms; %s -> %s", tuple(q.shape),
-                 str(q.dtype).replace("torch.", ""), config.mode, 100 * config.max_error, sdpa_ms, figures, choice)
+                 str(q.dtype).replace("torch.", ""), config.mode, 100 * bound(config.mode == "exact", config), sdpa_ms,
+                 figures, choice)
         return choice
 
 

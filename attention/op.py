@@ -16,7 +16,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, max_
     backend = CHOOSER.backend(q, k, v, config)
     if backend != "sdpa":
         try:
-            return BACKENDS[backend][1](q, k, v)
+            return BACKENDS[backend].run(q, k, v)
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
             CHOOSER.failed(q, k, v, config, backend, error)
     return sdpa(q, k, v)

@@ -1,4 +1,5 @@
-"""Attention kernels side by side on the GPU, per shape: torch SDPA (cuDNN, flash), cuDNN fp8 through
+"""Attention kernels side by side on the GPU, per shape: torch SDPA (its own pick, cuDNN, flash), FlashAttention-3's
+bf16 kernel (fa3-fwd, if installed), cuDNN fp8 through
 nvidia-cudnn-frontend, SageAttention 1.0.6 (if installed) and Overdrive's Triton 8-bit kernel; per-call relative
 error against fp32 attention, and (--sweep) the Triton kernel's block/warp/stage configurations.
 
@@ -15,7 +16,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from overdrive.attention import cudnn8, reference, triton8
+from overdrive.attention import cudnn8, fa3, reference, triton8
 from overdrive.attention.choice import _median_ms
 
 SHAPES = {  # name: (batch, heads, tokens, head dim)
@@ -24,6 +25,7 @@ SHAPES = {  # name: (batch, heads, tokens, head dim)
     "sdxl_1024_32x32": (2, 20, 1024, 64),
     "qwen_image_1328_cfg": (2, 24, 6953, 128),
     "wan22_480p_33f": (1, 24, 14040, 128),
+    "wan22_5b_480p_33f_cfg": (2, 24, 3510, 128),
     "wan22_720p_121f_cfg": (2, 24, 27280, 128),
     "video_32k": (1, 40, 32760, 128),
 }
@@ -34,8 +36,11 @@ def flops(shape) -> float:
     return 4.0 * b * h * n * n * d
 
 
-def sdpa(backend):
+def sdpa(backend=None):
+    """SDPA with `backend` forced, or (None) as torch picks it, as ComfyUI calls it."""
     def run(q, k, v):
+        if backend is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
     return run
@@ -99,8 +104,13 @@ def main():
         k = k + 3.0 * torch.randn((1, shape[1], 1, shape[3]), device="cuda", dtype=torch.bfloat16)  # a shared K offset
         ref = reference.exact_attention(q, k, v)
         backends = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+                    "sdpa_default": sdpa(),
                     "triton8_fp8pv": triton8.attention,
                     "triton8_fp16pv": lambda q, k, v: triton8.attention(q, k, v, pv="fp16")}
+        if fa3.supports(q, k, v) is None:
+            backends["fa3_bf16"] = fa3.attention
+        else:
+            result["fa3_error"] = fa3.supports(q, k, v)
         if cudnn8.supports(q, k, v) is None:
             backends["cudnn_fp8"] = cudnn8.attention
         else:
@@ -129,7 +139,7 @@ def main():
             graph, stream = cudnn8._graph(q.shape, k.shape, d ** -0.5, q.device), torch.cuda.current_stream()
             operands = graph.operands_for(stream)
             rows["cudnn_fp8"].update(prepare_ms=timed(cudnn8.quantize, q, k, v),
-                                     graph_ms=timed(graph.run, operands, stream),
+                                     graph_ms=timed(graph.run, operands.pack, stream),
                                      output_ms=timed(cudnn8.dequantize_output, operands.out8, operands.scales,
                                                      q.dtype))
         for row, fn in ((rows[label], fn) for label, fn in backends.items() if "ms" in rows[label]):

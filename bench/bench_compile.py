@@ -260,12 +260,13 @@ def main():
 
     compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
                        "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},
-                       "overdrive-no-precompile": {"precompile": False}}
+                       "overdrive-no-precompile": {"precompile": False},
+                       "overdrive-comfy-attention": {"fast_attention": False}}
 
     def make(variant):
         """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8, with attn<bound> or
         attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
-        overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile]), a step cache (deepcache[N]: interval N; adaptive;
+        overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (deepcache[N]: interval N; adaptive;
         easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
         percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
         where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's

@@ -1,7 +1,9 @@
 # Sourced by the GPU bench scripts, from the repository root on the GPU machine: installs the carried wheels
-# (.devcarry/whl*/, see device_carry.sh), unpacks the carried ComfyUI archive (the newest carried), and points Python
+# (.devcarry/whl*/ and the unpacked ones in .devcarry/whl*.tar.xz, see device_carry.sh), unpacks the carried ComfyUI archive (the newest carried), and points Python
 # at this checkout as the package `overdrive` and at that ComfyUI.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/whl*/*.whl || exit 1
+wheels=$(ls .devcarry/whl*/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels || exit 1; fi
+for packed in .devcarry/whl*.tar.xz; do [ -f "$packed" ] && { tar -xJf "$packed" -C /tmp/site || exit 1; }; done
 archive=$(ls .devcarry/ComfyUI-*.tar.gz 2>/dev/null | sort -V | tail -1)
 if [ -n "$archive" ] && [ ! -f /tmp/ComfyUI/main.py ]; then
   name=$(basename "$archive" .tar.gz)

@@ -3,7 +3,7 @@ call of every model family) that sends supported calls to `torch.ops.overdrive.a
 the attention function ComfyUI would have used."""
 import torch
 
-from ..attention.choice import AttentionConfig, OnePerConfig
+from ..attention.choice import AttentionConfig, OnePerConfig, bound
 from ..attention.op import attend, fits
 from ..compiler.regions import ATTENTION_OVERRIDE
 
@@ -34,7 +34,8 @@ class OverdriveAttention(OnePerConfig):
 
 
 def install_attention(patcher, config: AttentionConfig) -> str:
-    """Put Overdrive's attention on a (cloned) ModelPatcher; returns what was done, for the log."""
+    """Put Overdrive's attention on a (cloned) ModelPatcher; returns what was done, for the log. Compile Model's
+    `exact` does not replace an Overdrive attention already there (Quantize Model's measures the same kernels)."""
     options = patcher.model_options.setdefault("transformer_options", {})
     current = options.get(ATTENTION_OVERRIDE)
     if config.mode == "sdpa":
@@ -42,7 +43,10 @@ def install_attention(patcher, config: AttentionConfig) -> str:
             del options[ATTENTION_OVERRIDE]
         return "attention: SDPA (8-bit attention off)"
     if current is not None and not getattr(current, "overdrive_attention", False):
-        return "attention: another node already overrides attention, so Overdrive's 8-bit attention is off"
+        return "attention: another node already overrides attention, so Overdrive's attention is off"
+    if current is not None and config.mode == "exact":
+        return f"attention: {current.config.mode}, as set before"
     options[ATTENTION_OVERRIDE] = OverdriveAttention(config)
-    return (f"attention: {config.mode} (8-bit backends where they measure faster than SDPA within "
-            f"{config.max_error:.1%} error per call, chosen per shape at its first call)")
+    kinds = "16-bit kernels" if config.mode == "exact" else "backends"
+    return (f"attention: {config.mode} ({kinds} where they measure faster than SDPA within "
+            f"{bound(config.mode == 'exact', config):.1%} error per call, chosen per shape at its first call)")

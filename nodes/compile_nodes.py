@@ -6,18 +6,22 @@ import torch
 
 from comfy.patcher_extension import CallbacksMP
 
+from ..attention.choice import AttentionConfig
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
 from ..compiler.eager_vaes import eager_reason
 from ..compiler.layouts import conv_weights_channels_last_
 from . import checkpoint_formats, quantize_patches
+from .attention_override import install_attention
 from .cache_folder import comfy_cache_dir
 from .dynamic_vram import compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
 
 log = logging.getLogger("overdrive")
+
+EXACT_ATTENTION = AttentionConfig("exact")
 
 MODE_TOOLTIP = (
     "default: quickest to compile. max-autotune: benchmarks matrix and convolution kernels on your GPU during the "
@@ -42,6 +46,13 @@ REGIONAL_TOOLTIP = (
     "compare (Overdrive falls back to whole-graph compiling by itself when regions fail). DiT models always compile "
     "per block (Flux.1-dev: 57 blocks, 2 graphs, first image 19 s instead of 71 s on an H200); this switch does not "
     "apply to them."
+)
+
+FAST_ATTENTION_TOOLTIP = (
+    "Run attention on the fastest 16-bit kernel this GPU has, chosen per shape at its first call by timing it on "
+    "that call's inputs: torch's SDPA as ComfyUI calls it, SDPA's cuDNN kernel, or FlashAttention-3 on Hopper (H100, "
+    "H200) where fa3-fwd is installed. The result equals SDPA's to 16-bit rounding; the log shows the figures. "
+    "Quantize Model's attention setting, where set, takes precedence. Off: ComfyUI's own attention."
 )
 
 PRECOMPILE_TOOLTIP = (
@@ -86,13 +97,17 @@ class OverdriveCompileModel:
         }, "optional": {
             "regional": ("BOOLEAN", {"default": True, "tooltip": REGIONAL_TOOLTIP}),
             "precompile": ("BOOLEAN", {"default": True, "tooltip": PRECOMPILE_TOOLTIP}),
+            "fast_attention": ("BOOLEAN", {"default": True, "tooltip": FAST_ATTENTION_TOOLTIP}),
         }}
 
-    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=True):
+    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=True,
+                fast_attention=True):
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
                                  precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
         patched, reloaded = compile_clone(model)
         checkpoint_formats.advise_before_compile(patched)
+        if fast_attention:  # also where the blocks stay uncompiled below
+            log.info("Overdrive Compile Model %s", install_attention(patched, EXACT_ATTENTION))
         if reloaded:  # a new module tree: Quantize Model's layers stand in for its float layers now
             quantize_patches.retarget(patched)
         elif is_dynamic(patched):  # its weights stream per layer: compiled blocks would run slower than eager

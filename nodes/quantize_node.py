@@ -54,17 +54,17 @@ TOOLTIPS = {
     "positive": "Optional: your positive prompt, so calibration measures the activations of your prompt. Without "
                 "it, empty (zero) conditioning is used.",
     "negative": "Optional: your negative prompt (see positive).",
-    "attention": "8-bit attention on Hopper and newer GPUs (H100, H200; Triton int8/fp8 kernels, or cuDNN's fp8 "
-                 "attention when nvidia-cudnn-frontend is installed). auto: at each new shape, the first call times "
-                 "every 8-bit backend against PyTorch's SDPA on its own inputs and keeps the fastest one that is at "
-                 "least 3 % faster and within attention_max_error (the log shows the figures). 8bit: the fastest "
-                 "within the error bound even if SDPA is faster. sdpa: off. Masked attention, other nodes' attention "
-                 "overrides and other GPUs always use ComfyUI's own attention.",
-    "attention_max_error": "Largest relative error per attention call an 8-bit backend may add, measured against "
-                           "SDPA on the same inputs (0.05 = 5 %). The Triton int8/fp8 kernel measured ~1-1.5 % on "
-                           "Flux's and Qwen-Image's attention, cuDNN's fp8 attention ~4 %; at ~4 % the whole "
-                           "model's output error did not change (the fp8 GEMMs dominate it). Lower it to keep "
-                           "cuDNN's fp8 attention out.",
+    "attention": "Attention kernels on NVIDIA GPUs, chosen per shape at its first call by timing each one on that "
+                 "call's inputs against PyTorch's SDPA (the log shows the figures). auto: the fastest that is at "
+                 "least 3 % faster than SDPA and within attention_max_error, among the 16-bit kernels (SDPA's cuDNN "
+                 "kernel, FlashAttention-3 where fa3-fwd is installed) and the 8-bit ones on Hopper and newer "
+                 "(Triton int8/fp8 kernels, cuDNN's fp8 attention where nvidia-cudnn-frontend is installed). exact: "
+                 "the 16-bit kernels only (what Compile Model uses). 8bit: the fastest 8-bit kernel within the bound "
+                 "even if SDPA is faster. sdpa: PyTorch's SDPA as ComfyUI calls it. Masked attention and other "
+                 "nodes' attention overrides always use ComfyUI's own attention.",
+    "attention_max_error": "Largest relative error per attention call an 8-bit kernel may add, measured against "
+                           "SDPA on the same inputs (0.05 = 5 %). cuDNN's fp8 attention adds the most of them; "
+                           "lower the bound to keep it out (bench/README.md has the measured errors).",
     "latent": "Optional: your latent (e.g. Empty Latent Image), so calibration runs at your resolution and batch. "
               "Without it, the model's natural resolution (SD1.5 512², SDXL 1024²) is used.",
 }

@@ -87,6 +87,14 @@ if "$py" -c "$hopper" 2>/dev/null && ! "$py" -c "import cudnn" 2>/dev/null; then
   pip_install --no-deps "nvidia-cudnn-frontend==${CUDNN_FRONTEND_VERSION:-1.32.0}" ||
     echo "WARNING: nvidia-cudnn-frontend does not install here; 8-bit attention keeps its Triton backend." >&2
 fi
+# ... and on Hopper itself (its kernels are sm_90a): FlashAttention-3's forward kernel (`fa3-fwd`, prebuilt, no
+# compiler at run time), a 16-bit backend of the attention chooser. Its declared dependencies are build tools it does
+# not import; without it the chooser times SDPA's kernels only.
+hopper_only='import sys, torch; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9))'
+if "$py" -c "$hopper_only" 2>/dev/null && ! "$py" -c "import fa3_fwd_interface" 2>/dev/null; then
+  pip_install --no-deps "fa3-fwd==${FA3_FWD_VERSION:-0.0.3}" ||
+    echo "WARNING: fa3-fwd does not install here; attention keeps SDPA's kernels." >&2
+fi
 
 # 5. Overdrive as a custom node of that ComfyUI, and as the importable package `overdrive`.
 link="$COMFYUI_PATH/custom_nodes/overdrive"

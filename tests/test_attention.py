@@ -15,7 +15,7 @@ import torch
 
 from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive.attention
 from overdrive.attention import reference as ref
-from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, pick
+from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, considered, pick
 from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_transformer_options
 
 
@@ -118,7 +118,7 @@ def test_triton_kernel_matches_the_scheme_in_the_interpreter():
 
 
 def test_config_errors_name_the_setting():
-    with pytest.raises(AttentionConfigError, match="attention mode 'fast' is not one of auto, sdpa, 8bit"):
+    with pytest.raises(AttentionConfigError, match="attention mode 'fast' is not one of auto, exact, sdpa, 8bit"):
         AttentionConfig("fast")
     with pytest.raises(AttentionConfigError, match="attention_max_error must be in"):
         AttentionConfig("auto", 0.0)
@@ -133,6 +133,19 @@ def test_pick_takes_the_fastest_backend_within_the_bound():
     assert pick(measured, 0.37, AttentionConfig("8bit", 0.03)) == "int8_fp16"  # 8bit: within the bound is enough
     assert pick(measured, 0.40, AttentionConfig("auto", 0.005)) == "sdpa"
     assert pick(measured, 0.40, AttentionConfig("sdpa")) == "sdpa"
+
+
+def test_exact_mode_takes_only_16_bit_kernels_and_holds_them_to_rounding():
+    measured = [Measurement("int8_fp8", ms=0.20, rel_err=0.01), Measurement("sdpa_cudnn", ms=0.33, rel_err=0.003),
+                Measurement("fa3_bf16", ms=0.30, rel_err=0.003)]
+    assert pick(measured, 0.40, AttentionConfig("exact")) == "fa3_bf16"   # the 8-bit kernel is faster: not exact
+    assert pick(measured, 0.40, AttentionConfig("auto")) == "int8_fp8"
+    assert pick(measured, 0.40, AttentionConfig("8bit")) == "int8_fp8"
+    assert pick(measured, 0.305, AttentionConfig("exact")) == "sdpa"      # not 3 % faster than SDPA
+    broken = [Measurement("fa3_bf16", ms=0.30, rel_err=0.02)]             # a 16-bit kernel off by more than rounding
+    assert pick(broken, 0.40, AttentionConfig("auto", 0.05)) == "sdpa"
+    assert considered(AttentionConfig("exact")) == ["sdpa_cudnn", "fa3_bf16"]
+    assert considered(AttentionConfig("sdpa")) == []
 
 
 def test_custom_op_runs_sdpa_off_the_gpu_and_compiles_with_its_fake():

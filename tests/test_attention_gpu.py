@@ -119,3 +119,40 @@ def test_cudnn_fp8_e4m3_output_under_inductor_and_cuda_graphs():
         own = reference.relative_error(cudnn8.attention(*static), exact)
         assert reference.relative_error(replayed, exact) < own * 1.15, (scale, own)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "fa3_bf16"])
+def test_16_bit_kernels_equal_sdpa_to_rounding(backend):
+    from overdrive.attention.choice import BACKENDS, EXACT_MAX_ERROR, sdpa
+    q, k, v = inputs((2, 24, 3510, 128), seed=3)  # Wan 2.2 5B's self-attention at 480p, CFG batched
+    why = BACKENDS[backend].applies(q, k, v)
+    if why is not None:
+        pytest.skip(why)
+    out = BACKENDS[backend].run(q, k, v)
+    assert out.shape == (2, 3510, 24, 128) and out.dtype == q.dtype
+    assert reference.relative_error(out, sdpa(q, k, v)) < EXACT_MAX_ERROR / 2
+
+
+def test_exact_mode_op_under_inductor_and_cuda_graphs():
+    """Compile Model's attention: the op measures the 16-bit kernels at the shape's first call (outside capture), and a
+    compiled caller recorded into a CUDA graph replays the chosen kernel on new inputs, to SDPA's rounding."""
+    from overdrive.attention.choice import CHOOSER, EXACT_MAX_ERROR, AttentionConfig, sdpa
+    from overdrive.attention.op import attend
+    config = AttentionConfig("exact")
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in inputs((1, 24, 4608, 128), seed=4))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attend(q * 1.0, k, v, config), fullgraph=True)
+    first = compiled(q, k, v)
+    sdpa_ms, measurements, choice = CHOOSER.reports[CHOOSER._key(q, k, config)]
+    assert {m.backend for m in measurements} == {"sdpa_cudnn", "fa3_bf16"}
+    assert reference.relative_error(first, sdpa(q, k, v)) < EXACT_MAX_ERROR / 2, choice
+    static = [t.clone() for t in (q, k, v)]
+    compiled(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = compiled(*static)
+    for t in static:
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    assert reference.relative_error(replayed, sdpa(*static)) < EXACT_MAX_ERROR / 2, choice
+    torch._dynamo.reset()

@@ -53,9 +53,9 @@ def with_seed(workflow: dict, seed: int) -> dict:
 
 
 class Soak:
-    def __init__(self, workdir, prompts: int, seed: int = 0, families: bool = False, log=print):
+    def __init__(self, workdir, prompts: int, seed: int = 0, families: bool = False, log=print, seeds=SEEDS):
         self.workdir = pathlib.Path(workdir)
-        self.prompts, self.rng, self.log = prompts, random.Random(seed), log
+        self.prompts, self.rng, self.log, self.seeds = prompts, random.Random(seed), log, tuple(seeds)
         self.variants = variants(families)
         self.references: dict = {}  # (variant, seed) -> pixels of the prompt run alone
         self.entries: dict = {}  # prompt id -> its history entry
@@ -143,7 +143,7 @@ class Soak:
         return self.client.queue(with_seed(self.variants[variant], seed))
 
     def random_key(self):
-        return self.rng.choice(sorted(self.variants)), self.rng.choice(SEEDS)
+        return self.rng.choice(sorted(self.variants)), self.rng.choice(self.seeds)
 
     # ------------------------------------------------------------------------------------------------ faults
     def clean(self):
@@ -207,16 +207,17 @@ class Soak:
         self.start(checkpoints, other_files)
         started = time.monotonic()
         try:
-            for key in [(variant, seed) for variant in sorted(self.variants) for seed in SEEDS]:
+            for key in [(variant, seed) for variant in sorted(self.variants) for seed in self.seeds]:
                 self.check("alone", key, self.queue(key), {"success"})  # the references, and the compiles
             faults = [(self.clean, 5), (self.interrupt, 3), (self.corrupt_cache, 1), (self.damaged_checkpoint, 1),
                       (self.wrong_checkpoint, 1), (self.invalid_setting, 1), (self.together, 1)]
             restart_at = self.prompts // 2
+            first = [f for f, _ in faults]  # every kind once, then drawn by weight
             while self.counts.get("prompts", 0) < self.prompts:
                 if restart_at is not None and self.counts["prompts"] >= restart_at:
                     self.restart(checkpoints, other_files)
                     restart_at = None
-                fault = self.rng.choices([f for f, _ in faults], [w for _, w in faults])[0]
+                fault = first.pop(0) if first else self.rng.choices([f for f, _ in faults], [w for _, w in faults])[0]
                 fault()
                 self.log(f"{self.counts.get('prompts', 0)} prompts, {len(self.failures)} failures "
                          f"({time.monotonic() - started:.0f} s)")

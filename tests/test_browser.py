@@ -1,5 +1,7 @@
-"""ComfyUI's own web page in a real headless Chromium: drop each UI workflow file onto the canvas as a person would,
-check every node loads, queue it with the "Queue Prompt" button and wait for its images on the canvas."""
+"""ComfyUI's own web page in a real headless Chromium: drop UI workflow files onto the canvas as a person would, check
+every node loads, queue it with the "Queue Prompt" button and wait for its images on the canvas. The files dropped are
+the fewest that hold every Overdrive node (and a video); tests/test_workflows.py converts every file the way the page
+does and runs each through the server."""
 import copy
 import json
 import re
@@ -17,6 +19,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.name.endswith("_api.json"))
+DROPPED = ("compile_quantize_deepcache_sd15", "compile_sd15", "switch_weights_sd15", "compile_stepcache_flux",
+           "compile_wan22")
 pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
                                 reason="Chromium is not installed (Debian package chromium; scripts/install.sh installs it)")
 
@@ -86,8 +90,16 @@ def edits(api, runnable) -> dict:
     return {key: values for key, values in changes.items() if values}
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])
-def test_dropped_workflow_loads_and_queues_to_an_image(path, page, server, tmp_path):
+def test_the_dropped_files_hold_every_overdrive_node():
+    def overdrive_nodes(paths):
+        return {node["type"] for path in paths for node in json.loads(path.read_text())["nodes"]
+                if node["type"].startswith("Overdrive")}
+    assert overdrive_nodes(WORKFLOWS / f"{name}.json" for name in DROPPED) == overdrive_nodes(UI_FILES)
+
+
+@pytest.mark.parametrize("name", DROPPED)
+def test_dropped_workflow_loads_and_queues_to_an_image(name, page, server, tmp_path):
+    path = WORKFLOWS / f"{name}.json"
     ui, api = json.loads(path.read_text()), load_workflow(path.with_name(f"{path.stem}_api.json"))
     drop_file(page, path)
     page.wait_for_function("(ids) => app.graph._nodes.map(n => n.id).sort((a, b) => a - b).join() === ids",

@@ -8,6 +8,9 @@ from ..attention.op import attend, fits
 from ..compiler.regions import ATTENTION_OVERRIDE
 
 
+EXACT = AttentionConfig("exact")
+
+
 class OverdriveAttention(OnePerConfig):
     """The override (ComfyUI calls it as `func, q, k, v, heads, ...`)."""
     overdrive_attention = True
@@ -27,7 +30,10 @@ class OverdriveAttention(OnePerConfig):
             q4, k4, v4 = (t.view(t.shape[0], -1, heads, dim).transpose(1, 2) for t in (q, k, v))
         if not fits(q4, k4, v4):
             return fallback()
-        out = attend(q4, k4, v4, self.config)
+        # A model marks the calls 8-bit attention must not take (ComfyUI 0.33: Wan's image cross-attention, where
+        # SageAttention made NaNs): the 16-bit kernels still may.
+        config = EXACT if kwargs.get("low_precision_attention", True) is False else self.config
+        out = attend(q4, k4, v4, config)
         if skip_output_reshape:
             return out.transpose(1, 2)
         return out.reshape(out.shape[0], out.shape[1], -1)

@@ -6,22 +6,19 @@ import torch
 
 from comfy.patcher_extension import CallbacksMP
 
-from ..attention.choice import AttentionConfig
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
 from ..compiler.options import DYNAMIC, MODES
 from ..compiler.eager_vaes import eager_reason
 from ..compiler.layouts import conv_weights_channels_last_
 from . import checkpoint_formats, quantize_patches
-from .attention_override import install_attention
+from .attention_override import EXACT, install_attention
 from .cache_folder import comfy_cache_dir
 from .dynamic_vram import compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
 
 log = logging.getLogger("overdrive")
-
-EXACT_ATTENTION = AttentionConfig("exact")
 
 MODE_TOOLTIP = (
     "default: quickest to compile. max-autotune: benchmarks matrix and convolution kernels on your GPU during the "
@@ -107,7 +104,7 @@ class OverdriveCompileModel:
         patched, reloaded = compile_clone(model)
         checkpoint_formats.advise_before_compile(patched)
         if fast_attention:  # also where the blocks stay uncompiled below
-            log.info("Overdrive Compile Model %s", install_attention(patched, EXACT_ATTENTION))
+            log.info("Overdrive Compile Model %s", install_attention(patched, EXACT))
         if reloaded:  # a new module tree: Quantize Model's layers stand in for its float layers now
             quantize_patches.retarget(patched)
         elif is_dynamic(patched):  # its weights stream per layer: compiled blocks would run slower than eager

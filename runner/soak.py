@@ -223,6 +223,8 @@ class Soak:
                          f"({time.monotonic() - started:.0f} s)")
         finally:
             self.server.stop()
+        # ComfyUI's "memory leak with model ...": a model it let go that something still holds (both servers' log)
+        self.counts["leak_warnings"] = sum("memory leak" in line for line in self.server.log_text().splitlines())
         return dict(self.counts, failures=self.failures, seconds=round(time.monotonic() - started, 1),
                     variants=sorted(self.variants))
 

@@ -156,3 +156,18 @@ def test_exact_mode_op_under_inductor_and_cuda_graphs():
     graph.replay()
     assert reference.relative_error(replayed, sdpa(*static)) < EXACT_MAX_ERROR / 2, choice
     torch._dynamo.reset()
+
+
+def test_calls_comfyui_marks_not_low_precision_get_16_bit_kernels_only(comfy):
+    """ComfyUI 0.33 passes low_precision_attention=False where 8-bit attention must not run (Wan's image
+    cross-attention): under an 8-bit setting those calls are measured and run among the 16-bit kernels."""
+    from overdrive.attention.choice import CHOOSER, EXACT_MAX_ERROR, AttentionConfig, sdpa
+    from overdrive.nodes.attention_override import OverdriveAttention
+    shape = (1, 24, 1040, 128)
+    q4, k4, v4 = inputs(shape, seed=5)
+    q, k, v = (t.transpose(1, 2).reshape(1, shape[2], -1) for t in (q4, k4, v4))  # ComfyUI's (batch, tokens, ...)
+    out = OverdriveAttention(AttentionConfig("8bit"))(None, q, k, v, shape[1], low_precision_attention=False)
+    modes = {key[-1].mode for key in CHOOSER.reports if key[0] == shape}
+    assert modes == {"exact"}, modes
+    expected = sdpa(q4, k4, v4).reshape(1, shape[2], -1)
+    assert reference.relative_error(out, expected) < EXACT_MAX_ERROR / 2

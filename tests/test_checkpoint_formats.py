@@ -1,8 +1,9 @@
 """The quantized checkpoint layouts users download (fp8 "scaled", fp8 "mixed"), as built-in tiny SD3.5 files made with
 ComfyUI's own fp8 layout class and loaded by its own loader (Load Diffusion Model's path), through Overdrive's nodes on
-the CPU (SD3.5: the smallest tiny file with fused MLPs; Flux's, whose width detection fixes, takes minutes to write
-in both layouts, and runs on the GPU in tests/test_dynamic_vram_gpu.py): Quantize Model says what the checkpoint already stores and changes nothing it cannot convert; Compile Model
-and the step cache run over ComfyUI's quantized layers and match them per model call."""
+the CPU: Quantize Model says what the checkpoint already stores and changes nothing it cannot convert; Compile Model
+and the step cache run over ComfyUI's quantized layers and match them per model call. SD3.5's is the smallest tiny file
+with fused MLPs; Flux's (a width detection fixes) made these tests take 7 times as long, and runs on the GPU
+(tests/test_dynamic_vram_gpu.py)."""
 import logging
 
 import pytest

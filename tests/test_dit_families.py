@@ -443,9 +443,9 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
 
 def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(comfy, nodes, family, files, sample):
     """Load Diffusion Model's `weight_dtype` fp8_e4m3fn (how Flux is commonly run; here on SD3.5: weights stored in 8
-    bits, each layer cast to the compute dtype as it runs): Compile Model and the step cache match that model eager per call; Switch
-    Diffusion Model puts a bf16 file's weights in at the running model's fp8, as loading that file with fp8 weights
-    does; QuantizeModel quantizes from the fp8 weights."""
+    bits, each layer cast to the compute dtype as it runs): Compile Model and the step cache match that model eager per
+    call; Switch Diffusion Model puts a bf16 file's weights in at the running model's fp8, as loading that file with fp8
+    weights does; QuantizeModel quantizes from the fp8 weights."""
     import comfy.sd
 
     if family != "sd35":  # the smallest tiny file (Flux's, a width detection fixes, took 48 s here)

@@ -8,7 +8,7 @@ each function changes its target in place, all or nothing, and refuses what it c
     compile_(pipe, CompileOptions())              # UNet forward + VAE decode, graphs shared per architecture
     deepcache_(pipe, DeepCacheConfig(cache_interval=3))
     switch_weights_(pipe, "finetune.safetensors")  # same architecture: no recompile
-    attention_(pipe, AttentionConfig(mode="auto"))  # 8-bit attention where it measures faster (Hopper)
+    attention_(pipe, AttentionConfig(mode="auto"))  # the fastest attention kernel within the error bound, per shape
 
 Supported pipelines: those with a diffusers UNet2DConditionModel `unet` (SD1.x/2.x, SDXL), and those with a DiT
 `transformer` of a known family (Flux.1, Wan 2.1/2.2, Qwen-Image, SD3/3.5, Z-Image: families/), compiled block by

@@ -1,4 +1,4 @@
-"""attention_: a pipeline's (or a module's) SDPA calls through Overdrive's 8-bit attention, chosen per shape."""
+"""attention_: a pipeline's (or a module's) SDPA calls through Overdrive's attention kernels, chosen per shape."""
 from ..attention.choice import AttentionConfig
 from ..stack import Stack
 from .installed import install_each, installed_stack
@@ -9,10 +9,12 @@ def attention_(target, config: AttentionConfig | None = None) -> None:
     """Route the attention of a pipeline's UNet or DiT transformer(s) (or of any module) through Overdrive's attention.
 
     Every SDPA call the model makes without a mask, dropout or causal flag goes to `torch.ops.overdrive.attention`:
-    at each new shape the first call measures the 8-bit backends (Triton int8/fp8, cuDNN fp8 where
-    nvidia-cudnn-frontend is installed) against SDPA on its own inputs and keeps the fastest within
-    `config.max_error` (mode "auto": only if at least 3 % faster than SDPA; "8bit": even if slower); the choice and its
-    figures are logged. Other calls, and GPUs before Hopper, run SDPA. `AttentionConfig(mode="sdpa")` turns it off.
+    at each new shape the first call measures the backends against SDPA on its own inputs: the 16-bit kernels (SDPA's
+    cuDNN kernel, FlashAttention-3 where fa3-fwd is installed) and, on Hopper and newer, the 8-bit ones (Triton
+    int8/fp8, cuDNN fp8 where nvidia-cudnn-frontend is installed); mode "auto" keeps the fastest within
+    `config.max_error` that is at least 3 % faster than SDPA, "exact" the same among the 16-bit kernels, "8bit" the
+    fastest 8-bit one even if slower; the choice and its figures are logged. Other calls run SDPA.
+    `AttentionConfig(mode="sdpa")` turns it off.
     Composes with compile_ (the custom op is traced into the compiled code), quantize_ and deepcache_, in any order.
     """
     config = AttentionConfig() if config is None else config

@@ -280,6 +280,13 @@ def test_install_keeps_another_nodes_override_and_sdpa_removes_its_own(comfy, co
     foreign = patcher.clone()
     foreign.model_options["transformer_options"][ATTENTION_OVERRIDE] = lambda func, *a, **kw: func(*a, **kw)
     assert "another node" in install_attention(foreign, AttentionConfig())
+    # Compile Model's `exact` keeps what Quantize Model set (its `auto` times the same 16-bit kernels) and leaves a
+    # foreign override alone; on a model without one it installs its own.
+    assert "auto, as set before" in install_attention(patcher, AttentionConfig("exact"))
+    assert patcher.model_options["transformer_options"][ATTENTION_OVERRIDE].config.mode == "auto"
+    assert "another node" in install_attention(foreign, AttentionConfig("exact"))
+    assert "16-bit kernels" in install_attention(clone, AttentionConfig("exact"))
+    assert clone.model_options["transformer_options"][ATTENTION_OVERRIDE].config.mode == "exact"
 
 
 def test_compiled_blocks_get_overdrives_override_alone(comfy_attention):

@@ -16,19 +16,31 @@ class _StopInjector:
     whole trace, lowering and kernel builds) cannot be split, and would otherwise hold a stop until it ends (a cold DiT
     block compiles for tens of seconds on a GPU). The exception lands at the thread's next Python instruction, which
     the compiler's Python reaches often; torch.compile's error wrapping it is unwrapped by interrupts.raise_if_interrupt,
-    so the graph stays usable and the next run compiles it from the start."""
+    so the graph stays usable and the next run compiles it from the start. An exception that lands while the thread
+    runs a weakref callback or a `__del__` (the garbage collector runs them inside the compiler) is printed and
+    dropped by Python: where the body still runs `AGAIN_AFTER_S` after a stop was raised, it is raised again."""
+
+    AGAIN_AFTER_S = 2.0  # far longer than a raised stop takes to leave the body
 
     def __init__(self):
         self.thread_id = threading.get_ident()
         self.lock = threading.Lock()
-        self.running, self.injected = True, False
+        self.running, self.injected, self.injected_at = True, False, 0.0
 
     def inject(self) -> None:
         with self.lock:
             if self.running and not self.injected:
-                self.injected = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.thread_id), ctypes.py_object(comfy.model_management.InterruptProcessingException))
+                self._raise_in_thread()
+
+    def inject_again_if_lost(self) -> None:
+        with self.lock:
+            if self.running and self.injected and time.perf_counter() - self.injected_at >= self.AGAIN_AFTER_S:
+                self._raise_in_thread()
+
+    def _raise_in_thread(self) -> None:
+        self.injected, self.injected_at = True, time.perf_counter()
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(self.thread_id), ctypes.py_object(comfy.model_management.InterruptProcessingException))
 
     def finish(self) -> None:
         """The body ended (or raised): a stop sent but not yet raised is withdrawn and left pending for ComfyUI's
@@ -59,15 +71,17 @@ def comfy_progress(label: str, expected_seconds: float = 60.0, interval: float =
 
     def heartbeat():
         while not done.wait(interval):
+            if stopper.injected:
+                stopper.inject_again_if_lost()
+                continue
             if comfy.model_management.processing_interrupted():
                 stopper.inject()
-                return
+                continue
             try:
                 bar.update_absolute(min(int((time.perf_counter() - start) / interval), total - 1))
             except comfy.model_management.InterruptProcessingException:
                 comfy.model_management.interrupt_current_processing(True)  # a stop that came in between: keep it
                 stopper.inject()
-                return
 
     thread = threading.Thread(target=heartbeat, name="overdrive-progress", daemon=True)
     thread.start()

@@ -3,6 +3,7 @@ import gc
 import logging
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -76,6 +77,28 @@ def comfy_progress_hook(comfy):
     yield
     comfy.utils.set_progress_bar_global_hook(previous)
     comfy.model_management.interrupt_current_processing(False)
+
+
+def test_a_stop_lost_in_a_weakref_callback_is_raised_again(comfy, comfy_progress_hook, monkeypatch):
+    """Python prints and drops an exception raised in a weakref callback or `__del__`, where the garbage collector
+    runs them inside the compiler: a body still running after its stop was raised gets it again. Here the body drops
+    the first one itself."""
+    from comfy.model_management import InterruptProcessingException, interrupt_current_processing
+    from overdrive.nodes import progress
+    monkeypatch.setattr(progress._StopInjector, "AGAIN_AFTER_S", 0.5)
+    caught, start = [], time.perf_counter()
+    threading.Timer(0.3, interrupt_current_processing, args=(True,)).start()
+    with pytest.raises(InterruptProcessingException):
+        with progress.comfy_progress("a body that drops the first stop", interval=0.1):
+            while time.perf_counter() - start < 10:
+                try:
+                    while time.perf_counter() - start < 10:
+                        time.sleep(0.01)
+                except InterruptProcessingException:
+                    if caught:
+                        raise
+                    caught.append(time.perf_counter() - start)  # dropped, as a weakref callback would
+    assert len(caught) == 1 and time.perf_counter() - start < 3
 
 
 def test_a_stop_while_compiling_ends_the_run_as_interrupted_and_keeps_the_model_compiled(

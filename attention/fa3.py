@@ -1,8 +1,8 @@
 """FlashAttention-3's Hopper forward kernel (the `fa3-fwd` wheel: prebuilt sm_90a kernels, no compiler at run time),
-in bf16. Its result is SDPA's to bf16 rounding, so the chooser counts it among the 16-bit kernels (`exact` mode,
-held to EXACT_MAX_ERROR) and takes it wherever it measures faster. The wheel registers the kernel as a torch custom op with a fake implementation, so torch.compile traces
-it as one call and CUDA graphs record it. Installed by scripts/install.sh on Hopper only; absent, this backend says
-so and SDPA runs.
+in bf16. Its result is SDPA's to bf16 rounding, so the chooser counts it among the 16-bit kernels (`exact` mode, held
+to EXACT_MAX_ERROR) and takes it wherever it measures faster. The wheel registers the kernel as a torch custom op with
+a fake implementation, so torch.compile traces it as one call and CUDA graphs record it. Installed by
+scripts/install.sh on Hopper only; absent, this backend says so and SDPA runs.
 """
 from __future__ import annotations
 

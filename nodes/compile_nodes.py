@@ -19,6 +19,7 @@ from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
 
 log = logging.getLogger("overdrive")
+DEFAULTS = CompileOptions()  # the nodes' defaults are the core's
 
 MODE_TOOLTIP = (
     "default: quickest to compile. max-autotune: benchmarks matrix and convolution kernels on your GPU during the "
@@ -88,17 +89,17 @@ class OverdriveCompileModel:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model to compile. It is not modified; a patched copy is returned."}),
-            "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
-            "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": CUDA_GRAPHS_TOOLTIP}),
-            "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
+            "mode": (list(MODES), {"default": DEFAULTS.mode, "tooltip": MODE_TOOLTIP}),
+            "cuda_graphs": ("BOOLEAN", {"default": DEFAULTS.cuda_graphs, "tooltip": CUDA_GRAPHS_TOOLTIP}),
+            "dynamic": (list(DYNAMIC), {"default": DEFAULTS.dynamic, "tooltip": DYNAMIC_TOOLTIP}),
         }, "optional": {
-            "regional": ("BOOLEAN", {"default": True, "tooltip": REGIONAL_TOOLTIP}),
-            "precompile": ("BOOLEAN", {"default": True, "tooltip": PRECOMPILE_TOOLTIP}),
+            "regional": ("BOOLEAN", {"default": DEFAULTS.regional, "tooltip": REGIONAL_TOOLTIP}),
+            "precompile": ("BOOLEAN", {"default": DEFAULTS.precompile, "tooltip": PRECOMPILE_TOOLTIP}),
             "fast_attention": ("BOOLEAN", {"default": True, "tooltip": FAST_ATTENTION_TOOLTIP}),
         }}
 
-    def compile(self, model, mode="default", cuda_graphs=True, dynamic="auto", regional=True, precompile=True,
-                fast_attention=True):
+    def compile(self, model, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
+                regional=DEFAULTS.regional, precompile=DEFAULTS.precompile, fast_attention=True):
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
                                  precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
         patched, reloaded = compile_clone(model)
@@ -133,14 +134,15 @@ class OverdriveCompileVAE:
             "vae": ("VAE", {"tooltip": "The VAE to compile. It is not modified; a patched copy is returned. "
                                        "Wan's video VAE is returned itself, its convolution weights in the "
                                        "channels-last layout (same values)."}),
-            "mode": (list(MODES), {"default": "default", "tooltip": MODE_TOOLTIP}),
-            "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": CUDA_GRAPHS_TOOLTIP}),
-            "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip": DYNAMIC_TOOLTIP}),
+            "mode": (list(MODES), {"default": DEFAULTS.mode, "tooltip": MODE_TOOLTIP}),
+            "cuda_graphs": ("BOOLEAN", {"default": DEFAULTS.cuda_graphs, "tooltip": CUDA_GRAPHS_TOOLTIP}),
+            "dynamic": (list(DYNAMIC), {"default": DEFAULTS.dynamic, "tooltip": DYNAMIC_TOOLTIP}),
             "compile_encoder": ("BOOLEAN", {"default": False, "tooltip": "Also compile encode (img2img, inpainting). "
                                             "Costs one more compile the first time an image is encoded."}),
         }}
 
-    def compile(self, vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False):
+    def compile(self, vae, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
+                compile_encoder=False):
         reason = eager_reason(vae.first_stage_model)
         if reason is not None:
             convs = conv_weights_channels_last_(vae.first_stage_model, torch.nn.Conv3d)

@@ -8,6 +8,7 @@ from ..stack import Stack
 from .forward_patch import foreign_forward, install, installed_stack
 
 log = logging.getLogger("overdrive")
+DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
 
 INTERVAL_TOOLTIP = (
     "fixed mode: run the whole model every this many sampling steps; the steps in between reuse its deep features "
@@ -52,19 +53,22 @@ class OverdriveDeepCache:
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model to accelerate. It is not modified; a patched copy is "
                                            "returned."}),
-            "cache_interval": ("INT", {"default": 3, "min": 1, "max": 10, "tooltip": INTERVAL_TOOLTIP}),
-            "cache_depth": ("INT", {"default": 1, "min": 1, "max": 12, "tooltip": DEPTH_TOOLTIP}),
-            "start_percent": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
+            "cache_interval": ("INT", {"default": DEFAULTS.cache_interval, "min": 1, "max": 10,
+                                       "tooltip": INTERVAL_TOOLTIP}),
+            "cache_depth": ("INT", {"default": DEFAULTS.cache_depth, "min": 1, "max": 12, "tooltip": DEPTH_TOOLTIP}),
+            "start_percent": ("FLOAT", {"default": DEFAULTS.start_percent, "min": 0.0, "max": 1.0, "step": 0.01,
                                         "tooltip": START_TOOLTIP}),
-            "end_percent": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": END_TOOLTIP}),
+            "end_percent": ("FLOAT", {"default": DEFAULTS.end_percent, "min": 0.0, "max": 1.0, "step": 0.01,
+                                      "tooltip": END_TOOLTIP}),
         }, "optional": {
-            "mode": (list(MODES), {"default": "fixed", "tooltip": MODE_TOOLTIP}),
-            "threshold": ("FLOAT", {"default": 0.1, "min": 0.0, "max": 2.0, "step": 0.005,
+            "mode": (list(MODES), {"default": DEFAULTS.mode, "tooltip": MODE_TOOLTIP}),
+            "threshold": ("FLOAT", {"default": DEFAULTS.threshold, "min": 0.0, "max": 2.0, "step": 0.005,
                                     "tooltip": THRESHOLD_TOOLTIP}),
         }}
 
-    def patch(self, model, cache_interval=3, cache_depth=1, start_percent=0.0, end_percent=1.0, mode="fixed",
-              threshold=0.1):
+    def patch(self, model, cache_interval=DEFAULTS.cache_interval, cache_depth=DEFAULTS.cache_depth,
+              start_percent=DEFAULTS.start_percent, end_percent=DEFAULTS.end_percent, mode=DEFAULTS.mode,
+              threshold=DEFAULTS.threshold):
         config = DeepCacheConfig(cache_interval, cache_depth, float(start_percent), float(end_percent), mode=mode,
                                  threshold=float(threshold))
         patched = model.clone()

@@ -20,7 +20,7 @@ class _StopInjector:
     runs a weakref callback or a `__del__` (the garbage collector runs them inside the compiler) is printed and
     dropped by Python: where the body still runs `AGAIN_AFTER_S` after a stop was raised, it is raised again."""
 
-    AGAIN_AFTER_S = 2.0  # far longer than a raised stop takes to leave the body
+    AGAIN_AFTER_S = 0.5  # longer than a raised stop takes to leave the body; short enough to stop the trace
 
     def __init__(self):
         self.thread_id = threading.get_ident()

@@ -19,7 +19,7 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import cudnn8, fa3, triton8
+from . import cudnn8, fa3, fa3_fp8, triton8
 from .reference import relative_error
 
 log = logging.getLogger("overdrive")
@@ -106,6 +106,7 @@ BACKENDS = {
     "int8_fp8": Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8"), exact=False),
     "int8_fp16": Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16"), exact=False),
     "cudnn_fp8": Backend(cudnn8.supports, cudnn8.attention, exact=False),
+    "fa3_fp8": Backend(fa3_fp8.supports, fa3_fp8.attention, exact=False),
 }
 
 

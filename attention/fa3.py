@@ -17,12 +17,19 @@ except Exception as error:  # noqa: BLE001 - not installed, or its native module
 MAX_HEAD_DIM = 256
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None where the kernel runs (batch, heads, tokens, head dim) q, k, v, else why not."""
+def unavailable(q: torch.Tensor) -> str | None:
+    """None where the wheel's kernels run on q's device, else why not."""
     if _missing is not None:
         return _missing
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "FlashAttention-3's kernels are built for Hopper (sm_90) only"
+    return None
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None where the bf16 kernel runs (batch, heads, tokens, head dim) q, k, v, else why not."""
+    if unavailable(q) is not None:
+        return unavailable(q)
     if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
         return f"the fa3-fwd wheel has bf16 kernels only, not {q.dtype}"
     if q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:

@@ -53,6 +53,33 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_sc
     return out * v_scale / FP8_MAX / p.sum(dim=-1, keepdim=True)
 
 
+def smoothed_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """fa3_fp8.py's casts in plain torch: (Q, K - k̄, V - v̄ rounded to e4m3 over one scale per (batch, head), each
+    as float32 times its scale; V's mean), of (batch, heads, tokens, head dim) tensors."""
+    q, k, v = (t.float() for t in (q, k, v))
+    v_mean = v.mean(dim=-2, keepdim=True)
+
+    def cast(t):
+        scale = (t.abs().amax(dim=(-2, -1), keepdim=True) / FP8_MAX).clamp_min(1e-20)
+        return to_e4m3(t / scale) * scale
+
+    return cast(q), cast(smooth_k(k)), cast(v - v_mean), v_mean
+
+
+def e4m3_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention as an fp8 kernel computes it: P (after the row max, so in (0, 1]) rounded to e4m3 for P·V, the row
+    sum from the unrounded P. A shared offset in V then multiplies P's rounding error instead of cancelling."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return (to_e4m3(p) @ v.float()) / p.sum(dim=-1, keepdim=True)
+
+
+def smoothed_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """fa3_fp8.py's attention: `e4m3_p_attention` over `smoothed_e4m3`'s operands, V's mean added back."""
+    q8, k8, v8, v_mean = smoothed_e4m3(q, k, v)
+    return e4m3_p_attention(q8, k8, v8) + v_mean
+
+
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None):
     """The float32 reference."""
     q, k, v = (t.float() for t in (q, k, v))

@@ -16,7 +16,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from overdrive.attention import cudnn8, fa3, reference, triton8
+from overdrive.attention import cudnn8, fa3, fa3_fp8, reference, triton8
 from overdrive.attention.choice import _median_ms
 
 SHAPES = {  # name: (batch, heads, tokens, head dim)
@@ -111,6 +111,10 @@ def main():
             backends["fa3_bf16"] = fa3.attention
         else:
             result["fa3_error"] = fa3.supports(q, k, v)
+        if fa3_fp8.supports(q, k, v) is None:
+            backends["fa3_fp8_smoothed"] = fa3_fp8.attention
+        else:
+            result["fa3_fp8_error"] = fa3_fp8.supports(q, k, v)
         if cudnn8.supports(q, k, v) is None:
             backends["cudnn_fp8"] = cudnn8.attention
         else:
@@ -142,6 +146,14 @@ def main():
                                      graph_ms=timed(graph.run, operands.pack, stream),
                                      output_ms=timed(cudnn8.dequantize_output, operands.out8, operands.scales,
                                                      q.dtype))
+        if "ms" in rows.get("fa3_fp8_smoothed", {}):  # its parts: the two Triton passes, then the kernel
+            q8, k8, v8, descale, _ = fa3_fp8.quantize(q, k, v)
+            rows["fa3_fp8_smoothed"].update(
+                prepare_ms=timed(fa3_fp8.quantize, q, k, v),
+                kernel_ms=timed(lambda: torch.ops.fa3_fwd._flash_attn_forward(
+                    q8, k8, v8, q_descale=descale[0], k_descale=descale[1], v_descale=descale[2])),
+                rel_err_vs_scheme_reference=reference.relative_error(
+                    fa3_fp8.attention(q, k, v).transpose(1, 2), reference.smoothed_fp8_attention(q, k, v)))
         for row, fn in ((rows[label], fn) for label, fn in backends.items() if "ms" in rows[label]):
             row["gpu_ms"] = _median_ms(lambda: fn(q, k, v), reps=7, calls=8)  # the chooser's timing: host hidden
         small = tuple(t[:, :2, :1024] for t in (q, k, v))  # the torch reference of the scheme, on a slice

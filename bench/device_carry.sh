@@ -20,7 +20,7 @@ version="${COMFY_VERSION:-0.33.0}"
 download() {  # folder, then requirements
   local folder="$1"; shift
   python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d ".devcarry/$folder" "$@"
 }
 mkdir -p .devcarry

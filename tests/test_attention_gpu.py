@@ -171,3 +171,69 @@ def test_calls_comfyui_marks_not_low_precision_get_16_bit_kernels_only(comfy):
     assert modes == {"exact"}, modes
     expected = sdpa(q4, k4, v4).reshape(1, shape[2], -1)
     assert reference.relative_error(out, expected) < EXACT_MAX_ERROR / 2
+
+
+def offset_inputs(shape, seed=5):
+    """Inputs with the offsets trained models' K and V carry: one per head and channel, shared by all tokens."""
+    q, k, v = inputs(shape, seed)
+    offset = inputs((1, shape[1], 1, shape[3]), seed + 1)
+    return q, k + 3.0 * offset[1], v + 2.0 * offset[2]
+
+
+def test_fa3_fp8_casts_are_the_smoothed_scheme():
+    """The two Triton passes: K and V smoothed over their tokens, each (batch, head) at its own scale, exactly the
+    plain-torch scheme's e4m3 values (to one e4m3 step where float32 rounding sits on a boundary)."""
+    from overdrive.attention import fa3_fp8
+    q, k, v = (t[:, :, :1000] for t in offset_inputs((2, 4, 1000, 128)))  # views: strides as ComfyUI's
+    if fa3_fp8.supports(q, k, v) is not None:
+        pytest.skip(fa3_fp8.supports(q, k, v))
+    q8, k8, v8, descale, v_mean = fa3_fp8.quantize(q, k, v)
+    expected = reference.smoothed_e4m3(q, k, v)
+    for got, scale, want in zip((q8, k8, v8), descale, expected[:3]):
+        values = got.float().transpose(1, 2) * scale[:, :, None, None]
+        assert reference.relative_error(values, want) < 1e-3
+    assert reference.relative_error(v_mean.float().transpose(1, 2), expected[3]) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(1, 24, 4608, 128), (2, 24, 3510, 128), (2, 10, 1000, 64)])
+def test_fa3_fp8_is_accurate_on_offset_inputs_where_unsmoothed_fp8_is_not(shape):
+    """Smoothing is what makes the fp8 kernel usable on trained models' K and V: on offset inputs its error is that of
+    the scheme (P's rounding aside) and below cuDNN's fp8 graph's."""
+    from overdrive.attention import fa3_fp8
+    q, k, v = offset_inputs(shape)
+    if fa3_fp8.supports(q, k, v) is not None:
+        pytest.skip(fa3_fp8.supports(q, k, v))
+    out = fa3_fp8.attention(q, k, v)
+    assert out.shape == (shape[0], shape[2], shape[1], shape[3]) and out.dtype == q.dtype
+    exact = reference.exact_attention(q, k, v)
+    err = reference.relative_error(out.transpose(1, 2), exact)
+    assert err < 0.03, err
+    assert reference.relative_error(out.transpose(1, 2), reference.smoothed_fp8_attention(q, k, v)) < 0.03
+    if cudnn8.supports(q, k, v) is None:
+        assert err < reference.relative_error(cudnn8.attention(q, k, v).transpose(1, 2), exact)
+
+
+def test_fa3_fp8_in_the_op_under_inductor_and_cuda_graphs():
+    """Chosen by `8bit` mode where it is the only 8-bit backend left, it runs inside a compiled caller recorded into a
+    CUDA graph, and the replay on new inputs is as accurate as a direct call."""
+    from overdrive.attention import fa3_fp8
+    from overdrive.attention.choice import CHOOSER, AttentionConfig
+    from overdrive.attention.op import attention
+    q, k, v = offset_inputs((1, 24, 4608, 128), seed=7)
+    if fa3_fp8.supports(q, k, v) is not None:
+        pytest.skip(fa3_fp8.supports(q, k, v))
+    config = AttentionConfig("8bit", max_error=0.2)
+    CHOOSER.choices[CHOOSER._key(q, k, config)] = "fa3_fp8"
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q * 1.0, k, v, config.mode, config.max_error), fullgraph=True)
+    static = [t.clone() for t in (q, k, v)]
+    compiled(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = compiled(*static)
+    for t, fresh in zip(static, offset_inputs((1, 24, 4608, 128), seed=9)):
+        t.copy_(fresh)
+    graph.replay()
+    direct = reference.relative_error(fa3_fp8.attention(*static).transpose(1, 2), reference.exact_attention(*static))
+    assert reference.relative_error(replayed.transpose(1, 2), reference.exact_attention(*static)) < direct * 1.05
+    torch._dynamo.reset()

@@ -24,6 +24,7 @@ import torch
 
 from overdrive.attention.choice import AttentionConfig
 from overdrive.builtin_models import dit
+from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.families import registered as dit_families
 from overdrive.latents import latent_parts
 from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
@@ -176,7 +177,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
     parser.add_argument("--size", default="full", choices=["full", "quarter", "tiny"])
-    parser.add_argument("--layout", choices=["fp8_scaled", "fp8_mixed"], help="DiTs: load a file stored in this "
+    parser.add_argument("--layout", choices=LAYOUTS, help="DiTs: load a file stored in this "
                         "quantized layout (its 'eager' is ComfyUI's own fp8 path on it); implies --from-file")
     parser.add_argument("--res", type=int, default=1024)
     parser.add_argument("--width", type=int, help="default: --res")

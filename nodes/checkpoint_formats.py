@@ -1,14 +1,15 @@
 """Layers a checkpoint already stores in 8 or 4 bits: ComfyUI's mixed-precision layers holding comfy-kitchen
-QuantizedTensors (fp8 scaled and mixed, nvfp4, int8 convrot, mxfp8 files), run by ComfyUI's own kernels. Quantize Model
-takes them as candidates like any linear layer (registered here), measured from their dequantized weights against the
-stored layer itself: converted where Overdrive's kernel is faster, kept where ComfyUI's is as fast; one line per run
-says which, and each layer is at debug level."""
+QuantizedTensors (fp8 scaled and mixed, nvfp4, int8 convrot, mxfp8 files), run by ComfyUI's own kernels, and weights
+stored in fp8 without a scale (cast per call). Quantize Model takes them as candidates like any linear layer
+(registered here), measured from their dequantized weights against the stored layer itself: converted where
+Overdrive's kernel is faster, kept where ComfyUI's is as fast; one line per run says which, and each layer is at
+debug level."""
 import collections
 import logging
 
 import torch
 
-from ..quantization.linear_layers import register_linear_layer, stored_low_bit
+from ..quantization.linear_layers import plain_fp8, register_linear_layer, stored_low_bit
 
 log = logging.getLogger("overdrive")
 
@@ -20,6 +21,8 @@ def stored_formats(module: torch.nn.Module) -> dict:
         weight = layer._parameters.get("weight")
         if weight is not None and stored_low_bit(weight):
             found[name] = getattr(layer, "quant_format", None) or type(weight).__name__
+        elif weight is not None and plain_fp8(weight):
+            found[name] = f"{str(weight.dtype).removeprefix('torch.')} unscaled"
     return found
 
 
@@ -73,7 +76,8 @@ def advise_before_compile(patcher) -> None:
 
     if torch.device(patcher.load_device).type != "cuda":
         return
-    left = set(stored_formats(patcher.model.diffusion_model)) - set(quantized_modules(patcher))
+    left = {name for name, fmt in stored_formats(patcher.model.diffusion_model).items()
+            if not fmt.endswith("unscaled")} - set(quantized_modules(patcher))  # ComfyUI casts those per call
     if left:
         log.warning("Overdrive Compile Model: %d layer(s) of this checkpoint stay stored quantized on ComfyUI's own "
                     "layers, whose input quantization may not compile (the blocks holding them then run eager). Put "

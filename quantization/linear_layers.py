@@ -26,8 +26,19 @@ def stored_low_bit(tensor: torch.Tensor) -> bool:
     return type(tensor) not in (torch.Tensor, nn.Parameter) and callable(getattr(tensor, "dequantize", None))
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def plain_fp8(tensor: torch.Tensor) -> bool:
+    """A weight a checkpoint stores cast to fp8 without a scale (the first fp8 files), which ComfyUI keeps so on the
+    GPU and casts per call."""
+    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.dtype in FP8_DTYPES
+
+
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.dequantize() if stored_low_bit(tensor) else tensor
+    if stored_low_bit(tensor):
+        return tensor.dequantize()
+    return tensor.to(torch.bfloat16) if plain_fp8(tensor) else tensor  # few torch ops take fp8 operands
 
 
 def float_weight(module: nn.Module) -> torch.Tensor:

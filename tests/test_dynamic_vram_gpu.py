@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.compiler import dynamo_graph_count
 from test_dit_families import (FRAMES, RES, assert_calls_match, base, compiled, conditioning,  # noqa: F401
                                eager, empty_latent, files, models_folder, nodes, quantize_every_layer, sample)
@@ -95,11 +96,11 @@ def test_switch_diffusion_model_on_a_dynamic_vram_model(nodes, base, files, samp
     assert torch.isfinite(sample(base)[0]).all()  # the input model still loads and runs
 
 
-@pytest.mark.parametrize("layout", ["fp8_scaled", "fp8_mixed"])
-def test_a_checkpoint_stored_in_fp8_through_quantize_compile_and_switch(comfy, nodes, family, models_folder, sample,
-                                                                       layout, caplog):
-    """A file users download stored in fp8, on ComfyUI's default path: Quantize Model (its own defaults: layers
-    timed against ComfyUI's stored fp8 layers) converts or keeps each, Compile Model runs it with CUDA graphs, and
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_quantized_checkpoint_through_quantize_compile_and_switch(comfy, nodes, family, models_folder, sample,
+                                                                     layout, caplog):
+    """A file users download stored in 8 or 4 bits, on ComfyUI's default path: Quantize Model (its own defaults:
+    layers timed against ComfyUI's stored layers) converts or keeps each, Compile Model runs it with CUDA graphs, and
     Switch Diffusion Model takes another file of the layout without recompiling."""
     import comfy.sd
     from overdrive.builtin_models.quantized import ensure_quantized_diffusion_model

@@ -17,6 +17,7 @@ SEED, CFG, SAMPLER, SCHEDULER = 0, 7.0, "euler", "normal"
 NATURAL_PIXELS = {"SD15": 512, "SDXL": 1024, "SDXL_Playground_2_5": 1024}  # latent format class -> trained size
 POOLED_SIZE = {"SDXL": 1280, "SDXLRefiner": 1280}  # model class -> size of the pooled CLIP output it conditions on
 MAX_STEPS = 50
+DEFAULT_STEPS = 3  # three noise levels of the schedule: each layer is measured on high, middle and low-noise inputs
 
 
 def zero_conditioning(conditioning):

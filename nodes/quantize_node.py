@@ -14,7 +14,7 @@ from . import checkpoint_formats
 from .cache_folder import comfy_cache_dir
 from .attention_override import install_attention
 from .forward_patch import FORWARD, installed_stack, rebuild
-from .quantize_calibration import MAX_STEPS, CalibrationRun
+from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
 from .quantize_patches import bake_weight_patches, install, patches_digest
 
 log = logging.getLogger("overdrive")
@@ -144,7 +144,7 @@ class OverdriveQuantizeModel:
             "linear_mse_threshold": ("FLOAT", {"default": DEFAULTS.linear_mse_threshold, **threshold}),
             "compute_density_threshold": ("FLOAT", {"default": DEFAULTS.compute_density_threshold, "min": 0.0,
                                                     "max": 100000.0, "step": 1.0}),
-            "calibration_steps": ("INT", {"default": 3, "min": 1, "max": MAX_STEPS}),
+            "calibration_steps": ("INT", {"default": DEFAULT_STEPS, "min": 1, "max": MAX_STEPS}),
         }
         optional = {"min_speedup": ("FLOAT", {"default": DEFAULTS.min_speedup, "min": 0.0, "max": 10.0,
                                               "step": 0.05}),
@@ -159,7 +159,7 @@ class OverdriveQuantizeModel:
     def quantize(self, model, bits=8, format=DEFAULTS.format, quantize_conv=DEFAULTS.quantize_conv,
                  quantize_linear=DEFAULTS.quantize_linear, conv_mse_threshold=DEFAULTS.conv_mse_threshold,
                  linear_mse_threshold=DEFAULTS.linear_mse_threshold,
-                 compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=3,
+                 compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=DEFAULT_STEPS,
                  positive=None, negative=None, latent=None, min_speedup=DEFAULTS.min_speedup,
                  attention=ATTENTION_DEFAULTS.mode, attention_max_error=ATTENTION_DEFAULTS.max_error,
                  weight_only=DEFAULTS.weight_only):

@@ -160,3 +160,17 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
     _, calls = sample(switched)
     assert dynamo_graph_count() == graphs  # the converted layers' blocks run the same compiled graphs
     assert_calls_match(calls, sample(expected)[1], QUANTIZED_TOLERANCE)
+
+
+def test_weights_stored_in_fp8_without_a_scale_are_reported_and_read_in_16_bits(comfy):
+    """What ComfyUI keeps of a plain fp8 file on the GPU (weights cast per call): Quantize Model lists those layers and
+    measures them from their values in bf16 (few torch ops take fp8 operands)."""
+    from overdrive.nodes.checkpoint_formats import stored_formats
+    from overdrive.quantization.linear_layers import float_weight
+
+    tree = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
+    tree[0].weight = torch.nn.Parameter(tree[0].weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    assert stored_formats(tree) == {"0": "float8_e4m3fn unscaled"}
+    weight = float_weight(tree[0])
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight.float(), tree[0].weight.float())
+    assert float_weight(tree[1]) is tree[1].weight

@@ -251,13 +251,13 @@ def main():
 
     def run_node(name, **inputs):
         """Run one Overdrive node as ComfyUI would: its declared defaults, overridden by `inputs`."""
-        from overdrive.nodes import NODE_CLASS_MAPPINGS
-        cls = NODE_CLASS_MAPPINGS[name]
+        from overdrive.nodes import NODES
+        cls = NODES[name]
         declared = cls.INPUT_TYPES()
         values = {k: spec[1].get("default") for k, spec in declared["required"].items()
                   if len(spec) > 1 and isinstance(spec[1], dict) and "default" in spec[1]}
         values.update(inputs)
-        return getattr(cls(), cls.FUNCTION)(**values)[0]
+        return cls.execute(**values)[0]
 
     compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
                        "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},

@@ -59,7 +59,7 @@ def phase(args):
         return out, time.perf_counter() - start
 
     result = {"phase": args.phase, "build_model_s": round(build_s, 2)}
-    compiled = OverdriveCompileModel().compile(base, precompile=args.precompile == "on")[0]
+    compiled = OverdriveCompileModel.execute(base, precompile=args.precompile == "on")[0]
     graphs = dynamo_graph_count()
     if args.cprofile and args.phase == "warm":  # where a warm start's first image spends its host time
         from bench_compile import cprofile_run
@@ -86,7 +86,7 @@ def phase(args):
         result["switch_file_read_s"] = round(time.perf_counter() - start, 3)
         graphs = dynamo_graph_count()
         start = time.perf_counter()
-        switched = OverdriveSwitchWeights().switch(compiled, "second.safetensors")[0]
+        switched = OverdriveSwitchWeights.execute(compiled, "second.safetensors")[0]
         result["switch_node_s"] = round(time.perf_counter() - start, 3)
         _, result["first_image_after_switch_s"] = sample(switched)  # includes moving weights to the GPU, re-recording
         _, result["second_image_after_switch_s"] = sample(switched)
@@ -103,7 +103,7 @@ def switch_memory(args, compiled, sample_steps, sample, comfy):
     allocated = []
     current = compiled
     for i in range(args.switches):
-        current = OverdriveSwitchWeights().switch(current, "second.safetensors" if i % 2 == 0 else "first.safetensors")[0]
+        current = OverdriveSwitchWeights.execute(current, "second.safetensors" if i % 2 == 0 else "first.safetensors")[0]
         comfy.model_management.cleanup_models()  # what ComfyUI's executor does before each prompt: unreferenced models go
         sample(current, steps=sample_steps)
         torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import comfy.sd  # noqa: E402
 import folder_paths  # noqa: E402
 
 from overdrive.builtin_models import dit  # noqa: E402
-from overdrive.nodes import NODE_CLASS_MAPPINGS as NODES  # noqa: E402
+from overdrive.nodes import NODES as NODES  # noqa: E402
 
 folder = pathlib.Path("/tmp/overdrive-probe-models")
 folder_paths.add_model_folder_path("diffusion_models", str(folder))
@@ -37,8 +37,8 @@ for family in sys.argv[1:]:
     base = comfy.sd.load_diffusion_model(str(files[0]))
     print(family, type(base).__name__, base.model.get_dtype(), base.model.manual_cast_dtype, flush=True)
     steps = {"eager": lambda: base.clone(),
-             "compile": lambda: NODES["OverdriveCompileModel"]().compile(base)[0],
-             "switch": lambda: NODES["OverdriveSwitchDiffusionModel"]().switch(base, unet_name=files[1].name)[0]}
+             "compile": lambda: NODES["OverdriveCompileModel"].execute(base)[0],
+             "switch": lambda: NODES["OverdriveSwitchDiffusionModel"].execute(base, unet_name=files[1].name)[0]}
     for name, make in steps.items():
         try:
             model = make()

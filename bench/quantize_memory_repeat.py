@@ -47,7 +47,7 @@ def main():
     comfy = import_comfy(cpu=not torch.cuda.is_available())
     import comfy.model_management
     import comfy.sample
-    from overdrive.nodes import NODE_CLASS_MAPPINGS as nodes
+    from overdrive.nodes import NODES as nodes
     from overdrive.nodes.quantize_patches import PREFIX
 
     base = build_dit_model(comfy, args.arch, "full", torch.bfloat16)
@@ -57,10 +57,10 @@ def main():
     gib = 2 ** 30
     rows, alive = [], []
     for round_ in range(args.rounds):
-        model = nodes["OverdriveQuantizeModel"]().quantize(base, format="fp8_e4m3", positive=positive,
+        model = nodes["OverdriveQuantizeModel"].execute(base, format="fp8_e4m3", positive=positive,
                                                            negative=negative, latent={"samples": latent})[0]
         if args.compile:
-            model = nodes["OverdriveCompileModel"]().compile(model)[0]
+            model = nodes["OverdriveCompileModel"].execute(model)[0]
         layer = next(v for k, v in model.object_patches.items() if k.startswith(PREFIX) and
                      isinstance(v, torch.nn.Module))
         alive.append(weakref.ref(layer))

@@ -1,26 +1,17 @@
-"""ComfyUI node registrations. Each node is a thin adapter over the core packages."""
+"""The ComfyUI nodes (V3 schema), each a thin adapter over the core packages, and the extension that lists them."""
+from comfy_api.latest import ComfyExtension, io
+
 from .builtin_conditioning import OverdriveBuiltinConditioning
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
 from .quantize_node import OverdriveQuantizeModel
 from .switch_weights_node import OverdriveSwitchDiffusionModel, OverdriveSwitchWeights
 
-NODE_CLASS_MAPPINGS = {
-    "OverdriveCompileModel": OverdriveCompileModel,
-    "OverdriveCompileVAE": OverdriveCompileVAE,
-    "OverdriveSwitchWeights": OverdriveSwitchWeights,
-    "OverdriveSwitchDiffusionModel": OverdriveSwitchDiffusionModel,
-    "OverdriveDeepCache": OverdriveDeepCache,
-    "OverdriveQuantizeModel": OverdriveQuantizeModel,
-    "OverdriveBuiltinConditioning": OverdriveBuiltinConditioning,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "OverdriveCompileModel": "Compile Model (Overdrive)",
-    "OverdriveCompileVAE": "Compile VAE (Overdrive)",
-    "OverdriveSwitchWeights": "Switch Weights (Overdrive)",
-    "OverdriveSwitchDiffusionModel": "Switch Diffusion Model (Overdrive)",
-    "OverdriveDeepCache": "DeepCache (Overdrive)",
-    "OverdriveQuantizeModel": "Quantize Model (Overdrive)",
-    "OverdriveBuiltinConditioning": "Built-in Conditioning (Overdrive)",
-}
+NODE_LIST = [OverdriveCompileModel, OverdriveCompileVAE, OverdriveSwitchWeights, OverdriveSwitchDiffusionModel,
+             OverdriveDeepCache, OverdriveQuantizeModel, OverdriveBuiltinConditioning]
+NODES = {node.GET_SCHEMA().node_id: node for node in NODE_LIST}  # node id -> class, as ComfyUI registers them
 
+
+class OverdriveExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODE_LIST

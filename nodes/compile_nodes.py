@@ -5,6 +5,7 @@ import logging
 import torch
 
 from comfy.patcher_extension import CallbacksMP
+from comfy_api.latest import io
 
 from ..compiler import CompiledMethod, CompileOptions
 from ..stack import Stack
@@ -20,6 +21,8 @@ from .progress import comfy_progress
 
 log = logging.getLogger("overdrive")
 DEFAULTS = CompileOptions()  # the nodes' defaults are the core's
+FAST_ATTENTION = True  # Compile Model installs the 16-bit attention chooser (attention_override.EXACT) unless off
+COMPILE_ENCODER = False  # img2img only: most workflows never encode
 
 MODE_TOOLTIP = (
     "default: quickest to compile. max-autotune: benchmarks matrix and convolution kernels on your GPU during the "
@@ -27,7 +30,7 @@ MODE_TOOLTIP = (
 )
 CUDA_GRAPHS_TOOLTIP = (
     "Replay each sampling step as one CUDA graph instead of launching thousands of small kernels from Python: "
-    "the largest gain on fast GPUs (SD1.5 512² on an H100: 1.6x -> 2.9x eager). Each new resolution records its "
+    "the largest gain on fast GPUs (bench/README.md has the figures). Each new resolution records its "
     "own graph once and keeps its working memory reserved. DiT models replay each block as its own graph (one "
     "block's working memory reserved). Ignored on the CPU."
 )
@@ -42,8 +45,7 @@ REGIONAL_TOOLTIP = (
     "UNets (SD1.5, SDXL): compile each distinct transformer block once and reuse it for every block of that shape, "
     "inside one graph: SDXL's 70 blocks become 2, so the first run compiles several times faster. Turn off only to "
     "compare (Overdrive falls back to whole-graph compiling by itself when regions fail). DiT models always compile "
-    "per block (Flux.1-dev: 57 blocks, 2 graphs, first image 19 s instead of 71 s on an H200); this switch does not "
-    "apply to them."
+    "per block (Flux.1-dev: 57 blocks, 2 graphs); this switch does not apply to them."
 )
 
 FAST_ATTENTION_TOOLTIP = (
@@ -62,6 +64,13 @@ PRECOMPILE_TOOLTIP = (
 )
 
 
+def compile_settings() -> list:
+    """The inputs both compile nodes take, declared once."""
+    return [io.Combo.Input("mode", options=list(MODES), default=DEFAULTS.mode, tooltip=MODE_TOOLTIP),
+            io.Boolean.Input("cuda_graphs", default=DEFAULTS.cuda_graphs, tooltip=CUDA_GRAPHS_TOOLTIP),
+            io.Combo.Input("dynamic", options=list(DYNAMIC), default=DEFAULTS.dynamic, tooltip=DYNAMIC_TOOLTIP)]
+
+
 def release_held_memory(patcher, unpatch_all) -> None:
     """ComfyUI unloads the model (a detach that unpatches; it detaches without unpatching before every run): the
     memory its precompiled frames (a compiled whole forward) and its blocks' CUDA graphs (a DiT's) hold goes with it."""
@@ -74,32 +83,33 @@ def release_held_memory(patcher, unpatch_all) -> None:
             release()
 
 
-class OverdriveCompileModel:
-    DESCRIPTION = ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step: a "
-                   "UNet as one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, each distinct "
-                   "block once. Graphs are shared by every checkpoint of the same architecture. Before or after DeepCache, its "
-                   "full and shallow steps are compiled. If compiling fails, sampling continues on the normal (eager) "
-                   "path with a warning in the log.")
-    CATEGORY = "overdrive"
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The same model, running through compiled code.",)
-    FUNCTION = "compile"
+class OverdriveCompileModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OverdriveCompileModel", display_name="Compile Model (Overdrive)", category="overdrive",
+            description=("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling "
+                         "step: a UNet as one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, "
+                         "each distinct block once. Graphs are shared by every checkpoint of the same architecture. "
+                         "Before or after DeepCache, its full and shallow steps are compiled. If compiling fails, "
+                         "sampling continues on the normal (eager) path with a warning in the log."),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to compile. It is not modified; a patched copy "
+                                                "is returned."),
+                *compile_settings(),
+                io.Boolean.Input("regional", default=DEFAULTS.regional, tooltip=REGIONAL_TOOLTIP, optional=True),
+                io.Boolean.Input("precompile", default=DEFAULTS.precompile, tooltip=PRECOMPILE_TOOLTIP,
+                                 optional=True),
+                io.Boolean.Input("fast_attention", default=FAST_ATTENTION, tooltip=FAST_ATTENTION_TOOLTIP,
+                                 optional=True),
+            ],
+            outputs=[io.Model.Output(tooltip="The same model, running through compiled code.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model to compile. It is not modified; a patched copy is returned."}),
-            "mode": (list(MODES), {"default": DEFAULTS.mode, "tooltip": MODE_TOOLTIP}),
-            "cuda_graphs": ("BOOLEAN", {"default": DEFAULTS.cuda_graphs, "tooltip": CUDA_GRAPHS_TOOLTIP}),
-            "dynamic": (list(DYNAMIC), {"default": DEFAULTS.dynamic, "tooltip": DYNAMIC_TOOLTIP}),
-        }, "optional": {
-            "regional": ("BOOLEAN", {"default": DEFAULTS.regional, "tooltip": REGIONAL_TOOLTIP}),
-            "precompile": ("BOOLEAN", {"default": DEFAULTS.precompile, "tooltip": PRECOMPILE_TOOLTIP}),
-            "fast_attention": ("BOOLEAN", {"default": True, "tooltip": FAST_ATTENTION_TOOLTIP}),
-        }}
-
-    def compile(self, model, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
-                regional=DEFAULTS.regional, precompile=DEFAULTS.precompile, fast_attention=True):
+    def execute(cls, model, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
+                regional=DEFAULTS.regional, precompile=DEFAULTS.precompile,
+                fast_attention=FAST_ATTENTION) -> io.NodeOutput:
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
                                  precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
         patched, reloaded = compile_clone(model)
@@ -109,45 +119,45 @@ class OverdriveCompileModel:
         if reloaded:  # a new module tree: Quantize Model's layers stand in for its float layers now
             quantize_patches.retarget(patched)
         elif is_dynamic(patched):  # its weights stream per layer: compiled blocks would run slower than eager
-            return (patched,)
+            return io.NodeOutput(patched)
         # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
         # A DeepCache already on the model is kept, with its paths compiled.
         install(patched, (installed_stack(patched) or Stack()).with_compile(options))
         if precompile or cuda_graphs:
             patched.add_callback(CallbacksMP.ON_DETACH, release_held_memory)
-        return (patched,)
+        return io.NodeOutput(patched)
 
 
-class OverdriveCompileVAE:
-    DESCRIPTION = ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal "
-                   "path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not compiled "
-                   "(it decoded slower compiled): its 3-D convolutions switch to the channels-last layout instead.")
-    CATEGORY = "overdrive"
-    RETURN_TYPES = ("VAE",)
-    OUTPUT_TOOLTIPS = ("The same VAE, decoding through compiled code.",)
-    FUNCTION = "compile"
+class OverdriveCompileVAE(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OverdriveCompileVAE", display_name="Compile VAE (Overdrive)", category="overdrive",
+            description=("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the "
+                         "normal path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not "
+                         "compiled (it decoded slower compiled): its 3-D convolutions switch to the channels-last "
+                         "layout instead."),
+            inputs=[
+                io.Vae.Input("vae", tooltip="The VAE to compile. It is not modified; a patched copy is returned. Wan's "
+                                            "video VAE is returned itself, its convolution weights in the "
+                                            "channels-last layout (same values)."),
+                *compile_settings(),
+                io.Boolean.Input("compile_encoder", default=COMPILE_ENCODER,
+                                 tooltip="Also compile encode (img2img, inpainting). Costs one more compile the "
+                                         "first time an image is encoded."),
+            ],
+            outputs=[io.Vae.Output(tooltip="The same VAE, decoding through compiled code.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "vae": ("VAE", {"tooltip": "The VAE to compile. It is not modified; a patched copy is returned. "
-                                       "Wan's video VAE is returned itself, its convolution weights in the "
-                                       "channels-last layout (same values)."}),
-            "mode": (list(MODES), {"default": DEFAULTS.mode, "tooltip": MODE_TOOLTIP}),
-            "cuda_graphs": ("BOOLEAN", {"default": DEFAULTS.cuda_graphs, "tooltip": CUDA_GRAPHS_TOOLTIP}),
-            "dynamic": (list(DYNAMIC), {"default": DEFAULTS.dynamic, "tooltip": DYNAMIC_TOOLTIP}),
-            "compile_encoder": ("BOOLEAN", {"default": False, "tooltip": "Also compile encode (img2img, inpainting). "
-                                            "Costs one more compile the first time an image is encoded."}),
-        }}
-
-    def compile(self, vae, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
-                compile_encoder=False):
+    def execute(cls, vae, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
+                compile_encoder=COMPILE_ENCODER) -> io.NodeOutput:
         reason = eager_reason(vae.first_stage_model)
         if reason is not None:
             convs = conv_weights_channels_last_(vae.first_stage_model, torch.nn.Conv3d)
             log.info("Overdrive Compile VAE: %s (%d convolutions).", reason, convs)
-            return (vae,)
+            return io.NodeOutput(vae)
         options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic,
                                  cache_dir=str(comfy_cache_dir("compiled")))
         patched = copy.copy(vae)
@@ -156,4 +166,4 @@ class OverdriveCompileVAE:
         methods = ["decode", "encode"] if compile_encoder else ["decode"]
         for method in methods:
             patched.patcher.add_object_patch(method, CompiledMethod(autoencoder, method, options, reporter=comfy_progress))
-        return (patched,)
+        return io.NodeOutput(patched)

@@ -1,6 +1,8 @@
 """DeepCache: a thin ComfyUI adapter over overdrive.deepcache (MODEL -> MODEL, through a ModelPatcher object patch)."""
 import logging
 
+from comfy_api.latest import io
+
 from ..deepcache import DeepCacheConfig, DeepCacheConfigError, UnsupportedUNetError
 from ..deepcache.config import MODES
 from ..families import family_of
@@ -12,9 +14,9 @@ DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
 
 INTERVAL_TOOLTIP = (
     "fixed mode: run the whole model every this many sampling steps; the steps in between reuse its deep features "
-    "(UNets) or the residual of its later blocks (DiTs) and run only the first blocks. 3 is DeepCache's setting "
-    "(about 2x faster sampling, small changes in detail); higher is faster and drifts more. 1 = no caching: the image "
-    "is the same as without this node. Ignored in adaptive mode.")
+    "(UNets) or the residual of its later blocks (DiTs) and run only the first blocks. 3 is DeepCache's setting; "
+    "higher is faster and drifts more. 1 = no caching: the image is the same as without this node. Ignored in "
+    "adaptive mode.")
 DEPTH_TOOLTIP = (
     "UNets: how many of the outermost skip branches (input/output block pairs) still run on cached steps; 1, the "
     "paper's choice, runs about a tenth of a full step (SD1.5 at most 12, SDXL 9). DiTs (Flux, Qwen-Image, Wan, "
@@ -34,41 +36,41 @@ END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 =
                "whole UNet: lower it to keep the final steps, which refine fine detail, exact.")
 
 
-class OverdriveDeepCache:
-    DESCRIPTION = ("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks run and "
-                   "the rest is reused from the last full step: about 2x faster sampling at interval 3, for a small "
-                   "change in detail. Full steps are exact. UNets (SD1.5, SD2, SDXL) reuse their deep features; DiTs "
-                   "(Flux, Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks, on a fixed "
-                   "schedule or adaptively (a step is reused while the first blocks' output barely changed). Works "
-                   "with Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. ControlNet and "
-                   "block patches make their steps run the whole model. The log shows each run's full / reused "
-                   "steps.")
-    CATEGORY = "overdrive"
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The same model, sampling with DeepCache.",)
-    FUNCTION = "patch"
+class OverdriveDeepCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OverdriveDeepCache", display_name="DeepCache (Overdrive)", category="overdrive",
+            description=("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks "
+                         "run and the rest is reused from the last full step, for a small change in detail. Full "
+                         "steps are exact. UNets (SD1.5, SD2, SDXL) reuse their deep features; DiTs (Flux, "
+                         "Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks, on a fixed "
+                         "schedule or adaptively (a step is reused while the first blocks' output barely changed). "
+                         "Works with Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. "
+                         "ControlNet and block patches make their steps run the whole model. The log shows each "
+                         "run's full / reused steps."),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to accelerate. It is not modified; a patched "
+                                                "copy is returned."),
+                io.Int.Input("cache_interval", default=DEFAULTS.cache_interval, min=1, max=10,
+                             tooltip=INTERVAL_TOOLTIP),
+                io.Int.Input("cache_depth", default=DEFAULTS.cache_depth, min=1, max=12, tooltip=DEPTH_TOOLTIP),
+                io.Float.Input("start_percent", default=DEFAULTS.start_percent, min=0.0, max=1.0, step=0.01,
+                               tooltip=START_TOOLTIP),
+                io.Float.Input("end_percent", default=DEFAULTS.end_percent, min=0.0, max=1.0, step=0.01,
+                               tooltip=END_TOOLTIP),
+                io.Combo.Input("mode", options=list(MODES), default=DEFAULTS.mode, tooltip=MODE_TOOLTIP,
+                               optional=True),
+                io.Float.Input("threshold", default=DEFAULTS.threshold, min=0.0, max=2.0, step=0.005,
+                               tooltip=THRESHOLD_TOOLTIP, optional=True),
+            ],
+            outputs=[io.Model.Output(tooltip="The same model, sampling with DeepCache.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model to accelerate. It is not modified; a patched copy is "
-                                           "returned."}),
-            "cache_interval": ("INT", {"default": DEFAULTS.cache_interval, "min": 1, "max": 10,
-                                       "tooltip": INTERVAL_TOOLTIP}),
-            "cache_depth": ("INT", {"default": DEFAULTS.cache_depth, "min": 1, "max": 12, "tooltip": DEPTH_TOOLTIP}),
-            "start_percent": ("FLOAT", {"default": DEFAULTS.start_percent, "min": 0.0, "max": 1.0, "step": 0.01,
-                                        "tooltip": START_TOOLTIP}),
-            "end_percent": ("FLOAT", {"default": DEFAULTS.end_percent, "min": 0.0, "max": 1.0, "step": 0.01,
-                                      "tooltip": END_TOOLTIP}),
-        }, "optional": {
-            "mode": (list(MODES), {"default": DEFAULTS.mode, "tooltip": MODE_TOOLTIP}),
-            "threshold": ("FLOAT", {"default": DEFAULTS.threshold, "min": 0.0, "max": 2.0, "step": 0.005,
-                                    "tooltip": THRESHOLD_TOOLTIP}),
-        }}
-
-    def patch(self, model, cache_interval=DEFAULTS.cache_interval, cache_depth=DEFAULTS.cache_depth,
-              start_percent=DEFAULTS.start_percent, end_percent=DEFAULTS.end_percent, mode=DEFAULTS.mode,
-              threshold=DEFAULTS.threshold):
+    def execute(cls, model, cache_interval=DEFAULTS.cache_interval, cache_depth=DEFAULTS.cache_depth,
+                start_percent=DEFAULTS.start_percent, end_percent=DEFAULTS.end_percent, mode=DEFAULTS.mode,
+                threshold=DEFAULTS.threshold) -> io.NodeOutput:
         config = DeepCacheConfig(cache_interval, cache_depth, float(start_percent), float(end_percent), mode=mode,
                                  threshold=float(threshold))
         patched = model.clone()
@@ -83,14 +85,14 @@ class OverdriveDeepCache:
             log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
                         "DeepCache cannot wrap without bypassing it; the model is returned unchanged.",
                         type(foreign).__name__)
-            return (patched,)
+            return io.NodeOutput(patched)
         previous = installed_stack(patched) or Stack()
         try:
             forward = install(patched, previous.with_cache(config))
         except UnsupportedUNetError as error:
             log.warning("Overdrive DeepCache: %s; DeepCache supports openaimodel UNets (SD1.5, SD2, SDXL) and the DiT "
                         "families. The model is returned unchanged.", error)
-            return (patched,)
+            return io.NodeOutput(patched)
         # ComfyUI (before sample_sigmas reached the model) never tells a model that sampling ended: a run's schedule
         # is logged when the next run on this model starts.
         if family is not None:
@@ -102,4 +104,4 @@ class OverdriveDeepCache:
                      config.describe(), cache_depth, forward.paths.skip_branches,
                      ", paths compiled" if previous.compile is not None else "",
                      ", replacing the DeepCache already on this model" if previous.cache is not None else "")
-        return (patched,)
+        return io.NodeOutput(patched)

@@ -3,6 +3,7 @@ import hashlib
 import logging
 
 import comfy.model_management
+from comfy_api.latest import io
 
 from ..attention.choice import MODES as ATTENTION_MODES
 from ..attention.choice import AttentionConfig
@@ -36,15 +37,15 @@ TOOLTIPS = {
     "linear_mse_threshold": "Largest error a linear layer may add to be quantized (as for convs). Lower keeps more "
                             "layers in full precision; 0 quantizes none.",
     "compute_density_threshold": "FLOP per byte a layer must reach to be quantized: below it the layer is "
-                                 "memory-bound: its time is reading its weight, which weight_only halves (an H100's "
-                                 "ridge point is ~300). "
-                                 "0 accepts every layer whose error is low enough.",
+                                 "memory-bound: its time is reading its weight, which weight_only halves (a GPU's "
+                                 "ridge point: its FLOP/s over its memory bandwidth). 0 accepts every layer whose "
+                                 "error is low enough.",
     "min_speedup": "On NVIDIA GPUs each layer that passes both checks is also timed at its real shape, float against "
                    "8-bit, and quantized only if it runs at least this many times faster (1.1 = 10 % faster). fp8 "
                    "layers are timed as they run under Compile Model (their input cast fused into the layer before). "
                    "0 turns the timing off (density alone decides). Not used on the CPU.",
-    "weight_only": "Layers below compute_density_threshold (memory-bound, e.g. a DiT's modulation layers, about a "
-                   "quarter of Flux's weights) keep their weights in int8, one scale per output channel, and compute "
+    "weight_only": "Layers below compute_density_threshold (memory-bound, e.g. a DiT's modulation layers) keep "
+                   "their weights in int8, one scale per output channel, and compute "
                    "in the model's precision: half their VRAM, and under Compile Model half the bytes to read. Only "
                    "where their measured error is below linear_mse_threshold / conv_mse_threshold. On NVIDIA GPUs "
                    "one with 16 or more rows (a text stream) runs its 8-bit GEMM instead where that measures "
@@ -117,52 +118,66 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
     return patched, report
 
 
-class OverdriveQuantizeModel:
-    DESCRIPTION = ("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 kernels. "
-                   "A short calibration run measures each layer's error on real inputs; only layers below the error "
-                   "threshold and dense enough to gain are quantized (the log lists every decision). Decisions are "
-                   "cached per model, settings, resolution and GPU. Put LoRAs before this node. If quantizing "
-                   "fails, the model runs unquantized with a warning in the log.")
-    CATEGORY = "overdrive"
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The model with the chosen layers running 8-bit kernels (the input MODEL is unchanged).",)
-    FUNCTION = "quantize"
+REPORT = "overdrive_quantization_report"  # the returned model's attachment: what Quantize Model did, for callers
+
+
+def quantization_report(model):
+    """The QuantReport of the Quantize Model run that made `model` (None where it fell back to the float model)."""
+    return model.get_attachment(REPORT)
+
+
+class OverdriveQuantizeModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        threshold = {"min": 0.0, "max": 1000.0, "step": 0.001}
+        return io.Schema(
+            node_id="OverdriveQuantizeModel", display_name="Quantize Model (Overdrive)", category="overdrive",
+            description=("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 "
+                         "kernels. A short calibration run measures each layer's error on real inputs; only layers "
+                         "below the error threshold and dense enough to gain are quantized (the log lists every "
+                         "decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before "
+                         "this node. If quantizing fails, the model runs unquantized with a warning in the log."),
+            inputs=[
+                io.Model.Input("model", tooltip=TOOLTIPS["model"]),
+                io.Int.Input("bits", default=DEFAULTS.bits, min=min(bit_widths()), max=max(bit_widths()),
+                             tooltip=TOOLTIPS["bits"]),
+                io.Combo.Input("format", options=list(format_names()), default=DEFAULTS.format,
+                               tooltip=TOOLTIPS["format"]),
+                io.Boolean.Input("quantize_conv", default=DEFAULTS.quantize_conv, tooltip=TOOLTIPS["quantize_conv"]),
+                io.Boolean.Input("quantize_linear", default=DEFAULTS.quantize_linear,
+                                 tooltip=TOOLTIPS["quantize_linear"]),
+                io.Float.Input("conv_mse_threshold", default=DEFAULTS.conv_mse_threshold, **threshold,
+                               tooltip=TOOLTIPS["conv_mse_threshold"]),
+                io.Float.Input("linear_mse_threshold", default=DEFAULTS.linear_mse_threshold, **threshold,
+                               tooltip=TOOLTIPS["linear_mse_threshold"]),
+                io.Float.Input("compute_density_threshold", default=DEFAULTS.compute_density_threshold, min=0.0,
+                               max=100000.0, step=1.0, tooltip=TOOLTIPS["compute_density_threshold"]),
+                io.Int.Input("calibration_steps", default=DEFAULT_STEPS, min=1, max=MAX_STEPS,
+                             tooltip=TOOLTIPS["calibration_steps"]),
+                io.Float.Input("min_speedup", default=DEFAULTS.min_speedup, min=0.0, max=10.0, step=0.05,
+                               tooltip=TOOLTIPS["min_speedup"], optional=True),
+                io.Boolean.Input("weight_only", default=DEFAULTS.weight_only, tooltip=TOOLTIPS["weight_only"],
+                                 optional=True),
+                io.Combo.Input("attention", options=list(ATTENTION_MODES), default=ATTENTION_DEFAULTS.mode,
+                               tooltip=TOOLTIPS["attention"], optional=True),
+                io.Float.Input("attention_max_error", default=ATTENTION_DEFAULTS.max_error, min=0.001, max=1.0,
+                               step=0.001, tooltip=TOOLTIPS["attention_max_error"], optional=True),
+                io.Conditioning.Input("positive", tooltip=TOOLTIPS["positive"], optional=True),
+                io.Conditioning.Input("negative", tooltip=TOOLTIPS["negative"], optional=True),
+                io.Latent.Input("latent", tooltip=TOOLTIPS["latent"], optional=True),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with the chosen layers running 8-bit kernels (the input "
+                                             "MODEL is unchanged).")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        def tip(name, spec):
-            return spec[0], {**(spec[1] if len(spec) > 1 else {}), "tooltip": TOOLTIPS[name]}
-
-        threshold = {"min": 0.0, "max": 1000.0, "step": 0.001}
-        required = {
-            "model": ("MODEL",),
-            "bits": ("INT", {"default": DEFAULTS.bits, "min": min(bit_widths()), "max": max(bit_widths())}),
-            "format": (list(format_names()), {"default": DEFAULTS.format}),
-            "quantize_conv": ("BOOLEAN", {"default": DEFAULTS.quantize_conv}),
-            "quantize_linear": ("BOOLEAN", {"default": DEFAULTS.quantize_linear}),
-            "conv_mse_threshold": ("FLOAT", {"default": DEFAULTS.conv_mse_threshold, **threshold}),
-            "linear_mse_threshold": ("FLOAT", {"default": DEFAULTS.linear_mse_threshold, **threshold}),
-            "compute_density_threshold": ("FLOAT", {"default": DEFAULTS.compute_density_threshold, "min": 0.0,
-                                                    "max": 100000.0, "step": 1.0}),
-            "calibration_steps": ("INT", {"default": DEFAULT_STEPS, "min": 1, "max": MAX_STEPS}),
-        }
-        optional = {"min_speedup": ("FLOAT", {"default": DEFAULTS.min_speedup, "min": 0.0, "max": 10.0,
-                                              "step": 0.05}),
-                    "weight_only": ("BOOLEAN", {"default": DEFAULTS.weight_only}),
-                    "attention": (list(ATTENTION_MODES), {"default": ATTENTION_DEFAULTS.mode}),
-                    "attention_max_error": ("FLOAT", {"default": ATTENTION_DEFAULTS.max_error, "min": 0.001,
-                                                      "max": 1.0, "step": 0.001}),
-                    "positive": ("CONDITIONING",), "negative": ("CONDITIONING",), "latent": ("LATENT",)}
-        return {"required": {k: tip(k, v) for k, v in required.items()},
-                "optional": {k: tip(k, v) for k, v in optional.items()}}
-
-    def quantize(self, model, bits=8, format=DEFAULTS.format, quantize_conv=DEFAULTS.quantize_conv,
-                 quantize_linear=DEFAULTS.quantize_linear, conv_mse_threshold=DEFAULTS.conv_mse_threshold,
-                 linear_mse_threshold=DEFAULTS.linear_mse_threshold,
-                 compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=DEFAULT_STEPS,
-                 positive=None, negative=None, latent=None, min_speedup=DEFAULTS.min_speedup,
-                 attention=ATTENTION_DEFAULTS.mode, attention_max_error=ATTENTION_DEFAULTS.max_error,
-                 weight_only=DEFAULTS.weight_only):
+    def execute(cls, model, bits=DEFAULTS.bits, format=DEFAULTS.format, quantize_conv=DEFAULTS.quantize_conv,
+                quantize_linear=DEFAULTS.quantize_linear, conv_mse_threshold=DEFAULTS.conv_mse_threshold,
+                linear_mse_threshold=DEFAULTS.linear_mse_threshold,
+                compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=DEFAULT_STEPS,
+                positive=None, negative=None, latent=None, min_speedup=DEFAULTS.min_speedup,
+                attention=ATTENTION_DEFAULTS.mode, attention_max_error=ATTENTION_DEFAULTS.max_error,
+                weight_only=DEFAULTS.weight_only) -> io.NodeOutput:
         # Bad settings are the user's to fix: clear errors, before any work.
         config = QuantConfig(bits=bits, format=format, quantize_conv=quantize_conv, quantize_linear=quantize_linear,
                              conv_mse_threshold=conv_mse_threshold, linear_mse_threshold=linear_mse_threshold,
@@ -171,10 +186,10 @@ class OverdriveQuantizeModel:
         config.resolve_format(model.load_device)
         attention_config = AttentionConfig(attention, attention_max_error)
         run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)
-        self.last_report = None
+        report = None
         stored = checkpoint_formats.report(model.model.diffusion_model)
         try:
-            patched, self.last_report = quantized_clone(model, config, run, attention_config)
+            patched, report = quantized_clone(model, config, run, attention_config)
         except comfy.model_management.InterruptProcessingException:
             raise
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
@@ -182,6 +197,7 @@ class OverdriveQuantizeModel:
                         "Reason: %s: %s", type(error).__name__, str(error).splitlines()[0][:500] if str(error) else "",
                         exc_info=log.isEnabledFor(logging.DEBUG))
             patched = model.clone()
-        checkpoint_formats.report_conversions(stored, self.last_report.formats() if self.last_report else {})
+        patched.set_attachments(REPORT, report)
+        checkpoint_formats.report_conversions(stored, report.formats() if report else {})
         log.info("Overdrive %s", install_attention(patched, attention_config))
-        return (patched,)
+        return io.NodeOutput(patched)

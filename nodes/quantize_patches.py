@@ -182,8 +182,8 @@ class QuantizedModules:
                 return
 
     def slots(self, tree, look_up_again: bool = False) -> list:
-        """Where each swapped layer sits in `tree`, looked up once per tree: a path walk per layer at every run cost
-        SDXL's 722 layers ~14 ms of host time per image (bench/host_timers.py, 2-core CPU)."""
+        """Where each swapped layer sits in `tree`, looked up once per tree: a path walk per layer at every run was a
+        measurable share of an SDXL image's host time (bench/host_timers.py)."""
         if self._slots[0] is not tree or look_up_again:
             slots = []
             for name, original in self.originals.items():

@@ -6,6 +6,7 @@ import time
 import comfy.model_patcher
 import comfy.utils
 import folder_paths
+from comfy_api.latest import io
 
 from ..compiler import twin_with_weights
 from ..compiler.switch_weights import (SWITCH_LOCK, check_compatible, module_keys, read_safetensors_subset,
@@ -74,58 +75,75 @@ def load_unet_weights(path, reference):
     return {name: state[key] for name, key in module_keys(state, reference, path).items()}
 
 
-class OverdriveSwitchWeights:
-    DESCRIPTION = ("Runs another checkpoint's diffusion-model weights through a model compiled by Compile Model, "
-                   "without compiling again. The checkpoint must be of the same architecture (e.g. two SDXL "
-                   "fine-tunes); otherwise you get an error naming the mismatch and nothing changes.")
-    CATEGORY = "overdrive"
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The model with the new checkpoint's weights, on the same compiled graph.",)
-    FUNCTION = "switch"
-    FOLDER, INPUT = "checkpoints", "ckpt_name"  # where the files come from, as ComfyUI's loader of that kind
-    FILE_TOOLTIP = ("Checkpoint whose diffusion-model weights to run. Its CLIP and VAE are not used: load them "
-                    "separately if they differ.")
+def switch_weights(model, folder: str, name: str):
+    """A clone of `model` running the weights of `name` in ComfyUI's `folder` through the same compiled blocks."""
+    start = time.perf_counter()
+    path = folder_paths.get_full_path(folder, name)
+    if path is None:
+        raise FileNotFoundError(f"{name!r} is not in ComfyUI's {folder} folder.")
+    current = float_view(model)  # a loaded quantized model has 8-bit layers in the shared tree
+    with SWITCH_LOCK:  # one switch at a time; the running model is never written to
+        reference = reference_tensors(current)
+        if checkpoint_formats.is_mixed_precision(current):  # a checkpoint stored quantized: ComfyUI's conversion
+            state = checkpoint_formats.converted_state(path, reference)
+            check_compatible(reference, state, source=name)
+            twin = checkpoint_formats.twin_loaded_by_its_layers(current, state, LAYER_LOADER_STATE)
+        else:
+            state = load_unet_weights(path, reference)
+            twin = twin_with_weights(current, state, source=name, loader_state=LAYER_LOADER_STATE)
+        switched = with_diffusion_model(model, twin)
+        requantized = requantize_onto(switched, twin)
+        # The same Stack (compiled, step cache) over the twin. Same architecture: same graphs, no recompile.
+        stack = rebuild(switched)
+        compiled = stack is not None and stack.compile is not None
+    log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s%s)", name,
+             time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled",
+             f"; {len(requantized)} quantized layers re-quantized from the new weights" if requantized else "")
+    return switched
+
+
+class SwitchNode(io.ComfyNode):
+    """The two switch nodes: one declaration, told apart by the folder their files come from."""
+    NODE_ID = DISPLAY_NAME = DESCRIPTION_TEXT = FOLDER = INPUT = FILE_TOOLTIP = OUTPUT_TOOLTIP = ""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "A model (ideally from Compile Model) whose architecture the file shares. "
-                                           "It is not modified."}),
-            cls.INPUT: (folder_paths.get_filename_list(cls.FOLDER), {"tooltip": cls.FILE_TOOLTIP}),
-        }}
-
-    def switch(self, model, name=None, **inputs):
-        name = inputs.get(self.INPUT, name)  # ComfyUI passes the file by its input's name
-        start = time.perf_counter()
-        path = folder_paths.get_full_path(self.FOLDER, name)
-        if path is None:
-            raise FileNotFoundError(f"{name!r} is not in ComfyUI's {self.FOLDER} folder.")
-        current = float_view(model)  # a loaded quantized model has 8-bit layers in the shared tree
-        with SWITCH_LOCK:  # one switch at a time; the running model is never written to
-            reference = reference_tensors(current)
-            if checkpoint_formats.is_mixed_precision(current):  # a checkpoint stored quantized: ComfyUI's conversion
-                state = checkpoint_formats.converted_state(path, reference)
-                check_compatible(reference, state, source=name)
-                twin = checkpoint_formats.twin_loaded_by_its_layers(current, state, LAYER_LOADER_STATE)
-            else:
-                state = load_unet_weights(path, reference)
-                twin = twin_with_weights(current, state, source=name, loader_state=LAYER_LOADER_STATE)
-            switched = with_diffusion_model(model, twin)
-            requantized = requantize_onto(switched, twin)
-            # The same Stack (compiled, step cache) over the twin. Same architecture: same graphs, no recompile.
-            stack = rebuild(switched)
-            compiled = stack is not None and stack.compile is not None
-        log.info("Overdrive: switched diffusion-model weights to %s in %.2f s (%s%s)", name,
-                 time.perf_counter() - start, "compiled graph reused" if compiled else "model was not compiled",
-                 f"; {len(requantized)} quantized layers re-quantized from the new weights" if requantized else "")
-        return (switched,)
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=cls.NODE_ID, display_name=cls.DISPLAY_NAME, category="overdrive", description=cls.DESCRIPTION_TEXT,
+            inputs=[io.Model.Input("model", tooltip="A model (ideally from Compile Model) whose architecture the file "
+                                                    "shares. It is not modified."),
+                    io.Combo.Input(cls.INPUT, options=folder_paths.get_filename_list(cls.FOLDER),
+                                   tooltip=cls.FILE_TOOLTIP)],
+            outputs=[io.Model.Output(tooltip=cls.OUTPUT_TOOLTIP)],
+        )
 
 
-class OverdriveSwitchDiffusionModel(OverdriveSwitchWeights):
-    DESCRIPTION = ("Runs another diffusion-model file (the diffusion_models folder, as Load Diffusion Model reads: "
-                   "Flux, Qwen-Image, Wan, Z-Image, SD3.5 and other models shipped without their text encoders) "
-                   "through a model compiled by Compile Model, without compiling again. The file must be of the same "
-                   "architecture; otherwise you get an error naming the mismatch and nothing changes.")
-    OUTPUT_TOOLTIPS = ("The model with the new file's weights, on the same compiled graph.",)
-    FOLDER, INPUT = "diffusion_models", "unet_name"
+class OverdriveSwitchWeights(SwitchNode):
+    NODE_ID, DISPLAY_NAME, FOLDER, INPUT = "OverdriveSwitchWeights", "Switch Weights (Overdrive)", "checkpoints", \
+        "ckpt_name"
+    DESCRIPTION_TEXT = ("Runs another checkpoint's diffusion-model weights through a model compiled by Compile Model, "
+                        "without compiling again. The checkpoint must be of the same architecture (e.g. two SDXL "
+                        "fine-tunes); otherwise you get an error naming the mismatch and nothing changes.")
+    FILE_TOOLTIP = ("Checkpoint whose diffusion-model weights to run. Its CLIP and VAE are not used: load them "
+                    "separately if they differ.")
+    OUTPUT_TOOLTIP = "The model with the new checkpoint's weights, on the same compiled graph."
+
+    @classmethod
+    def execute(cls, model, ckpt_name) -> io.NodeOutput:
+        return io.NodeOutput(switch_weights(model, cls.FOLDER, ckpt_name))
+
+
+class OverdriveSwitchDiffusionModel(SwitchNode):
+    NODE_ID, DISPLAY_NAME, FOLDER, INPUT = "OverdriveSwitchDiffusionModel", "Switch Diffusion Model (Overdrive)", \
+        "diffusion_models", "unet_name"
+    DESCRIPTION_TEXT = ("Runs another diffusion-model file (the diffusion_models folder, as Load Diffusion Model "
+                        "reads: Flux, Qwen-Image, Wan, Z-Image, SD3.5 and other models shipped without their text "
+                        "encoders) through a model compiled by Compile Model, without compiling again. The file must "
+                        "be of the same architecture; otherwise you get an error naming the mismatch and nothing "
+                        "changes.")
     FILE_TOOLTIP = "Diffusion-model file whose weights to run (same architecture as the model)."
+    OUTPUT_TOOLTIP = "The model with the new file's weights, on the same compiled graph."
+
+    @classmethod
+    def execute(cls, model, unet_name) -> io.NodeOutput:
+        return io.NodeOutput(switch_weights(model, cls.FOLDER, unet_name))

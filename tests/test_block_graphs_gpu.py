@@ -31,8 +31,8 @@ def comfy():
 
 @pytest.fixture(scope="module")
 def nodes(comfy):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    return NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
+    return NODES
 
 
 @pytest.fixture(scope="module", params=["flux", "qwen_image"])
@@ -93,8 +93,8 @@ def assert_calls_match(calls, reference):
 
 @pytest.fixture(scope="module")
 def compiled(nodes, base):
-    return (nodes["OverdriveCompileModel"]().compile(base)[0],
-            nodes["OverdriveCompileModel"]().compile(base, cuda_graphs=False)[0])
+    return (nodes["OverdriveCompileModel"].execute(base)[0],
+            nodes["OverdriveCompileModel"].execute(base, cuda_graphs=False)[0])
 
 
 def test_replayed_blocks_match_the_compiled_blocks_per_call(compiled, sample, family):
@@ -128,15 +128,15 @@ def test_a_lora_patch_after_the_recording_is_followed(compiled, base, sample):
 def test_switched_weights_are_read_by_the_replay(nodes, compiled, files, sample):
     with_graphs, without = compiled
     sample(with_graphs)
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(with_graphs, unet_name=files[1].name)[0]
-    reference = nodes["OverdriveSwitchDiffusionModel"]().switch(without, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(with_graphs, unet_name=files[1].name)[0]
+    reference = nodes["OverdriveSwitchDiffusionModel"].execute(without, unet_name=files[1].name)[0]
     out, calls = sample(switched)
     assert_calls_match(calls, sample(reference)[1])
     assert relative_error(out, sample(with_graphs)[0]) > 1e-3
 
 
 def test_the_step_cache_over_replayed_blocks_matches_it_without_graphs(nodes, compiled, sample):
-    with_graphs, without = (nodes["OverdriveDeepCache"]().patch(m, cache_interval=2)[0] for m in compiled)
+    with_graphs, without = (nodes["OverdriveDeepCache"].execute(m, cache_interval=2)[0] for m in compiled)
     _, reference = sample(without)
     _, calls = sample(with_graphs)
     assert_calls_match(calls, reference)
@@ -185,14 +185,14 @@ def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apar
     from overdrive.nodes.quantize_patches import quantized_modules
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
-    quantized = nodes["OverdriveQuantizeModel"]().quantize(
+    quantized = nodes["OverdriveQuantizeModel"].execute(
         base, format="fp8_e4m3", compute_density_threshold=0.0, min_speedup=0.0, calibration_steps=1,
         positive=conditioning(family, 1), negative=conditioning(family, 2),
         latent={"samples": empty_latent(family, RES, RES, 5)})[0]
     linked = [layer for layer in quantized_modules(quantized).values() if getattr(layer, "gelu_dtype", None)]
     assert linked
     _, fused = sample(quantized)
-    _, replayed = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])
+    _, replayed = sample(nodes["OverdriveCompileModel"].execute(quantized)[0])
     dtypes = [layer.gelu_dtype for layer in linked]
     for layer in linked:
         layer.gelu_dtype = None

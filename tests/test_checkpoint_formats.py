@@ -63,7 +63,7 @@ def test_comfyui_loads_the_file_with_its_quantized_layers(model, layout):
 
 @pytest.fixture(scope="module")
 def quantized(nodes, family, model):
-    """Quantize Model (fp8, every layer whose error passes) on the file as ComfyUI loaded it: (the node, its model,
+    """Quantize Model (fp8, every layer whose error passes) on the file as ComfyUI loaded it: (its report, its model,
     what it logged)."""
     from test_dit_families import quantize_every_layer
 
@@ -81,8 +81,8 @@ def test_quantize_model_converts_the_stored_layers_and_says_so(model, layout, qu
     from overdrive.nodes.checkpoint_formats import stored_formats
     from overdrive.nodes.quantize_patches import quantized_modules
 
-    node, patched, logged = quantized
-    report, stored = node.last_report, stored_formats(model.model.diffusion_model)
+    report, patched, logged = quantized
+    stored = stored_formats(model.model.diffusion_model)
     assert report is not None and "quantizing failed" not in logged, logged[-2000:]
     assert f"this checkpoint stores {len(stored)} layer(s) quantized (" in logged
     assert (f"of the {len(stored)} layer(s) this checkpoint stores quantized, {len(stored)} now run Overdrive's "
@@ -103,9 +103,9 @@ def test_compile_model_and_the_step_cache_run_over_comfyuis_quantized_layers(nod
     if layout != "fp8_mixed":
         pytest.skip("the mixed file has both kinds of layers; one compile of them keeps the CPU suite short")
     with caplog.at_level(logging.WARNING, logger="overdrive"):
-        compiled = nodes["OverdriveCompileModel"]().compile(model)[0]
+        compiled = nodes["OverdriveCompileModel"].execute(model)[0]
         out, calls = sample(compiled)
-        cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+        cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
         cached_out, cached_calls = sample(cached)
     assert "failed" not in caplog.text, caplog.text[-2000:]  # no fallback to eager
     assert_calls_match(calls, eager[1], PER_CALL_TOLERANCE)
@@ -121,10 +121,10 @@ def test_switch_diffusion_model_takes_another_file_of_the_layout_without_recompi
     other = ensure_quantized_diffusion_model(family, "tiny", 1, models_folder, layout)
     # Compiled for the mixed file (both kinds of layers); the scaled file's own conversion runs on the eager model,
     # which keeps the CPU suite short.
-    compiled = nodes["OverdriveCompileModel"]().compile(model)[0] if layout == "fp8_mixed" else model.clone()
+    compiled = nodes["OverdriveCompileModel"].execute(model)[0] if layout == "fp8_mixed" else model.clone()
     before, _ = sample(compiled)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=other.name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=other.name)[0]
     _, calls = sample(switched)
     assert dynamo_graph_count() == graphs  # the same compiled blocks
     _, expected = sample(comfy.sd.load_diffusion_model(str(other)))
@@ -132,7 +132,7 @@ def test_switch_diffusion_model_takes_another_file_of_the_layout_without_recompi
     assert torch.equal(sample(compiled)[0], before)  # the running model keeps its own weights
     bf16 = models_folder / other.name.replace(f"-{layout}", "")  # the same weights, not stored quantized
     with pytest.raises(WeightMismatchError, match="left unchanged"):
-        nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=bf16.name)
+        nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=bf16.name)
 
 
 def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quantize_model(comfy, nodes, quantized,
@@ -148,10 +148,10 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
         pytest.skip("the scaled file stores every block linear in fp8; one compiled switch keeps the CPU suite short")
     other = ensure_quantized_diffusion_model(family, "tiny", 1, models_folder, layout)
     _, patched, _ = quantized
-    patched = nodes["OverdriveCompileModel"]().compile(patched)[0]
+    patched = nodes["OverdriveCompileModel"].execute(patched)[0]
     sample(patched)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(patched, unet_name=other.name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(patched, unet_name=other.name)[0]
     expected = comfy.sd.load_diffusion_model(str(other))
     layers = quantized_modules(switched)
     for name in stored_formats(expected.model.diffusion_model):

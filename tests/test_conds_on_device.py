@@ -75,7 +75,7 @@ def test_sampling_runs_on_moved_copies_and_gives_the_guider_its_conds_back(base,
 
 
 def test_one_wrapper_however_many_overdrive_nodes_and_none_on_the_input_model(nodes, base, conds_on_device):
-    compiled = nodes["OverdriveCompileModel"]().compile(base)[0]
+    compiled = nodes["OverdriveCompileModel"].execute(base)[0]
     both = deepcache(compiled, interval=2)
     assert len(sampler_wrappers(compiled, conds_on_device.KEY)) == 1
     assert len(sampler_wrappers(both, conds_on_device.KEY)) == 1

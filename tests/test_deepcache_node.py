@@ -42,7 +42,7 @@ def relative_error(a, b):
 
 def deepcache(model, interval=3, depth=1, start=0.0, end=1.0):
     from overdrive.nodes.deepcache_node import OverdriveDeepCache
-    return OverdriveDeepCache().patch(model, interval, depth, start, end)[0]
+    return OverdriveDeepCache.execute(model, interval, depth, start, end)[0]
 
 
 def runner_of(model) -> DeepCacheRunner:
@@ -66,17 +66,15 @@ def sample(comfy):
 
 
 def test_node_is_registered_with_tooltips_and_a_description(nodes):
-    from overdrive.nodes import NODE_DISPLAY_NAME_MAPPINGS
-
     node = nodes["OverdriveDeepCache"]
-    assert NODE_DISPLAY_NAME_MAPPINGS["OverdriveDeepCache"] == "DeepCache (Overdrive)"
-    assert node.DESCRIPTION and node.CATEGORY == "overdrive" and node.RETURN_TYPES == ("MODEL",)
+    assert node.GET_SCHEMA().display_name == "DeepCache (Overdrive)"
+    assert node.DESCRIPTION and node.CATEGORY == "overdrive" and list(node.RETURN_TYPES) == ["MODEL"]
     spec = node.INPUT_TYPES()["required"]
     assert list(spec) == ["model", "cache_interval", "cache_depth", "start_percent", "end_percent"]
     assert all(options.get("tooltip") for _, options in spec.values())
     optional = node.INPUT_TYPES()["optional"]
     assert list(optional) == ["mode", "threshold"] and all(o.get("tooltip") for _, o in optional.values())
-    assert (optional["mode"][0], optional["mode"][1]["default"]) == (["fixed", "adaptive"], "fixed")
+    assert (optional["mode"][1]["options"], optional["mode"][1]["default"]) == (["fixed", "adaptive"], "fixed")
     defaults = {name: options.get("default") for name, (_, options) in spec.items()}
     assert defaults == {"model": None, "cache_interval": 3, "cache_depth": 1, "start_percent": 0.0, "end_percent": 1.0}
     assert (spec["cache_interval"][1]["min"], spec["cache_interval"][1]["max"]) == (1, 10)
@@ -200,7 +198,7 @@ def test_bad_settings_are_refused_with_clear_errors(base):
         deepcache(base, interval=0)
     from overdrive.nodes.deepcache_node import OverdriveDeepCache
     with pytest.raises(DeepCacheConfigError, match="applies to DiT models .* takes mode='fixed'"):
-        OverdriveDeepCache().patch(base, mode="adaptive")
+        OverdriveDeepCache.execute(base, mode="adaptive")
     assert base.object_patches == patches_before
     assert runner_of(deepcache(base, depth=4)).paths.depth == 4  # every skip branch kept: only the middle is cached
 
@@ -264,7 +262,7 @@ def test_deepcache_before_lora_and_switch_weights_runs_the_new_weights(comfy, no
     # SwitchWeights after DeepCache: the switched model gets a runner over its own new module.
     path = builtin_checkpoints["overdrive-builtin-sd15-seed1.safetensors"]
     folder_paths.add_model_folder_path("checkpoints", str(path.parent))
-    switched = nodes["OverdriveSwitchWeights"]().switch(cached, path.name)[0]
+    switched = nodes["OverdriveSwitchWeights"].execute(cached, path.name)[0]
     runner = runner_of(switched)
     assert runner is not runner_of(cached) and runner.paths.unet is switched.model.diffusion_model
     assert runner.config == runner_of(cached).config
@@ -276,12 +274,12 @@ def test_deepcache_before_lora_and_switch_weights_runs_the_new_weights(comfy, no
 
 
 def test_compile_and_deepcache_compose_in_both_orders_with_one_compile_per_path(nodes, base, sample):
-    compile_model = nodes["OverdriveCompileModel"]()
+    compile_model = nodes["OverdriveCompileModel"]
     steps = 4  # full, shallow, shallow, full: each path runs twice
     expected = sample(deepcache(base, interval=3), steps=steps)
 
     # Compile Model, then DeepCache: both paths compiled with the compile node's options.
-    compiled = compile_model.compile(base, mode="default", cuda_graphs=True, dynamic="auto")[0]
+    compiled = compile_model.execute(base, mode="default", cuda_graphs=True, dynamic="auto")[0]
     first = deepcache(compiled, interval=3)
     runner = runner_of(first)
     # Calls DeepCache cannot serve run the compiled forward, on Compile Model's graph.
@@ -300,7 +298,7 @@ def test_compile_and_deepcache_compose_in_both_orders_with_one_compile_per_path(
 
     # DeepCache, then Compile Model: the compile node gives its clone a copy of the runner with compiled paths.
     cached = deepcache(base, interval=3)
-    second = compile_model.compile(cached, mode="default", cuda_graphs=True, dynamic="auto")[0]
+    second = compile_model.execute(cached, mode="default", cuda_graphs=True, dynamic="auto")[0]
     eager_runner, runner = runner_of(cached), runner_of(second)
     assert runner is not eager_runner and eager_runner.full_path == eager_runner.paths.full_forward
     assert isinstance(runner.native, CompiledMethod) and runner.native.module is base.model.diffusion_model

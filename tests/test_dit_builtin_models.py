@@ -33,14 +33,14 @@ def test_modulation_layers_are_drawn_small_and_vaes_are_complete(comfy, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_builtin_conditioning_has_the_family_text_encoder_shape(comfy, family):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    positive, negative = NODE_CLASS_MAPPINGS["OverdriveBuiltinConditioning"]().make(family, seed=3, tokens=7)
+    from overdrive.nodes import NODES
+    positive, negative = NODES["OverdriveBuiltinConditioning"].execute(family, seed=3, tokens=7)
     (cond, extras), = positive
     assert tuple(cond.shape) == (1, 7, FAMILIES[family].cond["width"])
     assert ("pooled_output" in extras) == ("pooled" in FAMILIES[family].cond)
     assert not (cond == negative[0][0]).all() and (cond == conditioning(family, 3, 7)[0][0]).all()
     with pytest.raises(ValueError, match="unknown family"):
-        NODE_CLASS_MAPPINGS["OverdriveBuiltinConditioning"]().make("sdxl")
+        NODES["OverdriveBuiltinConditioning"].execute("sdxl")
 
 
 def test_the_command_line_writes_files_comfyui_loads(comfy, tmp_path):

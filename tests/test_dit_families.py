@@ -38,8 +38,8 @@ def relative_error(a, b):
 
 @pytest.fixture(scope="module")
 def nodes(comfy):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    return NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
+    return NODES
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def eager(base, sample):
 
 @pytest.fixture(scope="module")
 def compiled(nodes, base):
-    return nodes["OverdriveCompileModel"]().compile(base)[0]
+    return nodes["OverdriveCompileModel"].execute(base)[0]
 
 
 def test_the_builtin_file_loads_as_its_family(base, family):
@@ -170,7 +170,7 @@ def test_a_restart_runs_every_block_from_its_saved_frame_without_tracing(nodes, 
 
     sample(compiled)  # the frames of every block shape are built and saved
     clear_shared_graphs()
-    restarted = nodes["OverdriveCompileModel"]().compile(base)[0]
+    restarted = nodes["OverdriveCompileModel"].execute(base)[0]
     graphs = dynamo_graph_count()
     with caplog.at_level(logging.INFO, logger="overdrive.compiler"):
         out, calls = sample(restarted)
@@ -224,7 +224,7 @@ def test_switch_diffusion_model_swaps_in_another_file_of_the_family_without_reco
 
     sample(compiled)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=files[1].name)[0]
     out, calls = sample(switched)
     assert dynamo_graph_count() == graphs
     _, expected = sample(comfy.sd.load_diffusion_model(str(files[1])))
@@ -237,14 +237,14 @@ def test_switching_to_another_familys_file_is_refused_and_the_model_is_untouched
     other = "wan22" if family != "wan22" else "sd35"  # both tiny, quick to write
     path = ensure_diffusion_model(other, "tiny", 0, models_folder)
     with pytest.raises(WeightMismatchError, match="left unchanged"):
-        nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=path.name)
+        nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=path.name)
     assert_calls_match(sample(compiled)[1], eager[1], PER_CALL_TOLERANCE)
 
 
 def test_step_cache_reuses_the_later_blocks_on_cached_steps_and_is_exact_on_full_steps(nodes, base, sample, eager,
                                                                                        caplog):
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
+        cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
         out, calls = sample(cached)  # step 0 full, step 1 reused
         again, calls_again = sample(cached)
     assert_calls_match(calls[:1], eager[1][:1], 1e-6)
@@ -257,9 +257,9 @@ def test_step_cache_reuses_the_later_blocks_on_cached_steps_and_is_exact_on_full
 
 def test_step_cache_on_the_compiled_model_compiles_no_more_and_matches_it_eager(composition, nodes, base, compiled,
                                                                                 sample, per_call_tolerance):
-    eager_cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
-    after = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
-    before = nodes["OverdriveCompileModel"]().compile(eager_cached)[0]
+    eager_cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
+    after = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
+    before = nodes["OverdriveCompileModel"].execute(eager_cached)[0]
     sample(compiled)
     graphs = dynamo_graph_count()
     _, expected = sample(eager_cached)
@@ -269,26 +269,28 @@ def test_step_cache_on_the_compiled_model_compiles_no_more_and_matches_it_eager(
 
 
 def test_adaptive_step_cache_at_threshold_0_runs_every_step_in_full(nodes, base, sample, eager):
-    cached = nodes["OverdriveDeepCache"]().patch(base, mode="adaptive", threshold=0.0)[0]
+    cached = nodes["OverdriveDeepCache"].execute(base, mode="adaptive", threshold=0.0)[0]
     assert_calls_match(sample(cached)[1], eager[1], 1e-6)
 
 
 def quantize_every_layer(nodes, model, family, fmt="int8"):
     """QuantizeModel with no density or speed rule (every layer whose error passes is quantized), calibrated for one
-    step on the family's built-in conditioning and latent: (the node, with its report, and the quantized model)."""
-    quantize = nodes["OverdriveQuantizeModel"]()
-    quantized = quantize.quantize(model, format=fmt, compute_density_threshold=0.0, min_speedup=0.0,
-                                  calibration_steps=1, positive=conditioning(family, 1),
-                                  negative=conditioning(family, 2),
-                                  latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
-    return quantize, quantized
+    step on the family's built-in conditioning and latent: (its report, None where it fell back, and the quantized
+    model)."""
+    from overdrive.nodes.quantize_node import quantization_report
+
+    quantized = nodes["OverdriveQuantizeModel"].execute(model, format=fmt, compute_density_threshold=0.0,
+                                                        min_speedup=0.0, calibration_steps=1,
+                                                        positive=conditioning(family, 1),
+                                                        negative=conditioning(family, 2),
+                                                        latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
+    return quantization_report(quantized), quantized
 
 
 def test_quantize_model_decides_per_layer_and_reuses_its_decisions(composition, nodes, base, family, sample, eager,
                                                                    caplog):
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        quantize, quantized = quantize_every_layer(nodes, base, family)
-    report = quantize.last_report
+        report, quantized = quantize_every_layer(nodes, base, family)
     assert report is not None, caplog.text  # None: quantizing failed and fell back
     assert not report.cache_hit and report.quantized, report.summary()
     # The family's float layers (Chroma's approximator, LTX-Video's text-only projections) stay float, saying why.
@@ -301,12 +303,12 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(composition, 
     logging.getLogger("overdrive").info("%s: %d layers int8, per-call error %.4f", family, len(report.quantized), error)
 
     again, _ = quantize_every_layer(nodes, base, family)
-    assert again.last_report.cache_hit and again.last_report.quantized == report.quantized
+    assert again.cache_hit and again.quantized == report.quantized
 
     # The step cache over the quantized model: its full step is the quantized model's, and the next step is reused
     # (QuantizeModel's own entry in transformer_options is not a block patch that would stop the cache).
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        cached = nodes["OverdriveDeepCache"]().patch(quantized, cache_interval=2)[0]
+        cached = nodes["OverdriveDeepCache"].execute(quantized, cache_interval=2)[0]
         calls = sample(cached)[1]
         sample(cached)  # the first run's counts are logged when the next starts
     assert_calls_match(calls[:1], quantized_calls[:1], 1e-6)
@@ -332,7 +334,7 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
         return
     if not fp8_supported("cpu"):
         pytest.skip("torch._scaled_mm has no CPU fp8 kernel in this build")
-    quantize, quantized = quantize_every_layer(nodes, base, family, fmt="fp8_e4m3")
+    _, quantized = quantize_every_layer(nodes, base, family, fmt="fp8_e4m3")
     layers = quantized_modules(quantized)
     classes = {key: cls for key, cls in quantized.object_patches.items() if key.endswith(".__class__")}
     activations = [key for key, cls in classes.items() if not hasattr(cls, "overdrive_sequence")]
@@ -357,7 +359,7 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
             layer.gelu_dtype = dtype
     error = assert_calls_match(fused, apart, 1e-2)
     before = dynamo_graph_count()
-    compiled_calls = sample(nodes["OverdriveCompileModel"]().compile(quantized)[0])[1]
+    compiled_calls = sample(nodes["OverdriveCompileModel"].execute(quantized)[0])[1]
     compiled_error = assert_calls_match(compiled_calls[:1], fused[:1], 1e-2)
     assert_calls_match(compiled_calls, fused, QUANTIZED_TOLERANCE)
     # Loaded, the tree carries the activations' swapped classes (ComfyUI leaves them after a run, and Switch Diffusion
@@ -367,7 +369,7 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
     comfy.model_management.load_models_gpu([quantized])
     assert any(type(module).__name__.endswith("UnlessFused") for module in base.model.diffusion_model.modules())
     assert gelu_mlps(base.model.diffusion_model) == mlps
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(quantized, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(quantized, unet_name=files[1].name)[0]
     relinked = [layer for layer in quantized_modules(switched).values() if getattr(layer, "gelu_dtype", None)]
     assert len(relinked) == len(linked) and not set(map(id, relinked)) & set(map(id, linked))
     assert all(cls.__name__.count("UnlessFused") + cls.__name__.count("InOrder") == 1
@@ -403,11 +405,11 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
 
     plain_high, plain_low = two_experts(compiled.clone(), low_base.clone())  # without the step cache
     sample(compiled)
-    low_compiled = nodes["OverdriveCompileModel"]().compile(low_base)[0]
-    cache = nodes["OverdriveDeepCache"]()
+    low_compiled = nodes["OverdriveCompileModel"].execute(low_base)[0]
+    cache = nodes["OverdriveDeepCache"]
     graphs = dynamo_graph_count()
-    high_calls, low_calls = two_experts(cache.patch(compiled, cache_interval=2)[0],
-                                        cache.patch(low_compiled, cache_interval=2)[0])
+    high_calls, low_calls = two_experts(cache.execute(compiled, cache_interval=2)[0],
+                                        cache.execute(low_compiled, cache_interval=2)[0])
     assert dynamo_graph_count() == graphs  # the second expert runs the first's block graphs
     assert len(high_calls) == split and len(low_calls) == steps - split
     assert_calls_match(high_calls, plain_high, PER_CALL_TOLERANCE)
@@ -423,7 +425,7 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
 
     if family != "flux":
         pytest.skip("the step cache is the same for every family")
-    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
     positive, negative = conditioning(family, 1), conditioning(family, 2)
     latent = empty_latent(family, RES, RES, FRAMES)
 
@@ -456,17 +458,17 @@ def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(
     fp8 = load_fp8(files[0])
     assert {t.dtype for t in fp8.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
     _, eager_calls = sample(fp8.clone())
-    compiled = nodes["OverdriveCompileModel"]().compile(fp8)[0]
+    compiled = nodes["OverdriveCompileModel"].execute(fp8)[0]
     assert_calls_match(sample(compiled)[1], eager_calls, PER_CALL_TOLERANCE)
-    cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
     assert_calls_match(sample(cached)[1][:1], eager_calls[:1], PER_CALL_TOLERANCE)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=files[1].name)[0]
     assert {t.dtype for t in switched.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
     assert_calls_match(sample(switched)[1], sample(load_fp8(files[1]))[1], PER_CALL_TOLERANCE)
     assert dynamo_graph_count() == graphs
-    quantize, quantized = quantize_every_layer(nodes, fp8, family)
-    assert quantize.last_report is not None and quantize.last_report.quantized
+    report, quantized = quantize_every_layer(nodes, fp8, family)
+    assert report is not None and report.quantized
     assert_calls_match(sample(quantized)[1], eager_calls, QUANTIZED_TOLERANCE)
 
 
@@ -483,7 +485,7 @@ def test_host_sync_fixes_replace_comfyuis_functions_and_sample_the_same(nodes, b
         fix.uninstall()
     comfys = {fix.name: fix.current() for fix in fixes}
     before, _ = sample(base.clone())
-    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=1)[0]  # builds Overdrive's forward
+    cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=1)[0]  # builds Overdrive's forward
     for fix in fixes:
         assert fix.current() is fix.replacement and _ORIGINALS[fix.module, fix.name] is comfys[fix.name]
     after, _ = sample(cached)

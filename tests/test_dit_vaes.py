@@ -37,7 +37,7 @@ def latent_for(family):
 def test_compile_vae_decodes_the_family_vae_like_eager(nodes, vae, family):
     latent = latent_for(family)
     expected = vae.decode(latent)
-    compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, cuda_graphs=False)[0]
+    compiled_vae = nodes["OverdriveCompileVAE"].execute(vae, cuda_graphs=False)[0]
     out = compiled_vae.decode(latent)
     decode = compiled_vae.patcher.object_patches["decode"]
     assert isinstance(decode, CompiledMethod)
@@ -50,7 +50,7 @@ def test_tiled_decode_runs_through_the_compiled_decode(nodes, vae, family):
     latent = latent_for(family)
     tiles = dict(tile_x=6, tile_y=6, overlap=2)
     expected = vae.decode_tiled(latent, **tiles)
-    compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, cuda_graphs=False)[0]
+    compiled_vae = nodes["OverdriveCompileVAE"].execute(vae, cuda_graphs=False)[0]
     assert relative_error(compiled_vae.decode_tiled(latent, **tiles), expected) < TOLERANCE
     assert compiled_vae.patcher.object_patches["decode"].graph.failure is None
 
@@ -64,7 +64,7 @@ def test_wan_video_vae_runs_eager_with_channels_last_convolutions(nodes, comfy, 
     expected = vae.decode(latent)
     before = dynamo_graph_count()
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        returned = nodes["OverdriveCompileVAE"]().compile(vae)[0]
+        returned = nodes["OverdriveCompileVAE"].execute(vae)[0]
     assert returned is vae and not vae.patcher.object_patches
     assert any("channels_last_3d" in r.getMessage() for r in caplog.records)
     convs = [m for m in vae.first_stage_model.modules() if isinstance(m, torch.nn.Conv3d)]
@@ -74,5 +74,5 @@ def test_wan_video_vae_runs_eager_with_channels_last_convolutions(nodes, comfy, 
 
 @pytest.fixture(scope="module")
 def nodes(comfy):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    return NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
+    return NODES

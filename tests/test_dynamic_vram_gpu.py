@@ -51,14 +51,14 @@ def test_compile_model_takes_the_classic_loader_and_replays_its_blocks_as_cuda_g
 
 
 def test_the_step_cache_over_the_compiled_model_samples(nodes, compiled, sample, eager):
-    cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
     out, calls = sample(cached)
     assert_calls_match(calls[:1], eager[1][:1], PER_CALL_TOLERANCE)  # the first step runs in full
     assert torch.isfinite(out).all()
 
 
 def test_the_step_cache_alone_samples_on_dynamic_vram(nodes, base, sample, eager, family):
-    cached = nodes["OverdriveDeepCache"]().patch(base, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
     assert cached.is_dynamic()
     out, calls = sample(cached)
     # The first step runs every block, through the blockwise forward rather than the model's own (bf16 rounding).
@@ -70,26 +70,26 @@ def test_the_step_cache_alone_samples_on_dynamic_vram(nodes, base, sample, eager
 def test_quantize_model_fp8_then_compile_model(nodes, base, family, sample, eager):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
-    quantize, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
-    assert quantize.last_report is not None and quantize.last_report.quantized, "quantizing fell back"
+    report, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
+    assert report is not None and report.quantized, "quantizing fell back"
     error_eager = assert_calls_match(sample(quantized)[1], eager[1], FP8_TOLERANCE)
-    both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
+    both = nodes["OverdriveCompileModel"].execute(quantized)[0]
     assert not both.is_dynamic()
     error = assert_calls_match(sample(both)[1], eager[1], FP8_TOLERANCE)
     log.info("%s on dynamic VRAM: %d layers fp8, per-call error %.2e eager, %.2e compiled", family,
-             len(quantize.last_report.quantized), error_eager, error)
+             len(report.quantized), error_eager, error)
 
 
 def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, files, sample):
     sample(compiled)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(compiled, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=files[1].name)[0]
     out, _ = sample(switched)
     assert dynamo_graph_count() == graphs and torch.isfinite(out).all()
 
 
 def test_switch_diffusion_model_on_a_dynamic_vram_model(nodes, base, files, sample):
-    switched = nodes["OverdriveSwitchDiffusionModel"]().switch(base, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(base, unet_name=files[1].name)[0]
     assert switched.is_dynamic() and switched.model is not base.model
     out, _ = sample(switched)
     assert torch.isfinite(out).all()
@@ -104,6 +104,7 @@ def test_a_quantized_checkpoint_through_quantize_compile_and_switch(comfy, nodes
     Switch Diffusion Model takes another file of the layout without recompiling."""
     import comfy.sd
     from overdrive.builtin_models.quantized import ensure_quantized_diffusion_model
+    from overdrive.nodes.quantize_node import quantization_report
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
@@ -111,16 +112,15 @@ def test_a_quantized_checkpoint_through_quantize_compile_and_switch(comfy, nodes
     loaded = comfy.sd.load_diffusion_model(str(files[0]))
     _, comfy_calls = sample(loaded)  # ComfyUI's own fp8 path on the file
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        quantize = nodes["OverdriveQuantizeModel"]()
-        quantized = quantize.quantize(loaded, format="fp8_e4m3", calibration_steps=1, positive=conditioning(family, 1),
+        quantized = nodes["OverdriveQuantizeModel"].execute(loaded, format="fp8_e4m3", calibration_steps=1, positive=conditioning(family, 1),
                                       negative=conditioning(family, 2),
                                       latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
-        both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
+        both = nodes["OverdriveCompileModel"].execute(quantized)[0]
         error = assert_calls_match(sample(both)[1], comfy_calls, FP8_TOLERANCE)
         graphs = dynamo_graph_count()
-        switched = nodes["OverdriveSwitchDiffusionModel"]().switch(both, unet_name=files[1].name)[0]
+        switched = nodes["OverdriveSwitchDiffusionModel"].execute(both, unet_name=files[1].name)[0]
         out, _ = sample(switched)
-    assert quantize.last_report is not None, caplog.text[-3000:]
+    assert quantization_report(quantized) is not None, caplog.text[-3000:]
     assert dynamo_graph_count() == graphs and torch.isfinite(out).all()
     assert "runs without a CUDA graph" not in caplog.text and "failed" not in caplog.text, caplog.text[-3000:]
     converted = [line for line in caplog.text.splitlines() if "this checkpoint stores quantized, " in line]

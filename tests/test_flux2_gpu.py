@@ -63,7 +63,7 @@ def test_step_cache_on_the_compiled_model_is_exact_on_full_steps_and_compiles_no
     graphs = dynamo_graph_count()
     _, compiled_calls = sample(compiled)
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        cached = nodes["OverdriveDeepCache"]().patch(compiled, cache_interval=2)[0]
+        cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
         _, calls = sample(cached)  # step 0 full, step 1 reused
         sample(cached)  # the first run's counts are logged when the next starts
     assert "1 full / 1 shallow" in caplog.text, caplog.text[-2000:]
@@ -76,10 +76,9 @@ def test_step_cache_on_the_compiled_model_is_exact_on_full_steps_and_compiles_no
 def test_quantize_model_fp8_runs_8bit_layers_within_the_error_bound(nodes, base, family, sample, eager):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
-    quantize, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
-    report = quantize.last_report
+    report, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
     assert report is not None and report.quantized, "quantizing fell back"
-    both = nodes["OverdriveCompileModel"]().compile(quantized)[0]
+    both = nodes["OverdriveCompileModel"].execute(quantized)[0]
     error = assert_calls_match(sample(both)[1], eager[1], FP8_TOLERANCE)
     logging.getLogger("overdrive").info("flux2: %d layers fp8, compiled per-call error %.2e", len(report.quantized),
                                         error)

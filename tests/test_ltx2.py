@@ -41,13 +41,14 @@ def test_quantize_model_calibrates_on_the_audio_video_latent(nodes, base, family
     from overdrive.families import family_of
 
     # Two calibration steps: not the decisions test_dit_families caches for this model (it checks a first run's).
-    quantize = nodes["OverdriveQuantizeModel"]()
+    from overdrive.nodes.quantize_node import quantization_report
+
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        quantized = quantize.quantize(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
+        quantized = nodes["OverdriveQuantizeModel"].execute(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0,
                                       calibration_steps=2, positive=conditioning(family, 1),
                                       negative=conditioning(family, 2),
                                       latent={"samples": empty_latent(family, 64, 64, 5)})[0]
-    report = quantize.last_report
+    report = quantization_report(quantized)
     assert report is not None and report.quantized, caplog.text  # None: quantizing failed and fell back
     assert "1 latent frames, 2x2 latent with a (8, 5, 16) latent" in caplog.text
     # The prompt-only layers of both streams (caption projections, cross-attention keys and values) stay float.
@@ -61,7 +62,7 @@ def test_quantize_model_calibrates_on_the_audio_video_latent(nodes, base, family
 
 def test_quantize_model_names_the_latents_it_takes(nodes, base, family):
     with pytest.raises(ValueError, match="LTXV Concat AV Latent"):
-        nodes["OverdriveQuantizeModel"]().quantize(base, format="int8", positive=conditioning(family, 1),
+        nodes["OverdriveQuantizeModel"].execute(base, format="int8", positive=conditioning(family, 1),
                                                    negative=conditioning(family, 2), latent={"samples": [1, 2]})
 
 

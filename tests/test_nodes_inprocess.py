@@ -21,8 +21,8 @@ def relative_error(a, b):
 
 @pytest.fixture(scope="module")
 def nodes(comfy):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    return NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
+    return NODES
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def eager_latent(base, sample):
 
 @pytest.fixture(scope="module")
 def compiled(nodes, base):
-    return nodes["OverdriveCompileModel"]().compile(base, mode="default", cuda_graphs=True, dynamic="auto")[0]
+    return nodes["OverdriveCompileModel"].execute(base, mode="default", cuda_graphs=True, dynamic="auto")[0]
 
 
 def test_compile_model_matches_eager_and_leaves_the_input_model_alone(base, compiled, sample, eager_latent):
@@ -110,7 +110,7 @@ def test_a_stop_while_compiling_ends_the_run_as_interrupted_and_keeps_the_model_
     from comfy.model_management import InterruptProcessingException, interrupt_current_processing, processing_interrupted
 
     # Options no other test compiles with: this run really compiles (several seconds on the CPU).
-    model = nodes["OverdriveCompileModel"]().compile(base, mode="default", cuda_graphs=False, dynamic="static",
+    model = nodes["OverdriveCompileModel"].execute(base, mode="default", cuda_graphs=False, dynamic="static",
                                                      regional=False)[0]
     stop = threading.Timer(1.5, interrupt_current_processing, args=(True,))  # POST /interrupt, mid-compile
     stop.start()
@@ -148,7 +148,7 @@ def test_precompile_runs_a_saved_frame_and_leaves_patched_calls_to_torch_compile
     no Dynamo guards) and saved; a LoRA's weights go through it; a call carrying an attention patch (a function,
     which the frame's own check cannot key) runs through torch.compile with its guards, and stays right."""
     with caplog.at_level(logging.INFO, logger="overdrive.compiler"):
-        precompiled = nodes["OverdriveCompileModel"]().compile(base, cuda_graphs=False, precompile=True)[0]
+        precompiled = nodes["OverdriveCompileModel"].execute(base, cuda_graphs=False, precompile=True)[0]
         out = sample(precompiled)
     assert relative_error(out, eager_latent) < TOLERANCE
     assert "precompiled forward" in caplog.text
@@ -177,7 +177,7 @@ def test_precompile_runs_a_saved_frame_and_leaves_patched_calls_to_torch_compile
 
 def test_unloading_a_precompiled_model_releases_its_frames_which_load_again_from_disk(comfy, nodes, base, sample,
                                                                                       eager_latent, caplog):
-    model = nodes["OverdriveCompileModel"]().compile(base, cuda_graphs=False, precompile=True)[0]
+    model = nodes["OverdriveCompileModel"].execute(base, cuda_graphs=False, precompile=True)[0]
     first = sample(model)
     frames = model.object_patches["diffusion_model.forward"].graph.frames
     assert frames.frames  # held in memory after the run
@@ -211,7 +211,7 @@ def checkpoints(comfy, tmp_path_factory):
 def test_switch_weights_reuses_the_compiled_graph_and_matches_eager(comfy, nodes, compiled, sample, checkpoints):
     sample(compiled)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
+    switched = nodes["OverdriveSwitchWeights"].execute(compiled, "sd15-seed1.safetensors")[0]
     out = sample(switched)
     assert dynamo_graph_count() == graphs  # no recompile
     reference = build_model(comfy, "sd15", "tiny", torch.float32, seed=1)
@@ -228,7 +228,7 @@ def test_switch_weights_refuses_another_architecture_and_changes_nothing(nodes, 
     patches = dict(compiled.object_patches)
     from overdrive.compiler import WeightMismatchError
     with pytest.raises(WeightMismatchError, match="does not match the running model's architecture.*missing keys"):
-        nodes["OverdriveSwitchWeights"]().switch(compiled, "sdxl-seed0.safetensors")
+        nodes["OverdriveSwitchWeights"].execute(compiled, "sdxl-seed0.safetensors")
     assert compiled.object_patches == patches
     assert torch.equal(sample(compiled), before)
 
@@ -244,7 +244,7 @@ def test_switch_weights_names_a_damaged_file_and_changes_nothing(nodes, compiled
     before, patches = sample(compiled), dict(compiled.object_patches)
     with pytest.raises(WeightMismatchError, match=f"{name} could not be read .*Download or copy it again. The running "
                                                   f"model was left unchanged"):
-        nodes["OverdriveSwitchWeights"]().switch(compiled, name)
+        nodes["OverdriveSwitchWeights"].execute(compiled, name)
     assert compiled.object_patches == patches
     assert torch.equal(sample(compiled), before)
 
@@ -252,7 +252,7 @@ def test_switch_weights_names_a_damaged_file_and_changes_nothing(nodes, compiled
 def test_switched_model_loads_its_own_weights_and_gives_the_original_back(nodes, compiled, sample, checkpoints):
     # ComfyUI's loader keeps "same weights" clones loaded as they are; a switch must not be mistaken for one.
     before = sample(compiled)
-    switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
+    switched = nodes["OverdriveSwitchWeights"].execute(compiled, "sd15-seed1.safetensors")[0]
     assert switched.model is not compiled.model and not switched.is_clone(compiled)
     # ComfyUI's clones share the loader's records of what a load changed on their model (backups, pinned weights):
     # the switched model has its own, or unloading it would restore or unpin the original's tensors.
@@ -277,7 +277,7 @@ def test_a_switched_model_counts_as_not_loaded_so_comfyui_makes_room_for_it(comf
     setattr(holder, attr, gpu)
     try:
         assert mm.LoadedModel(compiled).model_memory_required(gpu) < compiled.model_size()  # the premise: "loaded"
-        switched = nodes["OverdriveSwitchWeights"]().switch(compiled, "sd15-seed1.safetensors")[0]
+        switched = nodes["OverdriveSwitchWeights"].execute(compiled, "sd15-seed1.safetensors")[0]
         assert mm.LoadedModel(switched).model_memory_required(gpu) >= switched.model_size()
     finally:
         setattr(holder, attr, before)
@@ -297,7 +297,7 @@ def test_switching_while_another_prompt_samples_never_mixes_weights(nodes, compi
     thread = threading.Thread(target=keep_sampling)
     thread.start()
     for name in ["sd15-seed1.safetensors", "sd15-seed2.safetensors"] * 2:
-        nodes["OverdriveSwitchWeights"]().switch(compiled, name)
+        nodes["OverdriveSwitchWeights"].execute(compiled, name)
     thread.join()
     assert not errors and len(results) == 3
     for out in results:
@@ -323,10 +323,10 @@ def live_tensor_bytes() -> int:
 def test_repeated_switches_do_not_grow_memory(nodes, compiled, checkpoints):
     import psutil
 
-    switcher = nodes["OverdriveSwitchWeights"]()
+    switcher = nodes["OverdriveSwitchWeights"]
     live, rss = [], []
     for i in range(12):  # a leak of one set of weights per switch would show eight times over after the fourth
-        out = switcher.switch(compiled, f"sd15-seed{1 + i % 2}.safetensors")[0]
+        out = switcher.execute(compiled, f"sd15-seed{1 + i % 2}.safetensors")[0]
         del out
         live.append(live_tensor_bytes())
         rss.append(psutil.Process().memory_info().rss)
@@ -342,7 +342,7 @@ def test_compile_vae_decodes_like_eager(comfy, nodes):
     vae = build_vae(comfy, seed=0)
     latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     expected = vae.decode(latent)
-    compiled_vae = nodes["OverdriveCompileVAE"]().compile(vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False)[0]
+    compiled_vae = nodes["OverdriveCompileVAE"].execute(vae, mode="default", cuda_graphs=True, dynamic="auto", compile_encoder=False)[0]
     out = compiled_vae.decode(latent)
     assert relative_error(out, expected) < TOLERANCE
     assert torch.equal(vae.decode(latent), expected)

@@ -59,7 +59,7 @@ def weights_on_gpu(model) -> int:
 
 
 def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, tmp_path, monkeypatch):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
     from overdrive.nodes.quantize_patches import followers
     from overdrive.runner.inprocess import build_model
 
@@ -69,7 +69,7 @@ def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, t
     float_out = run(base.clone())
     float_bytes = weights_on_gpu(base)
     with torch.inference_mode():
-        quantized = NODE_CLASS_MAPPINGS["OverdriveQuantizeModel"]().quantize(
+        quantized = NODES["OverdriveQuantizeModel"].execute(
             base, format="fp8_e4m3", calibration_steps=1, **prompt, **EVERYTHING)[0]
     follower = followers(quantized)[0]
     run(quantized)

@@ -33,8 +33,8 @@ def fresh_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(comfy):
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
-    return NODE_CLASS_MAPPINGS["OverdriveQuantizeModel"]
+    from overdrive.nodes import NODES
+    return NODES["OverdriveQuantizeModel"]
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +73,11 @@ def sample(comfy, prompt):
 
 def quantize(node, model, prompt, **settings):
     """Run the node as ComfyUI does (in inference mode); returns (patched MODEL, report)."""
-    instance = node()
+    from overdrive.nodes.quantize_node import quantization_report
+
     with torch.inference_mode():
-        (patched,) = instance.quantize(model, calibration_steps=2, **{**prompt, **settings})
-    return patched, instance.last_report
+        (patched,) = node.execute(model, calibration_steps=2, **{**prompt, **settings})
+    return patched, quantization_report(patched)
 
 
 def quantized_names(model):
@@ -441,11 +442,11 @@ def test_the_lora_guard_checks_every_key_before_adding_any(base):
 def test_quantize_then_compile_runs_the_int8_layers_through_torch_compile(quantized, quantized_latent, base,
                                                                           sample, float_latent):
     from overdrive.compiler import dynamo_graph_count
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
 
     patched = quantized["model"]
     graphs = dynamo_graph_count()
-    compiled = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(patched, mode="default", cuda_graphs=True,
+    compiled = NODES["OverdriveCompileModel"].execute(patched, mode="default", cuda_graphs=True,
                                                                       dynamic="auto")[0]
     out = sample(compiled)
     assert dynamo_graph_count() > graphs
@@ -465,9 +466,9 @@ def test_quantized_calls_are_reproducible_and_compiled_matches_eager_per_call(co
     as close to the float model as eager int8: compiled float math (~1e-6 off eager) flips the rounding of a few
     activations, so the two int8 paths differ by about the quantization noise itself (one call: 1.7-2.1 %, against
     2.5 % int8 vs float)."""
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
     patched = quantized["model"]
-    compiled = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(patched)[0]
+    compiled = NODES["OverdriveCompileModel"].execute(patched)[0]
     x = torch.randn(2, 4, RES // 8, RES // 8, generator=torch.Generator().manual_seed(3))
     sigma = torch.tensor([1.0, 1.0])
     context = torch.cat([prompt["positive"][0][0], prompt["negative"][0][0]])
@@ -488,12 +489,12 @@ def test_compile_model_after_a_quantized_prompt_keys_and_counts_the_checkpoint_s
                                                                                        caplog):
     """A plain Compile Model run right after a quantized prompt saw that prompt's 8-bit layers in the shared module tree:
     the quantized parameter count in its log and another architecture key."""
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
     comfy.model_management.unload_all_models()
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        alone = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(base)[0]
+        alone = NODES["OverdriveCompileModel"].execute(base)[0]
     sample(quantized["model"])  # the quantized prompt; ComfyUI keeps that model loaded
-    after = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(base)[0]
+    after = NODES["OverdriveCompileModel"].execute(base)[0]
     forward = "diffusion_model.forward"
     assert after.object_patches[forward].fingerprint == alone.object_patches[forward].fingerprint
     assert after.object_patches[forward].graph is alone.object_patches[forward].graph
@@ -502,10 +503,10 @@ def test_compile_model_after_a_quantized_prompt_keys_and_counts_the_checkpoint_s
 def test_compile_then_quantize_calibrates_eager_and_keeps_the_compiled_forward(comfy, node, base, prompt,
                                                                               float_layers, monkeypatch, tmp_path):
     from overdrive.compiler import CompiledMethod, dynamo_graph_count
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
 
     monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))  # a cache miss: calibration must run
-    compiled = NODE_CLASS_MAPPINGS["OverdriveCompileModel"]().compile(base, mode="default", cuda_graphs=True,
+    compiled = NODES["OverdriveCompileModel"].execute(base, mode="default", cuda_graphs=True,
                                                                       dynamic="auto")[0]
     graphs = dynamo_graph_count()
     patched, report = quantize(node, compiled, prompt, quantize_linear=False, **EVERYTHING)
@@ -531,7 +532,7 @@ def test_compile_then_quantize_calibrates_eager_and_keeps_the_compiled_forward(c
 ])
 def test_bad_settings_are_refused_with_a_clear_error(node, base, settings, message):
     with pytest.raises(ValueError, match=message):
-        node().quantize(base, **settings)
+        node.execute(base, **settings)
 
 
 def test_fp8_on_a_device_without_fp8_matmul_is_refused(node, base):
@@ -540,7 +541,7 @@ def test_fp8_on_a_device_without_fp8_matmul_is_refused(node, base):
     model = base.clone()
     model.load_device = torch.device("meta")
     with pytest.raises(ValueError, match="format='fp8_e4m3' needs torch._scaled_mm.*8.9.*Leave quantization off"):
-        node().quantize(model, format="fp8_e4m3")
+        node.execute(model, format="fp8_e4m3")
 
 
 def test_a_failure_while_quantizing_returns_the_unquantized_model_with_a_warning(node, base, prompt, caplog,
@@ -598,12 +599,12 @@ def test_switch_weights_on_a_quantized_model_requantizes_the_same_layers_from_th
     import os
 
     import folder_paths
-    from overdrive.nodes import NODE_CLASS_MAPPINGS
+    from overdrive.nodes import NODES
 
     path = builtin_checkpoints["overdrive-builtin-sd15-seed1.safetensors"]
     folder_paths.add_model_folder_path("checkpoints", os.path.dirname(path))
     model = quantized["model"]
-    switched = NODE_CLASS_MAPPINGS["OverdriveSwitchWeights"]().switch(model, os.path.basename(path))[0]
+    switched = NODES["OverdriveSwitchWeights"].execute(model, os.path.basename(path))[0]
     assert set(quantized_names(switched)) == set(quantized_names(model))
     out = sample(switched)
     assert relative_error(out, quantized_latent) > 0.05  # other weights ran

@@ -34,13 +34,16 @@ def relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_nodes_are_registered_with_tooltips(client):
+def test_nodes_are_registered_through_the_v3_entrypoint_with_tooltips(client):
+    from overdrive.nodes import NODES
+
     info = client.object_info()
-    for name in ("OverdriveCompileModel", "OverdriveCompileVAE", "OverdriveSwitchWeights"):
+    for name in NODES:
         assert name in info, f"{name} missing from /object_info"
         node = info[name]
-        assert node["category"] == "overdrive" and "(Overdrive)" in node["display_name"]
-        for input_name, spec in node["input"]["required"].items():
+        assert node["category"].startswith("overdrive") and node["display_name"].endswith("(Overdrive)")
+        assert node["description"] and all(node["output_tooltips"]), name
+        for input_name, spec in {**node["input"]["required"], **node["input"].get("optional", {})}.items():
             assert len(spec) > 1 and spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
     assert info["OverdriveCompileModel"]["input"]["required"]["mode"][0][0] == "default"
 

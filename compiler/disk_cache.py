@@ -122,12 +122,3 @@ class CompileDiskCache:
         """Where the precompiled frames of entry `key` live (compiler/precompiled.py)."""
         return self.directory / f"{key}.frames"
 
-    def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.directory.rglob("*.bin")) if self.directory.is_dir() else 0
-
-    def clear(self) -> int:
-        removed = 0
-        for p in self.directory.rglob("*.bin") if self.directory.is_dir() else []:
-            p.unlink(missing_ok=True)
-            removed += 1
-        return removed

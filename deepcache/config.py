@@ -1,4 +1,4 @@
-"""DeepCache settings, validated on construction (and against a concrete UNet with `check_depth`).
+"""DeepCache settings, validated on construction (the depth against a concrete UNet by its paths, unet_*.py).
 
 Terms used throughout `overdrive.deepcache`, for an openaimodel-style UNet (ComfyUI's UNetModel) whose
 `input_blocks[i]` feeds its output, through a skip connection, to `output_blocks[N - 1 - i]`:
@@ -83,13 +83,6 @@ class DeepCacheConfig:
     def full_window(self) -> bool:
         """True when caching is allowed over the whole sampling process."""
         return self.start_percent <= 0.0 and self.end_percent >= 1.0
-
-    def check_depth(self, skip_branches: int) -> None:
-        """Refuse a depth this UNet does not have (`skip_branches` = len(input_blocks) for openaimodel)."""
-        if self.cache_depth > skip_branches:
-            raise DeepCacheConfigError(
-                f"cache_depth={self.cache_depth} is out of range for this UNet: it has {skip_branches} skip branches "
-                f"(input/output block pairs), so cache_depth must be in 1..{skip_branches}")
 
     def describe(self) -> str:
         window = "" if self.full_window else f", window {self.start_percent:g}-{self.end_percent:g}"

@@ -28,7 +28,8 @@ from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.families import registered as dit_families
 from overdrive.latents import latent_parts
 from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
-from report import add_speedups, compile_phases, environment, finish, profile_run, sync_sources, write_report
+from report import (add_speedups, compile_phases, copy_rates, environment, finish, profile_run, sync_sources,
+                    write_report)
 
 
 def sync():
@@ -194,6 +195,8 @@ def main():
     parser.add_argument("--cache-start", type=float, default=0.0, help="start_percent of the step cache variants")
     parser.add_argument("--cache-end", type=float, default=1.0, help="end_percent of the step cache variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
+    parser.add_argument("--budget-gib", type=float, help="emulate a card of this many GiB (ComfyUI's reserve and torch's "
+                        "memory fraction, runner/inprocess.py reserve_beyond_budget); the copy rates go beside the figures")
     parser.add_argument("--dynamic-vram", choices=["on", "off"], default="on",
                         help="ComfyUI's dynamic VRAM (its default on NVIDIA GPUs; off: --disable-dynamic-vram). With "
                              "it on the model is loaded from a file, as Load Diffusion Model / Load Checkpoint do")
@@ -218,7 +221,7 @@ def main():
     logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, quantized and why, beside the figures
     cuda = torch.cuda.is_available()
     dynamic_vram = cuda and args.dynamic_vram == "on"
-    comfy = import_comfy(cpu=not cuda, dynamic_vram=dynamic_vram)
+    comfy = import_comfy(cpu=not cuda, dynamic_vram=dynamic_vram, budget_gib=args.budget_gib)
     import comfy.sample
     from overdrive.compiler import dynamo_graph_count
     if args.host_timers:  # before any model is built: callbacks keep the bound methods of install time
@@ -404,7 +407,8 @@ def main():
 
     results, reference, reference_call, calibration = [], None, None, {}
     shapes = [list(t.shape) for t in latent_parts(latent)]  # LTX-2's: the video's and the audio's
-    report = {"benchmark": "compile", "settings": vars(args), "environment": environment(),
+    report = {"benchmark": "compile", "settings": vars(args),
+              "environment": {**environment(), **(copy_rates() if args.budget_gib else {})},
               "sampler": f"euler/{scheduler}", "cfg": cfg, "batch": 1,
               "latent_shape": shapes[0] if len(shapes) == 1 else shapes,  # one shape, as earlier result files have it
               "dtype": str(dtype), "results": results, "vae_decode": []}

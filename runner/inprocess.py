@@ -12,15 +12,17 @@ EXTRA_CONFIG = {"sd15": {}, "sdxl": dict(num_classes="sequential", num_head_chan
 CONTEXT_DIM = {arch: FULL[arch]["context_dim"] for arch in FULL}
 
 
-def import_comfy(cpu: bool, dynamic_vram: bool = False):
+def import_comfy(cpu: bool, dynamic_vram: bool = False, budget_gib: float | None = None):
     """ComfyUI's modules in this process, set up as `main.py --cpu` (`cpu`) or on the GPU; `dynamic_vram`: with dynamic
-    VRAM as main.py turns it on by default on NVIDIA GPUs (else as with --disable-dynamic-vram)."""
+    VRAM as main.py turns it on by default on NVIDIA GPUs (else as with --disable-dynamic-vram); `budget_gib`: a card
+    of that many GiB emulated on a larger one (`reserve_beyond_budget`)."""
     from .server import find_comfyui
     path = str(find_comfyui())
     if path not in sys.path:
         sys.path.insert(0, path)
     import comfy.cli_args
     args = comfy.cli_args.args
+    fraction = None if budget_gib is None else reserve_beyond_budget(args, budget_gib)
     args.cpu = cpu
     args.use_pytorch_cross_attention = cpu or args.use_pytorch_cross_attention
     args.disable_dynamic_vram = not dynamic_vram
@@ -31,7 +33,20 @@ def import_comfy(cpu: bool, dynamic_vram: bool = False):
     import comfy.model_management, comfy.sample, comfy.samplers, comfy.supported_models, comfy.model_patcher  # noqa: E401,F401
     if dynamic_vram:
         enable_dynamic_vram()
+    if fraction is not None:  # after comfy-aimdo has started, which must come before anything else on the GPU
+        torch.cuda.set_per_process_memory_fraction(fraction)
     return sys.modules["comfy"]
+
+
+def reserve_beyond_budget(args, budget_gib: float) -> float:
+    """A card of `budget_gib` GiB emulated on this GPU, as a user's would behave under ComfyUI: ComfyUI reserves the
+    rest of the GPU (`--reserve-vram`, set before its model management reads it), and the fraction returned holds
+    torch's allocator to the budget, so that what ComfyUI plans and what torch can allocate both end there."""
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30  # the device's properties: no context yet
+    if not 0 < budget_gib < total:
+        raise ValueError(f"budget_gib={budget_gib}: choose a size between 0 and this GPU's {total:.1f} GiB")
+    args.reserve_vram = total - budget_gib
+    return budget_gib / total
 
 
 def enable_dynamic_vram() -> None:

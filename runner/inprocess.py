@@ -42,6 +42,8 @@ def reserve_beyond_budget(args, budget_gib: float) -> float:
     """A card of `budget_gib` GiB emulated on this GPU, as a user's would behave under ComfyUI: ComfyUI reserves the
     rest of the GPU (`--reserve-vram`, set before its model management reads it), and the fraction returned holds
     torch's allocator to the budget, so that what ComfyUI plans and what torch can allocate both end there."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"budget_gib={budget_gib}: a memory budget is emulated on a CUDA GPU, and there is none here")
     total = torch.cuda.get_device_properties(0).total_memory / 2**30  # the device's properties: no context yet
     if not 0 < budget_gib < total:
         raise ValueError(f"budget_gib={budget_gib}: choose a size between 0 and this GPU's {total:.1f} GiB")

@@ -1,12 +1,13 @@
 """Check an API workflow against a server's /object_info: node types, input names, link types, widget values."""
-from .workflow_formats import is_link
+from .workflow_formats import combo_options, is_link
 
 
 def value_problem(name: str, spec: list, value):
     """Why `value` does not fit the input `spec` (None if it does)."""
     kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
-    if isinstance(kind, list):
-        return None if value in kind else f"{name}={value!r} is not one of {kind[:12]}"
+    choices = combo_options(spec)
+    if choices is not None:
+        return None if value in choices else f"{name}={value!r} is not one of {choices[:12]}"
     expected = {"INT": int, "FLOAT": (int, float), "STRING": str, "BOOLEAN": bool}.get(kind)
     if expected is None:
         return f"{name} is a {kind} input and needs a link, not {value!r}"

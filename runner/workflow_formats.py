@@ -19,6 +19,14 @@ def ui_twin(api_path) -> pathlib.Path:
     return path.with_name(path.name.removesuffix("_api.json") + ".json")
 
 
+def combo_options(spec: list):
+    """The choices of a combo input (a V1 node's list of options, a V3 node's "COMBO" with `options`), else None."""
+    kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+    if isinstance(kind, list):
+        return kind
+    return options.get("options", []) if kind == "COMBO" else None
+
+
 def node_slots(definition: dict) -> tuple[list, list]:
     """(widget names in widgets_values order, [(link input name, type)]), as the frontend builds a node."""
     widgets, links = [], []
@@ -27,10 +35,11 @@ def node_slots(definition: dict) -> tuple[list, list]:
         kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
         if options.get("forceInput") or options.get("defaultInput") or options.get("image_upload"):
             raise NotImplementedError(f"{definition['name']}.{name}: widgets shown as inputs or upload buttons")
-        if isinstance(kind, list) or kind in WIDGET_KINDS:
+        combo = combo_options(spec) is not None
+        if combo or kind in WIDGET_KINDS:
             widgets.append(name)
             if options.get("control_after_generate") or (kind == "INT" and name in ("seed", "noise_seed")):
-                if isinstance(kind, list):
+                if combo:
                     raise NotImplementedError(f"{definition['name']}.{name}: a list with control_after_generate")
                 widgets.append(CONTROL)
         else:

@@ -45,7 +45,7 @@ def test_nodes_are_registered_through_the_v3_entrypoint_with_tooltips(client):
         assert node["description"] and all(node["output_tooltips"]), name
         for input_name, spec in {**node["input"]["required"], **node["input"].get("optional", {})}.items():
             assert len(spec) > 1 and spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
-    assert info["OverdriveCompileModel"]["input"]["required"]["mode"][0][0] == "default"
+    assert info["OverdriveCompileModel"]["input"]["required"]["mode"][1]["options"][0] == "default"
 
 
 def test_compiled_workflow_runs_to_an_image_equal_to_eager(client, server):

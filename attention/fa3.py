@@ -28,8 +28,9 @@ def unavailable(q: torch.Tensor) -> str | None:
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None where the bf16 kernel runs (batch, heads, tokens, head dim) q, k, v, else why not."""
-    if unavailable(q) is not None:
-        return unavailable(q)
+    missing = unavailable(q)
+    if missing is not None:
+        return missing
     if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
         return f"the fa3-fwd wheel has bf16 kernels only, not {q.dtype}"
     if q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:

@@ -114,8 +114,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None where the backend runs (batch, heads, tokens, head dim) q, k, v, else why not."""
     if triton is None:
         return "Triton is not installed"
-    if fa3.unavailable(q) is not None:
-        return fa3.unavailable(q)
+    missing = fa3.unavailable(q)
+    if missing is not None:
+        return missing
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16/bf16 inputs of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
     if q.shape[-1] not in (64, 128, 256) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
@@ -136,7 +137,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     steps = min(16, triton.next_power_of_2(max(1, blocks * n_bh * 3 // STATS_PROGRAMS)))
     _stats_kernel[(triton.cdiv(blocks, steps), n_bh, 3)](q, k, v, sums, peaks, n_q, n_kv, heads, n_bh, *strides,
                                                          HEAD_DIM=dim, BLOCK=BLOCK, BLOCKS=steps)
-    grid = (triton.cdiv(max(n_q, n_kv), BLOCK), n_bh, 3)
+    grid = (blocks, n_bh, 3)
     q8 = torch.empty((batch, n_q, heads, dim), dtype=torch.float8_e4m3fn, device=device)
     k8, v8 = (torch.empty((batch, n_kv, heads, dim), dtype=torch.float8_e4m3fn, device=device) for _ in range(2))
     descale = torch.empty((3, batch, heads), dtype=torch.float32, device=device)

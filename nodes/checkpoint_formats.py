@@ -14,14 +14,15 @@ from ..quantization.linear_layers import plain_fp8, register_linear_layer, store
 log = logging.getLogger("overdrive")
 
 
-def stored_formats(module: torch.nn.Module) -> dict:
-    """{layer name: its stored format} for every layer of `module` whose weight is a QuantizedTensor."""
+def stored_formats(module: torch.nn.Module, unscaled: bool = True) -> dict:
+    """{layer name: its stored format} for every layer of `module` whose weight is a QuantizedTensor, and (`unscaled`)
+    every one whose weight is plain fp8."""
     found = {}
     for name, layer in module.named_modules():
         weight = layer._parameters.get("weight")
         if weight is not None and stored_low_bit(weight):
             found[name] = getattr(layer, "quant_format", None) or type(weight).__name__
-        elif weight is not None and plain_fp8(weight):
+        elif weight is not None and unscaled and plain_fp8(weight):
             found[name] = f"{str(weight.dtype).removeprefix('torch.')} unscaled"
     return found
 
@@ -76,8 +77,8 @@ def advise_before_compile(patcher) -> None:
 
     if torch.device(patcher.load_device).type != "cuda":
         return
-    left = {name for name, fmt in stored_formats(patcher.model.diffusion_model).items()
-            if not fmt.endswith("unscaled")} - set(quantized_modules(patcher))  # ComfyUI casts those per call
+    # Plain fp8 weights are left out: ComfyUI casts those per call, which compiles.
+    left = set(stored_formats(patcher.model.diffusion_model, unscaled=False)) - set(quantized_modules(patcher))
     if left:
         log.warning("Overdrive Compile Model: %d layer(s) of this checkpoint stay stored quantized on ComfyUI's own "
                     "layers, whose input quantization may not compile (the blocks holding them then run eager). Put "

@@ -64,10 +64,10 @@ def live_quantized_gib() -> dict:
     return {device: round(size / 2**30, 3) for device, size in sizes.items()}
 
 
-def weights_gib_on_gpu(module) -> float:
-    """GiB of the diffusion model's weights on the GPU while it samples: the unique storages of its module tree's
-    parameters and buffers as loaded (a quantized layer's 8-bit weight and scales included, a float copy kept
-    elsewhere not)."""
+def weights_gib(module, gpu_only: bool = True) -> float:
+    """GiB of the diffusion model's weights (on the GPU only, by default) while it samples: the unique storages of its
+    module tree's parameters and buffers as loaded (a quantized layer's 8-bit weight and scales included, a float copy
+    kept elsewhere not)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     def plain(tensor):  # a weight subclass (comfy-kitchen's QuantizedTensor) holds its data in inner tensors
@@ -77,7 +77,7 @@ def weights_gib_on_gpu(module) -> float:
     storages = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         for data in plain(tensor):
-            if data.is_cuda:
+            if data.is_cuda or not gpu_only:
                 storage = data.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return round(sum(storages.values()) / 2**30, 3)
@@ -392,7 +392,9 @@ def main():
                 out = apply_model(call["input"], call["timestep"], **call["c"])
                 if not first_call:
                     first_call.append(out.float().clone())
-                    first_call.append(weights_gib_on_gpu(patcher.model.diffusion_model))
+                    first_call.append(weights_gib(patcher.model.diffusion_model))
+                    first_call.append(weights_gib(patcher.model.diffusion_model, gpu_only=False))
+                    first_call.append((patcher.model_size() - patcher.loaded_size()) / 2**30)  # ComfyUI's account
                 return out
             patcher.model_options = {**options, "model_function_wrapper": record}
         sync()
@@ -414,10 +416,15 @@ def main():
               "dtype": str(dtype), "results": results, "vae_decode": []}
     for variant in args.variants.split(","):
         restores = [switch() for part, switch in SWITCHES.items() if part in variant.split("+")]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         patcher = make(variant)
+        nodes_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # Quantize Model's calibration
         graphs_before = dynamo_graph_count()
         first_call = []
         try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             first_out, first = sample(patcher, first_call)
         except Exception as error:  # noqa: BLE001 - a peer that cannot run this family (ComfyUI's EasyCache indexes
             # LTX-2's [video, audio] input as one tensor): its row says why, and the other variants still run
@@ -428,6 +435,7 @@ def main():
             del patcher
             comfy.model_management.unload_all_models()
             continue
+        first_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # the first load and compile
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
@@ -439,6 +447,10 @@ def main():
                "s_per_step": round(per_image / args.steps, 5), "compile_s_est": round(first - per_image, 2),
                "dynamo_graphs": dynamo_graph_count() - graphs_before,
                "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+               "nodes_peak_vram_gib": None if nodes_peak is None else round(nodes_peak, 3),
+               "first_run_peak_vram_gib": None if first_peak is None else round(first_peak, 3),
+               "device_used_gib": round((lambda free, total: (total - free) / 2**30)(*torch.cuda.mem_get_info()), 3)
+               if cuda else None,  # what the process holds, the allocator's cache and non-PyTorch memory included
                "finite": bool(torch.isfinite(out).all()),
                "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None,
                "compile_phases_s": compile_phases(), "block_graphs": block_graphs(patcher)}
@@ -447,6 +459,11 @@ def main():
         row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
         row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
         row["weights_gib_on_gpu"] = first_call[1]
+        # What does not stay on the GPU is copied in at every model call: its cost over a desktop's PCIe 4.0 x16 link.
+        row["weights_gib_in_tree"] = first_call[2]
+        row["weights_gib_not_loaded"] = round(first_call[3], 3)  # ComfyUI's model_size - loaded_size
+        model_calls = args.steps * (2 if cfg > 1 else 1)
+        row["stream_s_per_image_at_25gb_s"] = round(first_call[3] * 2**30 * model_calls / 25e9, 2)
         # Profiled here, before the per-call errors below load the float model beside this one (its loads and
         # unloads then filled the profile with copies).
         last = variant == args.variants.split(",")[-1]  # the one the host and sync analyses look at

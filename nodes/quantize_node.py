@@ -15,6 +15,7 @@ from . import checkpoint_formats
 from .cache_folder import comfy_cache_dir
 from .attention_override import install_attention
 from .forward_patch import FORWARD, installed_stack, rebuild
+from .peak_memory import peak_memory
 from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
 from .quantize_patches import bake_weight_patches, install, patches_digest
 
@@ -89,20 +90,23 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
     """(patched clone, report): calibrate if the cache has no decisions, quantize, install as object patches.
     The calibration runs with Overdrive's attention, so that its shapes are measured before Compile Model traces the
     blocks (attention/e4m3_output.py)."""
-    calib = eager_clone(model)
-    install_attention(calib, attention)
-    # Loaded, the module tree holds this model's weights with its LoRAs applied: what is hashed and quantized.
-    comfy.model_management.load_models_gpu([calib])
-    diffusion = calib.model.diffusion_model
-    digest = hashlib.sha256(f"{weights_digest(diffusion)}|{patches_digest(calib.patches)}".encode()).hexdigest()
-    cache = QuantCache(quant_cache_dir())
-    float_layers = dict(getattr(family_of(diffusion), "float_layers", ()))
-    plan = plan_quantization(diffusion, config, calibration=lambda: run(calib), filter_fn=keeping_float(float_layers),
-                             cache=cache, resolution=run.cache_context(), device=model.load_device,
-                             weights_digest=digest,
-                             between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
-    patched = model.clone()
-    baked = bake_weight_patches(patched, plan.modules, model.load_device)
+    with peak_memory(model.load_device) as peak:
+        calib = eager_clone(model)
+        install_attention(calib, attention)
+        # Loaded, the module tree holds this model's weights with its LoRAs applied: what is hashed and quantized.
+        comfy.model_management.load_models_gpu([calib])
+        diffusion = calib.model.diffusion_model
+        digest = hashlib.sha256(f"{weights_digest(diffusion)}|{patches_digest(calib.patches)}".encode()).hexdigest()
+        cache = QuantCache(quant_cache_dir())
+        float_layers = dict(getattr(family_of(diffusion), "float_layers", ()))
+        # The 8-bit layers wait where ComfyUI keeps offloaded weights until the quantized model loads: beside a float
+        # model that a short card holds only partly, they would run it out of memory.
+        plan = plan_quantization(diffusion, config, calibration=lambda: run(calib),
+                                 filter_fn=keeping_float(float_layers), cache=cache, resolution=run.cache_context(),
+                                 device=model.load_device, weights_digest=digest, store_device=model.offload_device,
+                                 between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
+        patched = model.clone()
+        baked = bake_weight_patches(patched, plan.modules, model.load_device)
     install(patched, plan.modules)
     rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
     report = plan.report
@@ -112,8 +116,9 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
     else:
         source = (f"cache miss, calibrated with {run.describe()} in {report.seconds.get('total', 0.0):.1f} s; "
                   + (f"decisions saved to {path}" if path.is_file() else "decisions not saved (see the warning)"))
-    log.info("%s [%s]%s", report.summary(), source,
-             f"; LoRA/weight patches baked into {len(baked)} quantized layer(s)" if baked else "")
+    log.info("%s [%s]%s%s", report.summary(), source,
+             f"; LoRA/weight patches baked into {len(baked)} quantized layer(s)" if baked else "",
+             f"; GPU memory while quantizing: {peak['text']}" if peak["text"] else "")
     log.debug("%s", report.table())
     return patched, report
 

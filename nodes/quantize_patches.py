@@ -61,7 +61,8 @@ def bake_weight_patches(patcher, modules: dict, device) -> list:
         keys = patch_keys(name)
         if any(key in patcher.patches for key in keys):
             weight, bias = (patched_tensor(patcher, key, device) for key in keys)
-            module.load_float_weight(weight, bias)
+            home = on_device(module)  # quantized where the patched weight was computed, then back where it waits
+            module.to(device).load_float_weight(weight, bias).to(home)
             baked.append(name)
     for name in baked:
         for key in patch_keys(name):
@@ -137,8 +138,8 @@ class QuantizedModules:
         device = torch.device(device_or_dtype)
         if device == self.offload_device and device != self.load_device:
             return self  # a detach: weights stay where they are (see on_detach)
-        move(self.modules.values(), device)
         if device != FLOAT_HOME:
+            # The float layers leave first: loaded beside them, the 8-bit layers would need both on the card at once.
             move(self.originals.values(), FLOAT_HOME)
             # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and
             # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were
@@ -146,6 +147,7 @@ class QuantizedModules:
             forget_load_state(self.originals.values())
             if self.tree is not None and self.originals and self.return_hook is None:
                 self.return_hook = return_hook(self)
+        move(self.modules.values(), device)
         return self
 
     def on_detach(self, patcher, unpatch_all) -> None:

@@ -85,21 +85,22 @@ def _run_calibration(model, config, filter_fn, calibration) -> Calibrator:
     return calibrator
 
 
-def _modules_from_cache(report: QuantReport, candidates: dict, store, key, device, config) -> dict | None:
+def _modules_from_cache(report: QuantReport, candidates: dict, store, key, device, config,
+                        store_device) -> dict | None:
     names = [layer.name for layer in report.layers]
     if sorted(names) != sorted(candidates) or any(
             candidates[n].skip_reason is not None for n in report.quantized):
         log.warning("Overdrive quantization: cached decisions %s do not match this model's layers; re-calibrating.",
                     key)
         return None
-    stored = store.load_weights(key, device) if report.quantized else {}
+    stored = store.load_weights(key, store_device) if report.quantized else {}
     amax = {layer.name: layer.input_amax for layer in report.layers}
     weight_only = set(report.weight_only)
     modules = {}
     for name in report.quantized:
         candidate = candidates[name]
         if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
-            modules[name] = weight_only_module_for(candidate.module, device=device)
+            modules[name] = weight_only_module_for(candidate.module, device=device).to(store_device)
             continue
         tensors = (stored or {}).get(name)
         module = None
@@ -107,7 +108,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
             try:
                 module = build_empty("linear" if candidate.kind == "linear" else "conv", report.format,
                                      candidate.in_features, candidate.out_features,
-                                     bias=candidate.module.bias is not None, config=config, device=device)
+                                     bias=candidate.module.bias is not None, config=config, device=store_device)
                 module.load_quantized(tensors["weight_q"], tensors["weight_scale"], tensors.get("bias"))
                 module.load_input_scale(tensors.get("input_scale"))
             except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
@@ -116,14 +117,14 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
         if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
             input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
             module = quantized_module_for(candidate.module, report.format, config, device=device,
-                                          input_amax=input_amax)
+                                          input_amax=input_amax).to(store_device)
         modules[name] = module
     return modules
 
 
 def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calibration=None,
                       filter_fn: FilterFn | None = None, *, cache=None, resolution=None, device=None,
-                      weights_digest: str | None = None, between_layers=None) -> QuantPlan:
+                      weights_digest: str | None = None, between_layers=None, store_device=None) -> QuantPlan:
     """Decide per layer and build the quantized replacements, without changing `model`.
 
     - calibration: a callable that runs the model for a few steps (called with the model if it takes an
@@ -134,19 +135,22 @@ def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calib
     - device: where the quantized modules run (default: the model's parameters' device).
     - weights_digest: the model's weights identity if the caller already has one (skips hashing the weights).
     - between_layers: called before each layer is measured (a host's stop check, which raises to end the plan).
+    - store_device: where the quantized modules are returned (default: `device`). Each goes there as soon as it is
+      built, so a host that loads them later (ComfyUI) never holds the float model and every 8-bit layer together.
     """
     # Built outside inference mode (even when called inside one, as ComfyUI runs nodes): the quantized buffers are
     # then ordinary tensors that `load_float_weight` may overwrite later from any mode.
     with torch.inference_mode(False), torch.no_grad():
         return _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
-                     between_layers)
+                     between_layers, store_device)
 
 
 def _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
-          between_layers) -> QuantPlan:
+          between_layers, store_device) -> QuantPlan:
     started = time.perf_counter()
     config = (config or QuantConfig()).validate()
     device = torch.device(device) if device is not None else _model_device(model)
+    store_device = torch.device(store_device) if store_device is not None else device
     fmt = config.resolve_format(device)
     candidates = find_candidates(model, config, fmt, filter_fn)
     by_name = {c.name: c for c in candidates}
@@ -160,7 +164,7 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
                                      [[c.name, c.kind, c.skip_reason] for c in candidates])
         cached = store.load(key)
         if cached is not None:
-            modules = _modules_from_cache(cached, by_name, store, key, device, config)
+            modules = _modules_from_cache(cached, by_name, store, key, device, config, store_device)
             if modules is not None:
                 cached.cache_hit, cached.calibrated, cached.cache_key = True, False, key
                 cached.seconds = {"total": time.perf_counter() - started}
@@ -168,10 +172,9 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
 
     calibrator = _run_calibration(model, config, filter_fn, calibration)
     measure_started = time.perf_counter()
-    decisions, modules = decide(candidates, calibrator.samples, config, fmt, between_layers)
+    decisions, modules = decide(candidates, calibrator.samples, config, fmt, between_layers, store_device)
     report = QuantReport(format=fmt, device=str(device), config=config.to_dict(), layers=decisions,
                          cache_hit=False, calibrated=True, cache_key=key)
-    modules = {name: module.to(device) for name, module in modules.items()}
     report.seconds = {"calibration_run": calibrator.seconds, "measure": time.perf_counter() - measure_started,
                       "total": time.perf_counter() - started}
     if store is not None:

@@ -137,9 +137,9 @@ class Calibrator:
             sample.rows[positions] = rows.to(sample.rows.dtype)
 
     # -- measuring and deciding ------------------------------------------------------------------------------
-    def decide(self, fmt: str, config: QuantConfig | None = None, between_layers=None):
+    def decide(self, fmt: str, config: QuantConfig | None = None, between_layers=None, store_device=None):
         """Measure every measurable layer with format `fmt` and decide. Returns (decisions, {name: module})."""
-        return decide(self.candidates, self.samples, config or self.config, fmt, between_layers)
+        return decide(self.candidates, self.samples, config or self.config, fmt, between_layers, store_device)
 
 
 def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig,
@@ -251,10 +251,17 @@ def _gemm_if_faster(decision: LayerDecision, candidate: Candidate, sample: Layer
     return quantized
 
 
-def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, between_layers=None):
+def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, between_layers=None,
+           store_device=None):
     """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision.
-    `between_layers()`, if given, is called before each layer's measurement: a host's stop check (it raises)."""
+    `between_layers()`, if given, is called before each layer's measurement: a host's stop check (it raises).
+    `store_device`, if given, is where each chosen module goes as soon as it is decided: on a card that holds the
+    float model only partly, the 8-bit layers must not pile up beside it (one layer at a time is measured there)."""
     decisions, modules = [], {}
+
+    def keep(name, module):
+        modules[name] = module if store_device is None else module.to(store_device)
+
     for candidate in candidates:
         if between_layers is not None:
             between_layers()
@@ -286,7 +293,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
                 stored = _stored_in_int8(decision, candidate, sample, config)
                 if stored is not None:
                     gemm = _gemm_if_faster(decision, candidate, sample, stored, config, fmt)
-                    modules[candidate.name] = stored if gemm is None else gemm
+                    keep(candidate.name, stored if gemm is None else gemm)
             else:  # the report still shows what the 8-bit GEMM would cost in error
                 decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)[1]
             continue
@@ -302,7 +309,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
             if decision.speedup is not None:
                 decision.reason += f", measured {decision.speedup:.2f}x faster"
             decision.input_amax = None if sample.amax is None else float(sample.amax)
-            modules[candidate.name] = quantized
+            keep(candidate.name, quantized)
     for decision in decisions:
         if decision.decision != QUANTIZE:
             decision.decision = SKIP

@@ -450,6 +450,26 @@ def test_filter_fn_and_error_threshold_between_layers():
         {layer.name for layer in plan.report.layers if layer.error is not None and layer.error < cut}
 
 
+def test_chosen_layers_wait_on_the_store_device_from_the_moment_they_are_decided():
+    """ComfyUI passes its offload device: on a card that holds the float model only partly, the 8-bit layers must
+    not pile up on it while the others are measured. The meta device stands for the host here."""
+    from overdrive.quantization.gemm import QuantizedGemm
+    from overdrive.quantization.modules import gemm_of
+    model = make_model()
+    where = []
+
+    def before_each_layer():  # how many quantized layers already sit on the measuring device
+        import gc
+        where.append(sum(isinstance(o, QuantizedGemm) and o.weight_q.device.type == "cpu" for o in gc.get_objects()))
+    plan = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model), store_device="meta",
+                             between_layers=before_each_layer)
+    assert set(plan.report.quantized) == QUANTIZABLE
+    assert {gemm_of(m).weight_q.device.type for m in plan.modules.values()} == {"meta"}
+    assert max(where) <= 1  # at most the layer measured last, not yet collected
+    reference = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model))
+    assert [layer.error for layer in plan.report.layers] == [layer.error for layer in reference.report.layers]
+
+
 def test_calibrator_keeps_a_bounded_sample_and_plan_does_not_mutate():
     model = make_model()
     before = {n: type(m) for n, m in model.named_modules()}

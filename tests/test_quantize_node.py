@@ -258,8 +258,8 @@ def test_loading_a_quantized_model_sends_the_float_layers_it_replaced_off_the_gp
         moves.place(follower.originals.values(), "meta")  # the float model was loaded on the GPU
         moves.clear()
         follower.to(torch.float16)  # a dtype: nothing moves
-        follower.to(torch.device("meta"))  # loaded: the 8-bit layers to the GPU, the float ones to the CPU
-        assert moves == [("8-bit", "meta"), ("float", "cpu")]
+        follower.to(torch.device("meta"))  # loaded: the float layers to the CPU first, then the 8-bit ones in
+        assert moves == [("float", "cpu"), ("8-bit", "meta")]  # never both on the card
         if offload == "cpu":
             follower.to(torch.device("cpu"))  # a clone detaches: on_detach decides, not this call
             assert len(moves) == 2

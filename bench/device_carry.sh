@@ -10,8 +10,10 @@
 #   whl_av (PyAV, 34 MiB): only for ComfyUI's V3 nodes' modules (EasyCache, video nodes); carried apart
 #   whl_cudnn (nvidia-cudnn-frontend alone, 11 MiB): the cuDNN fp8 attention backend beside a ComfyUI run
 #   whl_fa3 (fa3-fwd, FlashAttention-3's forward, 27 MiB): the attention chooser's 16-bit Hopper kernel
-#   whl_kitchen.tar.xz, whl_fa3.tar.xz: the same wheels unpacked and xz-compressed (21 and 9 MiB), so that ComfyUI,
-#                  comfy-kitchen, fa3-fwd and cuDNN's frontend travel in one call; device_env.sh unpacks them
+#   whl_kitchen.tar.xz, whl_fa3.tar.xz, whl_cudnn.tar.xz, whl_av.tar.xz: the same wheels unpacked and xz-compressed
+#                  (21, 9, 6 and 24 MiB); device_env.sh unpacks them. Overdrive's V3 nodes import ComfyUI's comfy_api,
+#                  which imports PyAV, so every ComfyUI run carries whl_av.tar.xz; with the archive, whl, whl_kitchen
+#                  and the repository that leaves room for one of whl_fa3 / whl_cudnn under the 64 MiB of a call
 #   gpu_attention.sh: whl_attention (nvidia-cudnn-frontend, sageattention 1.0.6; 11 MiB), whl
 #   gpu_dit_suite.sh diffusers-flux: whl_diffusers (diffusers, torchao; 9.3 MiB), no ComfyUI
 set -euo pipefail
@@ -45,7 +47,7 @@ download whl_attention nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6
 mkdir -p .devcarry/whl_cudnn && cp .devcarry/whl_attention/nvidia_cudnn_frontend-* .devcarry/whl_cudnn/
 download whl_diffusers diffusers==0.42.1 torchao==0.18.0 importlib_metadata zipp
 download whl_fa3 fa3-fwd==0.0.3
-for folder in whl_kitchen whl_fa3; do  # zip's deflate leaves CUDA binaries twice xz's size
+for folder in whl_kitchen whl_fa3 whl_cudnn whl_av; do  # zip's deflate leaves CUDA binaries twice xz's size
   unpacked=$(mktemp -d) && for wheel in .devcarry/$folder/*.whl; do unzip -q -o "$wheel" -d "$unpacked"; done
   tar -cf - -C "$unpacked" . | xz -9 -T0 > ".devcarry/$folder.tar.xz" && rm -rf "$unpacked"
 done

@@ -14,6 +14,8 @@ import torch
 
 import comfy.model_management
 
+from .quantize_patches import resident_bytes
+
 log = logging.getLogger("overdrive")
 
 # Room beside the weights for activations, compiled code's workspace and the CUDA graphs' pools, as a fraction of the
@@ -37,17 +39,17 @@ def is_dynamic(model) -> bool:
 def gpu_budget_bytes(device) -> int:
     """What this process may hold on `device`: the card's memory less ComfyUI's reserve (--reserve-vram), capped by
     torch's per-process memory fraction where one is set."""
-    total = comfy.model_management.get_total_memory(device)
+    budget = comfy.model_management.get_total_memory(device) - comfy.model_management.EXTRA_RESERVED_VRAM
     fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction_of is not None and getattr(device, "type", None) == "cuda":
-        total = min(total, fraction_of(device) * torch.cuda.get_device_properties(device).total_memory)
-    return int(total - comfy.model_management.EXTRA_RESERVED_VRAM)
+        budget = min(budget, fraction_of(device) * torch.cuda.get_device_properties(device).total_memory)
+    return int(budget)
 
 
 def fits_whole(model) -> tuple:
-    """(fits, GiB needed, GiB the process may hold): whether `model`'s weights and a compiled model's working memory
-    fit the GPU at once."""
-    weights = model.model_size()
+    """(fits, GiB needed, GiB the process may hold): whether `model`'s weights (its 8-bit layers at their size, where
+    Quantize Model came first) and a compiled model's working memory fit the GPU at once."""
+    weights = resident_bytes(model)
     needed = weights + max(WORKSPACE_MIN_BYTES, int(weights * WORKSPACE_FRACTION))
     budget = gpu_budget_bytes(model.load_device)
     return needed <= budget, needed / 2**30, budget / 2**30

@@ -19,7 +19,6 @@ import comfy.lora
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
-from ..compiler.shared_graph import first_device
 from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
 from ..quantization.kernels import fp8_gemm_gelu_runs_as
@@ -129,6 +128,7 @@ class QuantizedModules:
         self.load_device = torch.device(load_device) if load_device is not None else None
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
         self.tree = tree
+        self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the CPU (its way back)
         self.return_hook = None
         self._slots = (None, [])  # (tree, [(parent, attribute, 8-bit layer, float layer)]): see slots()
 
@@ -140,6 +140,10 @@ class QuantizedModules:
             return self  # a detach: weights stay where they are (see on_detach)
         if device != FLOAT_HOME:
             # The float layers leave first: loaded beside them, the 8-bit layers would need both on the card at once.
+            # One ComfyUI had left in host memory (dynamic VRAM, a partial load) has no GPU home to go back to.
+            for name, original in self.originals.items():
+                if (home := on_device(original)) not in (None, FLOAT_HOME):
+                    self.homes[name] = home
             move(self.originals.values(), FLOAT_HOME)
             # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and
             # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were
@@ -200,22 +204,23 @@ class QuantizedModules:
 
 
 def return_hook(follower: QuantizedModules):
-    """The pre-hook on the checkpoint's module tree that brings the float layers back for a float clone, once.
+    """The pre-hook on the checkpoint's module tree that brings the float layers back for a float clone, once, to
+    where ComfyUI had loaded each (on a short card, all of them onto the GPU would not fit).
 
     It holds the float layers (the checkpoint's own) and not the follower: the tree is shared by every clone, and a
     hook holding the follower kept each dropped quantized model's 8-bit layers alive until a float clone ran
     (bench/results/2026-11-25_h200_quantize_memory_repeat_wan22_compile.json). It still fires after its quantized model
     is gone, when the float layers are needed most."""
-    originals, follower_ref = follower.originals, weakref.ref(follower)
+    originals, homes, follower_ref = follower.originals, follower.homes, weakref.ref(follower)
     name, original = next(iter(originals.items()))  # ComfyUI swaps object patches all together: one tells
     handle = None
 
     def hook(tree, args):
         if tree.get_submodule(name) is not original:
             return  # the quantized model (or another) runs: nothing to bring back
-        device = first_device(args)
-        if device is not None:
-            move(originals.values(), device)
+        for layer_name, layer in originals.items():
+            if layer_name in homes:
+                move([layer], homes[layer_name])
         handle.remove()
         live = follower_ref()
         if live is not None:
@@ -309,6 +314,20 @@ def quantized_modules(patcher) -> dict:
     """{layer name: quantized module} that Quantize Model installed on `patcher` (empty if none)."""
     return {key[len(PREFIX):]: value for key, value in patcher.object_patches.items()
             if key.startswith(PREFIX) and hasattr(value, "load_float_weight")}
+
+
+def tensor_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def resident_bytes(patcher) -> int:
+    """What `patcher`'s model holds on the GPU loaded whole: ComfyUI's model_size (the checkpoint's layers, as the
+    shared module tree holds them between runs) with the layers Quantize Model replaced at their 8-bit size."""
+    size, tree = patcher.model_size(), patcher.model.diffusion_model
+    for name, module in quantized_modules(patcher).items():
+        original = patcher.object_patches_backup.get(PREFIX + name) or tree.get_submodule(name)
+        size += tensor_bytes(module) - (0 if original is module else tensor_bytes(original))
+    return size
 
 
 def requantize_onto(patcher, diffusion_model) -> list:

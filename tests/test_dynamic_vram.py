@@ -57,3 +57,20 @@ def test_compile_clone_of_a_classic_model_is_a_plain_clone(comfy, tmp_path):
     model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("wan22", "tiny", 0, tmp_path)))
     clone, reloaded = compile_clone(model)
     assert not reloaded and clone.model is model.model and clone is not model
+
+
+def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower(comfy, monkeypatch):
+    """A 16 GiB card emulated on a 141 GiB GPU sets both (runner/inprocess.py reserve_beyond_budget): the budget is
+    16 GiB, not 16 less the 125 reserved. On a real card only the reserve applies. No GPU here, so the card's figures
+    are given."""
+    import comfy.model_management as mm
+    from overdrive.nodes.dynamic_vram import gpu_budget_bytes
+    gib, card = 2**30, torch.device("cuda", 0)
+    monkeypatch.setattr(mm, "get_total_memory", lambda device=None, torch_total_too=False: 141 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Card", (), {"total_memory": 141 * gib}))
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 125 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 16 / 141, raising=False)
+    assert gpu_budget_bytes(card) == 16 * gib
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 1 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert gpu_budget_bytes(card) == 140 * gib

@@ -207,6 +207,20 @@ def test_quantized_layers_follow_the_model_between_devices(quantized, node, base
     quantize_patches.followers(again)[0].modules = {}  # meta tensors cannot move back when `again` is collected
 
 
+def test_the_resident_size_counts_quantized_layers_at_their_8_bit_size(quantized, base):
+    """Compile Model decides from it whether a model fits the card whole (nodes/dynamic_vram.py): the float size
+    would keep a quantized Flux, which fits a 16 GiB card, on the streaming path."""
+    from overdrive.nodes.quantize_patches import quantized_modules, resident_bytes, tensor_bytes
+    model = quantized["model"]
+    layers = quantized_modules(model)
+    tree = base.model.diffusion_model
+    float_bytes = sum(tensor_bytes(tree.get_submodule(name)) for name in layers)
+    eight_bit = sum(tensor_bytes(module) for module in layers.values())
+    assert eight_bit < 0.5 * float_bytes  # int8 from float32 weights (the scales, biases and static scales beside)
+    assert resident_bytes(model) == base.model_size() - float_bytes + eight_bit
+    assert resident_bytes(base) == base.model_size()
+
+
 class Moves(list):
     """The moves the device follower makes, as (which layers, device type), tracked instead of made."""
 
@@ -218,12 +232,15 @@ class Moves(list):
         """(where the 8-bit layer would be, where the float layer would be) of a one-layer follower."""
         return tuple(self.where[id(module)] for module in (follower.modules["layer"], follower.originals["layer"]))
 
+    def device_of(self, module) -> torch.device:
+        return torch.device(self.where.get(id(module), next(iter(module.state_dict().values())).device.type))
+
     def place(self, modules, device):
         self.where.update({id(m): device for m in modules})
 
     def __call__(self, modules, device):
         modules, device = list(modules), torch.device(device).type
-        moving = [m for m in modules if self.where.get(id(m), next(iter(m.state_dict().values())).device.type) != device]
+        moving = [m for m in modules if self.device_of(m).type != device]
         if moving:
             self.append(("8-bit" if hasattr(moving[0], "load_float_weight") else "float", device))
             self.place(moving, device)
@@ -236,6 +253,7 @@ def moves(monkeypatch):
     from overdrive.nodes import quantize_patches
     tracked = Moves()
     monkeypatch.setattr(quantize_patches, "move", tracked)
+    monkeypatch.setattr(quantize_patches, "on_device", tracked.device_of)
     return tracked
 
 
@@ -321,15 +339,36 @@ def test_a_dropped_quantized_model_is_freed_though_its_return_hook_never_fired(c
     tree = torch.nn.Sequential(OrderedDict(layer=float_layer))
     follower = QuantizedModules({"layer": eight_bit}, {"layer": float_layer}, torch.device("meta"),
                                 torch.device("cpu"), tree)
+    moves.place([float_layer], "meta")  # ComfyUI had loaded it on the "GPU"
     follower.to(torch.device("meta"))
     assert len(tree._forward_pre_hooks) == 1
     dropped, layer = weakref.ref(follower), weakref.ref(eight_bit)
     del follower, eight_bit
     gc.collect()
     assert dropped() is None and layer() is None
-    moves.place([float_layer], "meta")  # say the float layer were away from the input's device
-    tree(torch.zeros(1, 32))  # a float clone runs: its layers come back beside the input, and the hook goes
-    assert moves[-1] == ("float", "cpu") and len(tree._forward_pre_hooks) == 0
+    assert moves.where[id(float_layer)] == "cpu"
+    tree(torch.zeros(1, 32))  # a float clone runs: its layers go back where ComfyUI had them, and the hook goes
+    assert moves[-1] == ("float", "meta") and len(tree._forward_pre_hooks) == 0
+
+
+def test_float_layers_comfyui_left_in_host_memory_stay_there_when_a_float_clone_runs(moves):
+    """Under dynamic VRAM (or a partial load on a short card) ComfyUI keeps a layer's weights in host memory and
+    streams them: a float clone run after the quantized model must not pull every float layer onto the GPU (at a
+    16 GiB budget that ran Flux out of memory)."""
+    from collections import OrderedDict
+    from overdrive.nodes.quantize_patches import QuantizedModules
+    streamed, resident = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+    tree = torch.nn.Sequential(OrderedDict(streamed=streamed, resident=resident))
+    follower = QuantizedModules({name: Int8Linear.from_float(torch.nn.Linear(32, 32)) for name in ("streamed", "resident")},
+                                {"streamed": streamed, "resident": resident}, torch.device("meta"), torch.device("cpu"),
+                                tree)
+    moves.place([streamed], "cpu")
+    moves.place([resident], "meta")
+    follower.to(torch.device("meta"))
+    assert (moves.where[id(streamed)], moves.where[id(resident)]) == ("cpu", "cpu")
+    moves.clear()
+    tree(torch.zeros(1, 32))
+    assert moves == [("float", "meta")] and moves.where[id(streamed)] == "cpu"
 
 
 # -------------------------------------------------------------------------------------------- LoRA

@@ -83,6 +83,16 @@ def weights_gib(module, gpu_only: bool = True) -> float:
     return round(sum(storages.values()) / 2**30, 3)
 
 
+def add_stream_estimate(row: dict, model_calls: int) -> None:
+    """GiB copied to the GPU per model call and what that costs per image over a desktop's PCIe 4.0 x16 link (25 GB/s).
+    The lower of two accounts: ComfyUI's (model_size - loaded_size: right under dynamic VRAM, whose layers live in host
+    memory between calls, but blind to Quantize Model's 8-bit layers) and the module tree's (weights not on the GPU at
+    the first call: right on the classic loader)."""
+    streamed = min(row["weights_gib_not_loaded"], max(row["weights_gib_in_tree"] - row["weights_gib_on_gpu"], 0.0))
+    row["streamed_gib_per_call"] = round(streamed, 3)
+    row["stream_s_per_image_at_25gb_s"] = round(streamed * 2**30 * model_calls / 25e9, 2)
+
+
 def bench_vae(comfy, run_node, latent, repeats, arch):
     """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights). A DiT
     family decodes with its own VAE (Flux's 16-channel autoencoder, Wan's causal video VAE), at full size."""
@@ -462,8 +472,7 @@ def main():
         # What does not stay on the GPU is copied in at every model call: its cost over a desktop's PCIe 4.0 x16 link.
         row["weights_gib_in_tree"] = first_call[2]
         row["weights_gib_not_loaded"] = round(first_call[3], 3)  # ComfyUI's model_size - loaded_size
-        model_calls = args.steps * (2 if cfg > 1 else 1)
-        row["stream_s_per_image_at_25gb_s"] = round(first_call[3] * 2**30 * model_calls / 25e9, 2)
+        add_stream_estimate(row, args.steps * (2 if cfg > 1 else 1))
         # Profiled here, before the per-call errors below load the float model beside this one (its loads and
         # unloads then filled the profile with copies).
         last = variant == args.variants.split(",")[-1]  # the one the host and sync analyses look at

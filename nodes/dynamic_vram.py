@@ -14,6 +14,7 @@ import torch
 
 import comfy.model_management
 
+from .gpu_budget import gpu_budget_bytes
 from .quantize_patches import resident_bytes
 
 log = logging.getLogger("overdrive")
@@ -34,16 +35,6 @@ LAYER_LOADER_STATE = ("_v", "_v_block", "_v_signature", "_pin_state", "_pins", "
 
 def is_dynamic(model) -> bool:
     return bool(getattr(model, "is_dynamic", lambda: False)())
-
-
-def gpu_budget_bytes(device) -> int:
-    """What this process may hold on `device`: the card's memory less ComfyUI's reserve (--reserve-vram), capped by
-    torch's per-process memory fraction where one is set."""
-    budget = comfy.model_management.get_total_memory(device) - comfy.model_management.EXTRA_RESERVED_VRAM
-    fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction_of is not None and getattr(device, "type", None) == "cuda":
-        budget = min(budget, fraction_of(device) * torch.cuda.get_device_properties(device).total_memory)
-    return int(budget)
 
 
 def fits_whole(model) -> tuple:

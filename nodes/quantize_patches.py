@@ -25,6 +25,7 @@ from ..quantization.kernels import fp8_gemm_gelu_runs_as
 from ..quantization.linear_layers import dequantized, float_weight
 from ..quantization.modules import requantize
 from .load_state import forget_load_state
+from .quantized_streaming import StreamedBlocks, place, tensor_bytes
 
 log = logging.getLogger("overdrive.quantization")
 PREFIX = "diffusion_model."
@@ -129,6 +130,7 @@ class QuantizedModules:
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
         self.tree = tree
         self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the CPU (its way back)
+        self.streaming = StreamedBlocks()  # the 8-bit layers a short card has no room for
         self.return_hook = None
         self._slots = (None, [])  # (tree, [(parent, attribute, 8-bit layer, float layer)]): see slots()
 
@@ -151,11 +153,17 @@ class QuantizedModules:
             forget_load_state(self.originals.values())
             if self.tree is not None and self.originals and self.return_hook is None:
                 self.return_hook = return_hook(self)
-        move(self.modules.values(), device)
+        if self.tree is None or device.type != "cuda":
+            move(self.modules.values(), device)
+        elif streamed := place(self.tree, self.modules, device, self.streaming, move):
+            log.info("Overdrive quantization: the card's budget leaves no room for every 8-bit layer; %.2f GiB of "
+                     "them stay in pinned host memory and are copied in block by block at each model call.",
+                     streamed / 2**30)
         return self
 
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
+            self.streaming.stop()
             move(self.modules.values(), self.offload_device)  # unloaded: the float layers went with the tree
 
     def on_cleanup(self, patcher) -> None:
@@ -167,6 +175,7 @@ class QuantizedModules:
         every load."""
         if self not in followers(patcher):
             return
+        self.streaming.stop()  # hooks on the shared tree must not keep this model's layers alive; the next load sets them
         # ComfyUI's dynamic-VRAM loader recorded the 8-bit layers' buffers to restore at the next load (a record its
         # clones share): restored over the float layers put back here, they fail ("attribute 'bias' already exists").
         under_layers = tuple(f"diffusion_model.{name}." for name in self.modules)
@@ -314,10 +323,6 @@ def quantized_modules(patcher) -> dict:
     """{layer name: quantized module} that Quantize Model installed on `patcher` (empty if none)."""
     return {key[len(PREFIX):]: value for key, value in patcher.object_patches.items()
             if key.startswith(PREFIX) and hasattr(value, "load_float_weight")}
-
-
-def tensor_bytes(module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
 def resident_bytes(patcher) -> int:

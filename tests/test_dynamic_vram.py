@@ -64,7 +64,7 @@ def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower
     16 GiB, not 16 less the 125 reserved. On a real card only the reserve applies. No GPU here, so the card's figures
     are given."""
     import comfy.model_management as mm
-    from overdrive.nodes.dynamic_vram import gpu_budget_bytes
+    from overdrive.nodes.gpu_budget import gpu_budget_bytes
     gib, card = 2**30, torch.device("cuda", 0)
     monkeypatch.setattr(mm, "get_total_memory", lambda device=None, torch_total_too=False: 141 * gib)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Card", (), {"total_memory": 141 * gib}))

@@ -653,3 +653,43 @@ def test_switch_weights_on_a_quantized_model_requantizes_the_same_layers_from_th
     direct, _ = quantize(node, other, prompt, **EVERYTHING)
     assert relative_error(out, sample(direct)) < TOLERANCE
     assert torch.equal(sample(model), quantized_latent)  # the model that was running is untouched
+
+
+def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output(comfy):
+    """On a card too small for every 8-bit layer (Flux in fp8 on an 8 GiB card), the last blocks' layers stay in host
+    memory and each block copies its own in as it runs (nodes/quantized_streaming.py). Here the CPU stands for both
+    sides: what is checked is the split, the hooks' swap and that the model computes the same."""
+    from overdrive.nodes.quantized_streaming import StreamedBlocks, block_of, split_by_room, tensor_bytes
+    torch.manual_seed(0)
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3))
+    tree.head = torch.nn.Linear(64, 64)
+    layers = {name: Int8Linear.from_float(tree.get_submodule(name)) for name in
+              ("blocks.0.0", "blocks.1.0", "blocks.2.0", "head")}
+    assert [block_of(tree, name) for name in layers] == ["blocks.0", "blocks.1", "blocks.2", None]
+    one = tensor_bytes(layers["blocks.0.0"])
+    resident, streamed = split_by_room(tree, layers, room=one + one // 2)
+    assert sorted(resident) == ["blocks.0.0", "head"]  # a layer outside every block always stays
+    assert {block: sorted(names) for block, names in streamed.items()} == {"blocks.1": ["blocks.1.0"],
+                                                                            "blocks.2": ["blocks.2.0"]}
+    assert split_by_room(tree, layers, room=None) == (layers, {})
+
+    def run(x):
+        for block in tree.blocks:
+            x = block(x)
+        return tree.head(x)
+    for name, layer in layers.items():
+        parent, _, attribute = name.rpartition(".")
+        setattr(tree.get_submodule(parent) if parent else tree, attribute, layer)
+    x = torch.randn(4, 64)
+    expected = run(x)
+    streaming = StreamedBlocks()
+    streaming.start(tree, streamed, "cpu")
+    calls = []
+    tree.blocks[1].register_forward_pre_hook(lambda block, args: calls.append(layers["blocks.1.0"].weight_q))
+    assert torch.equal(run(x), expected)
+    host = streaming.pinned[id(layers["blocks.1.0"])]["weight_q"]
+    assert len(calls) == 1 and torch.equal(calls[0], host)  # (on a GPU, a copy on it: bench/ at 8 GiB)
+    assert layers["blocks.1.0"].weight_q is host  # after the block, the host tensor again
+    streaming.stop()
+    assert len(tree.blocks[1]._forward_pre_hooks) == 1  # only this test's own hook is left

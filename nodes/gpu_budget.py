@@ -1,0 +1,31 @@
+"""What this process may hold on a GPU: the figure Compile Model and Quantize Model size their work by."""
+import torch
+
+import comfy.model_management
+
+# Room kept free beside a model's weights for one uncompiled model call's activations (ComfyUI's minimum inference
+# memory less its reserve, which the budget already leaves out).
+ACTIVATIONS_BYTES = int(0.8 * 2**30)
+
+
+def gpu_budget_bytes(device) -> int:
+    """The card's memory less ComfyUI's reserve (--reserve-vram), capped by torch's per-process memory fraction where
+    one is set (an emulated card sets both: the lower is the card)."""
+    budget = comfy.model_management.get_total_memory(device) - comfy.model_management.EXTRA_RESERVED_VRAM
+    fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction_of is not None and getattr(device, "type", None) == "cuda":
+        budget = min(budget, fraction_of(device) * torch.cuda.get_device_properties(device).total_memory)
+    return int(budget)
+
+
+def room_for_weights(device) -> int | None:
+    """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there and one call's
+    activations; None off CUDA (no budget to keep). In use: what the device reports used (ComfyUI's dynamic-VRAM
+    weights live outside PyTorch's allocator) less what PyTorch caches unused, and at least what PyTorch allocated."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    in_use = max(torch.cuda.memory_allocated(device), total - free - cached)
+    return gpu_budget_bytes(device) - in_use - ACTIVATIONS_BYTES

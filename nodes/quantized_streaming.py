@@ -1,0 +1,112 @@
+"""Quantize Model's 8-bit layers on a card too small for all of them: the layers that do not fit stay in pinned host
+memory and their block copies them in just before it runs (ComfyUI streams float layers so under a budget; the 8-bit
+layers are Overdrive's to place). Blocks are the items of the model's ModuleLists (Flux's double and single blocks,
+Wan's blocks, a UNet's input/output blocks); a layer outside every ModuleList always stays on the GPU."""
+import torch
+
+from .gpu_budget import room_for_weights
+
+
+def tensor_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def block_of(tree: torch.nn.Module, name: str) -> str | None:
+    """The name of the outermost ModuleList item that holds layer `name` ("double_blocks.3" for
+    "double_blocks.3.img_mlp.0"); None outside every ModuleList."""
+    parts = name.split(".")
+    for end in range(1, len(parts) + 1):
+        parent = ".".join(parts[:end - 1])
+        if isinstance(tree.get_submodule(parent) if parent else tree, torch.nn.ModuleList):
+            return ".".join(parts[:end])
+    return None
+
+
+def split_by_room(tree: torch.nn.Module, layers: dict, room: int | None) -> tuple:
+    """(resident {name: layer}, streamed {block name: {name: layer}}): layers in model order stay resident while they
+    fit `room` bytes (None: all of them); a block's layers after that are streamed."""
+    if room is None:
+        return dict(layers), {}
+    resident, streamed, used = {}, {}, 0
+    for name, layer in layers.items():
+        block, size = block_of(tree, name), tensor_bytes(layer)
+        if block is None or (used + size <= room and not streamed):
+            resident[name] = layer
+            used += size
+        else:
+            streamed.setdefault(block, {})[name] = layer
+    return resident, streamed
+
+
+class StreamedBlocks:
+    """Hooks on the blocks whose 8-bit layers live in pinned host memory: before the block runs, its layers' tensors
+    are copied to the GPU (non-blocking, on the compute stream); after it, the layers point at the host copies again
+    and the GPU copies return to PyTorch's cache. Inert while another clone's layers sit in the block (a float clone
+    shares the module tree)."""
+
+    def __init__(self):
+        self.pinned = {}  # id(layer) -> {buffer name: pinned host tensor}, made once per layer
+        self.handles = []
+
+    def host_copies(self, layer) -> dict:
+        if id(layer) not in self.pinned:
+            pin = torch.cuda.is_available()  # page-locked: copied without staging, and asynchronously
+            self.pinned[id(layer)] = {key: tensor.detach().to("cpu").pin_memory() if pin else tensor.detach().to("cpu")
+                                      for key, tensor in layer._buffers.items() if tensor is not None}
+        return self.pinned[id(layer)]
+
+    def start(self, tree: torch.nn.Module, streamed: dict, device) -> None:
+        self.stop()
+        for block_name, layers in streamed.items():
+            block = tree.get_submodule(block_name)
+            placed = [(block_name and name[len(block_name) + 1:], layer, self.host_copies(layer))
+                      for name, layer in layers.items()]
+            for _, layer, host in placed:
+                layer._buffers.update(host)
+            self.handles.append(block.register_forward_pre_hook(self._bring_in(placed, device)))
+            self.handles.append(block.register_forward_hook(self._send_back(placed)))
+
+    @staticmethod
+    def _bring_in(placed, device):
+        first_name, first_layer, _ = placed[0]
+
+        def hook(block, args):
+            if block.get_submodule(first_name) is not first_layer:
+                return
+            for _, layer, host in placed:
+                for key, tensor in host.items():
+                    layer._buffers[key] = tensor.to(device, non_blocking=True)
+        return hook
+
+    @staticmethod
+    def _send_back(placed):
+        def hook(block, args, output):
+            for _, layer, host in placed:
+                layer._buffers.update(host)
+        return hook
+
+    def stop(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def forget(self, layers) -> None:
+        """Drop the host copies of `layers` (they are resident again, or gone)."""
+        for layer in layers:
+            self.pinned.pop(id(layer), None)
+
+
+def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move) -> int:
+    """Put `layers` ({name: 8-bit layer}) on `device` as far as the card's budget allows and stream the rest
+    (`move(modules, device)` moves); returns the bytes streamed per model call."""
+    room = room_for_weights(device)
+    if room is not None:  # the layers already there are part of what may stay
+        room += sum(tensor_bytes(layer) for layer in layers.values()
+                    if any(t.device == torch.device(device) for t in layer._buffers.values() if t is not None))
+    resident, streamed = split_by_room(tree, layers, room)
+    streaming.stop()
+    streaming.forget(resident.values())
+    move(resident.values(), device)
+    if streamed:
+        streaming.start(tree, streamed, device)
+    return sum(tensor_bytes(layer) for block in streamed.values() for layer in block.values())

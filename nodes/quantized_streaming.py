@@ -40,13 +40,17 @@ def split_by_room(tree: torch.nn.Module, layers: dict, room: int | None) -> tupl
 
 class StreamedBlocks:
     """Hooks on the blocks whose 8-bit layers live in pinned host memory: before the block runs, its layers' tensors
-    are copied to the GPU (non-blocking, on the compute stream); after it, the layers point at the host copies again
-    and the GPU copies return to PyTorch's cache. Inert while another clone's layers sit in the block (a float clone
-    shares the module tree)."""
+    are copied to the GPU (non-blocking, on the compute stream); after it, the GPU copies return to PyTorch's cache.
+    While the model is loaded, a streamed layer's buffers are empty (None) outside its block's call: ComfyUI's
+    dynamic-VRAM loader moves every buffer it finds onto the GPU, which would load them all after all (at 8 GiB it ran
+    out of memory). `stop` puts the host tensors back, so that between runs the layers are whole (Switch Weights
+    re-quantizes them, a copy of the model copies them). Inert while another clone's layers sit in the block (a float
+    clone shares the module tree)."""
 
     def __init__(self):
         self.pinned = {}  # id(layer) -> {buffer name: pinned host tensor}, made once per layer
         self.handles = []
+        self.emptied = []  # (layer, host tensors) whose buffers are None until `stop`
 
     def host_copies(self, layer) -> dict:
         if id(layer) not in self.pinned:
@@ -62,7 +66,8 @@ class StreamedBlocks:
             placed = [(block_name and name[len(block_name) + 1:], layer, self.host_copies(layer))
                       for name, layer in layers.items()]
             for _, layer, host in placed:
-                layer._buffers.update(host)
+                layer._buffers.update(dict.fromkeys(host))
+                self.emptied.append((layer, host))
             self.handles.append(block.register_forward_pre_hook(self._bring_in(placed, device)))
             self.handles.append(block.register_forward_hook(self._send_back(placed)))
 
@@ -82,13 +87,15 @@ class StreamedBlocks:
     def _send_back(placed):
         def hook(block, args, output):
             for _, layer, host in placed:
-                layer._buffers.update(host)
+                layer._buffers.update(dict.fromkeys(host))
         return hook
 
     def stop(self) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        for layer, host in self.emptied:
+            layer._buffers.update(host)
+        self.handles, self.emptied = [], []
 
     def forget(self, layers) -> None:
         """Drop the host copies of `layers` (they are resident again, or gone)."""

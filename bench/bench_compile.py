@@ -88,7 +88,7 @@ def add_stream_estimate(row: dict, model_calls: int) -> None:
     The lower of two accounts: ComfyUI's (model_size - loaded_size: right under dynamic VRAM, whose layers live in host
     memory between calls, but blind to Quantize Model's 8-bit layers) and the module tree's (weights not on the GPU at
     the first call: right on the classic loader)."""
-    streamed = min(row["weights_gib_not_loaded"], max(row["weights_gib_in_tree"] - row["weights_gib_on_gpu"], 0.0))
+    streamed = max(min(row["weights_gib_not_loaded"], row["weights_gib_in_tree"] - row["weights_gib_on_gpu"]), 0.0)
     row["streamed_gib_per_call"] = round(streamed, 3)
     row["stream_s_per_image_at_25gb_s"] = round(streamed * 2**30 * model_calls / 25e9, 2)
 

@@ -2,8 +2,8 @@
 # ComfyUI 0.33 on the GPU: the dynamic-VRAM GPU tests, then eager / ComfyUI's TorchCompileModel / Compile Model /
 # + fp8 / + step cache side by side in one process per family, with dynamic VRAM on (ComfyUI's default on NVIDIA) or
 # off, the model loaded from a file through ComfyUI's loader.
-# Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen and
-# whl_cudnn carried (bench/device_carry.sh):
+# Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen.tar.xz,
+# whl_av.tar.xz (ComfyUI's V3 API, which the nodes use, imports PyAV) and whl_fa3.tar.xz carried (bench/device_carry.sh):
 #   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off |
 #     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8
 #     path (Flux.2 at a quarter of its blocks: its 32 B parameters take longer to write than a device call lasts)

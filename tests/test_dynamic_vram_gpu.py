@@ -80,6 +80,37 @@ def test_quantize_model_fp8_then_compile_model(nodes, base, family, sample, eage
              len(report.quantized), error_eager, error)
 
 
+def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, nodes, base, family, sample,
+                                                                          monkeypatch, caplog):
+    """A card too small for every 8-bit layer (fp8 Flux on an 8 GiB card): the layers beyond the room stay in pinned
+    host memory and their blocks copy them in as they run (nodes/quantized_streaming.py), on dynamic VRAM, whose
+    loader moves every buffer it finds onto the GPU. The tiny model fits any card, so the room is set to half of its
+    8-bit layers' bytes. Same kernels on the same inputs: the calls match the resident run's."""
+    from overdrive.nodes import quantized_streaming
+    from overdrive.nodes.quantize_patches import followers, quantized_modules
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    report, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
+    assert report is not None and report.quantized, "quantizing fell back"
+    _, resident_calls = sample(quantized)
+    layers = quantized_modules(quantized)
+    half = sum(quantized_streaming.tensor_bytes(layer) for layer in layers.values()) // 2
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device: half)
+    comfy.model_management.unload_all_models()  # the next load places the layers again, by the room
+    with caplog.at_level(logging.INFO, logger="overdrive.quantization"):
+        out, calls = sample(quantized)
+    assert "stay in pinned host memory" in caplog.text, caplog.text[-2000:]
+    assert_calls_match(calls, resident_calls, 1e-3)
+    streaming = followers(quantized)[0].streaming
+    streamed = [layer for layer in layers.values() if id(layer) in streaming.pinned]
+    assert streamed and len(streamed) < len(layers)
+    assert not streaming.handles  # the run is over: no hook left on the shared module tree ...
+    assert all(t.device.type == "cpu" and t.is_pinned()  # ... and the streamed layers whole, in host memory
+               for layer in streamed for t in layer._buffers.values() if t is not None)
+    assert torch.isfinite(out).all()
+
+
 def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, files, sample):
     sample(compiled)
     graphs = dynamo_graph_count()

@@ -106,12 +106,12 @@ class StreamedBlocks:
 def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move) -> int:
     """Put `layers` ({name: 8-bit layer}) on `device` as far as the card's budget allows and stream the rest
     (`move(modules, device)` moves); returns the bytes streamed per model call."""
+    streaming.stop()  # every layer whole again before it is measured and placed
     room = room_for_weights(device)
     if room is not None:  # the layers already there are part of what may stay
         room += sum(tensor_bytes(layer) for layer in layers.values()
                     if any(t.device == torch.device(device) for t in layer._buffers.values() if t is not None))
     resident, streamed = split_by_room(tree, layers, room)
-    streaming.stop()
     streaming.forget(resident.values())
     move(resident.values(), device)
     if streamed:

@@ -258,59 +258,60 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
     `store_device`, if given, is where each chosen module goes as soon as it is decided: on a card that holds the
     float model only partly, the 8-bit layers must not pile up beside it (one layer at a time is measured there)."""
     decisions, modules = [], {}
-
-    def keep(name, module):
-        modules[name] = module if store_device is None else module.to(store_device)
-
     for candidate in candidates:
         if between_layers is not None:
             between_layers()
-        module = candidate.module
-        sample = samples.get(candidate.name)
-        decision = LayerDecision(name=candidate.name, kind=candidate.kind, shape=list(module.weight.shape),
-                                 threshold=config.threshold_for(candidate.kind))
+        decision, module = decide_layer(candidate, samples.get(candidate.name), config, fmt)
         decisions.append(decision)
-        if sample is not None:
-            decision.calls = sample.calls
-            decision.rows = sample.max_rows if sample.calls else None
-            decision.density = layer_density(candidate, sample)
-        reason = candidate.skip_reason
-        if reason is None:
-            reason = formats.get(fmt).shape_problem(candidate.in_features, candidate.out_features)
-        if reason is not None:
-            decision.reason = reason
-            continue
-        if sample is None:
-            decision.reason = "no calibration inputs recorded (the Calibrator did not hook this layer)"
-            continue
-        if sample.rows is None:
-            decision.reason = "not called during calibration (no inputs to measure)"
-            continue
-        if not decision.density >= config.compute_density_threshold:
-            decision.reason = (f"density {decision.density:.0f} < {config.compute_density_threshold:g} FLOP/byte "
-                               f"(memory-bound: low precision would not speed it up)")
-            if config.weight_only:
-                stored = _stored_in_int8(decision, candidate, sample, config)
-                if stored is not None:
-                    gemm = _gemm_if_faster(decision, candidate, sample, stored, config, fmt)
-                    keep(candidate.name, stored if gemm is None else gemm)
-            else:  # the report still shows what the 8-bit GEMM would cost in error
-                decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)[1]
-            continue
-        quantized, decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)
-        if not decision.error < decision.threshold:
-            decision.reason = f"error {decision.error:.2e} >= threshold {decision.threshold:g}"
-        elif (slow := _too_slow(decision, candidate, sample, quantized, config, fmt)) is not None:
-            decision.reason = slow
-        else:
-            decision.decision = QUANTIZE
-            decision.reason = f"{fmt}: error {decision.error:.2e} < {decision.threshold:g}, " \
-                              f"density {decision.density:.0f} >= {config.compute_density_threshold:g}"
-            if decision.speedup is not None:
-                decision.reason += f", measured {decision.speedup:.2f}x faster"
-            decision.input_amax = None if sample.amax is None else float(sample.amax)
-            keep(candidate.name, quantized)
+        if module is not None:
+            modules[candidate.name] = module if store_device is None else module.to(store_device)
     for decision in decisions:
         if decision.decision != QUANTIZE:
             decision.decision = SKIP
     return decisions, modules
+
+
+def decide_layer(candidate: Candidate, sample: LayerSample | None, config: QuantConfig, fmt: str):
+    """(LayerDecision, the replacement module or None) for one candidate layer and its calibration sample."""
+    module = candidate.module
+    decision = LayerDecision(name=candidate.name, kind=candidate.kind, shape=list(module.weight.shape),
+                             threshold=config.threshold_for(candidate.kind))
+    if sample is not None:
+        decision.calls = sample.calls
+        decision.rows = sample.max_rows if sample.calls else None
+        decision.density = layer_density(candidate, sample)
+    reason = candidate.skip_reason
+    if reason is None:
+        reason = formats.get(fmt).shape_problem(candidate.in_features, candidate.out_features)
+    if reason is None and sample is None:
+        reason = "no calibration inputs recorded (the Calibrator did not hook this layer)"
+    if reason is None and sample.rows is None:
+        reason = "not called during calibration (no inputs to measure)"
+    if reason is not None:
+        decision.reason = reason
+        return decision, None
+    if not decision.density >= config.compute_density_threshold:
+        decision.reason = (f"density {decision.density:.0f} < {config.compute_density_threshold:g} FLOP/byte "
+                           f"(memory-bound: low precision would not speed it up)")
+        if not config.weight_only:  # the report still shows what the 8-bit GEMM would cost in error
+            decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)[1]
+            return decision, None
+        stored = _stored_in_int8(decision, candidate, sample, config)
+        if stored is None:
+            return decision, None
+        gemm = _gemm_if_faster(decision, candidate, sample, stored, config, fmt)
+        return decision, stored if gemm is None else gemm
+    quantized, decision.error = measure_layer(module, sample.rows, fmt, config, sample.amax)
+    if not decision.error < decision.threshold:
+        decision.reason = f"error {decision.error:.2e} >= threshold {decision.threshold:g}"
+        return decision, None
+    if (slow := _too_slow(decision, candidate, sample, quantized, config, fmt)) is not None:
+        decision.reason = slow
+        return decision, None
+    decision.decision = QUANTIZE
+    decision.reason = f"{fmt}: error {decision.error:.2e} < {decision.threshold:g}, " \
+                      f"density {decision.density:.0f} >= {config.compute_density_threshold:g}"
+    if decision.speedup is not None:
+        decision.reason += f", measured {decision.speedup:.2f}x faster"
+    decision.input_amax = None if sample.amax is None else float(sample.amax)
+    return decision, quantized

@@ -43,9 +43,9 @@ class StreamedBlocks:
     are copied to the GPU (non-blocking, on the compute stream); after it, the GPU copies return to PyTorch's cache.
     While the model is loaded, a streamed layer's buffers are empty (None) outside its block's call: ComfyUI's
     dynamic-VRAM loader moves every buffer it finds onto the GPU, which would load them all after all (and run a
-    short card out of memory). `stop` puts the host tensors back, so that between runs the layers are whole (Switch Weights
-    re-quantizes them, a copy of the model copies them). Inert while another clone's layers sit in the block (a float
-    clone shares the module tree)."""
+    short card out of memory). `stop` puts the host tensors back, so that between runs the layers are whole (Switch
+    Weights re-quantizes them, a copy of the model copies them). Inert while another clone's layers sit in the block (a
+    float clone shares the module tree)."""
 
     def __init__(self):
         self.pinned = {}  # id(layer) -> {buffer name: pinned host tensor}, made once per layer

@@ -15,7 +15,7 @@ import torch
 import comfy.model_management
 
 from .gpu_budget import gpu_budget_bytes
-from .quantize_patches import resident_bytes
+from .quantize_patches import quantized_modules, resident_bytes
 
 log = logging.getLogger("overdrive")
 
@@ -37,13 +37,36 @@ def is_dynamic(model) -> bool:
     return bool(getattr(model, "is_dynamic", lambda: False)())
 
 
+def with_workspace(weights: int) -> int:
+    return weights + max(WORKSPACE_MIN_BYTES, int(weights * WORKSPACE_FRACTION))
+
+
 def fits_whole(model) -> tuple:
     """(fits, GiB needed, GiB the process may hold): whether `model`'s weights (its 8-bit layers at their size, where
     Quantize Model came first) and a compiled model's working memory fit the GPU at once."""
-    weights = resident_bytes(model)
-    needed = weights + max(WORKSPACE_MIN_BYTES, int(weights * WORKSPACE_FRACTION))
+    needed = with_workspace(resident_bytes(model))
     budget = gpu_budget_bytes(model.load_device)
     return needed <= budget, needed / 2**30, budget / 2**30
+
+
+def eight_bit_bytes(model) -> int:
+    """About what `model` would hold with every 16/32-bit linear weight in 8 bits (Quantize Model's ceiling)."""
+    saved = sum(layer.weight.numel() * (layer.weight.element_size() - 1)
+                for layer in model.model.diffusion_model.modules()
+                if isinstance(layer, torch.nn.Linear) and getattr(layer, "weight", None) is not None
+                and layer.weight.element_size() > 1)
+    return resident_bytes(model) - saved
+
+
+def quantize_first_hint(model, budget_gib: float) -> str:
+    """A sentence for the log where Quantize Model before Compile Model would make `model` fit the card, else ""."""
+    if quantized_modules(model):
+        return ""
+    needed = with_workspace(eight_bit_bytes(model)) / 2**30
+    if needed > budget_gib:
+        return ""
+    return (f" In 8 bits it would fit ({needed:.1f} GiB): put Quantize Model before Compile Model to compile it with "
+            f"CUDA graphs.")
 
 
 def compile_clone(model):
@@ -55,8 +78,8 @@ def compile_clone(model):
     name = type(model.model).__name__
     if not fits:
         log.warning("Overdrive Compile Model: %s needs %.1f GiB with its working memory and this GPU allows %.1f: it "
-                    "keeps ComfyUI's dynamic VRAM (weights streamed per layer) and its blocks run uncompiled.",
-                    name, needed, budget)
+                    "keeps ComfyUI's dynamic VRAM (weights streamed per layer) and its blocks run uncompiled.%s",
+                    name, needed, budget, quantize_first_hint(model, budget))
         return model.clone(), False
     try:
         clone = model.clone(disable_dynamic=True)

@@ -74,3 +74,18 @@ def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower
     monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 1 * gib)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
     assert gpu_budget_bytes(card) == 140 * gib
+
+
+def test_a_float_model_too_large_for_the_card_is_told_that_8_bits_would_fit(comfy, tmp_path):
+    """Compile Model's log on a card the float model does not fit: where its linear weights in 8 bits would fit with
+    the working memory, it says to put Quantize Model first (fp8 Flux fits a 16 GiB card; bf16 does not)."""
+    import comfy.sd
+    from overdrive.nodes.dynamic_vram import eight_bit_bytes, quantize_first_hint, with_workspace
+
+    model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("flux", "tiny", 0, tmp_path)))
+    linears = [m.weight for m in model.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(w.element_size() > 1 for w in linears)
+    assert model.model_size() - eight_bit_bytes(model) == sum(w.numel() * (w.element_size() - 1) for w in linears)
+    fits_8_bit = with_workspace(eight_bit_bytes(model)) / 2**30
+    assert "put Quantize Model before Compile Model" in quantize_first_hint(model, fits_8_bit + 0.01)
+    assert quantize_first_hint(model, fits_8_bit - 0.01) == ""

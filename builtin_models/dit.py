@@ -46,7 +46,7 @@ MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|tim
 MODULATION_GAIN = SMALL_GAIN
 
 
-class Family(NamedTuple):
+class BuiltinFamily(NamedTuple):
     model_class: str     # the comfy.supported_models class detection must pick
     full: dict           # the unet_config of the real model, as detection returns it
     tiny: dict           # what "tiny" overrides
@@ -67,8 +67,8 @@ class Family(NamedTuple):
                              # {"transformer": {...}}}), not from the weights' shapes (LTX-2's audio stream)
 
 
-FAMILIES: Dict[str, Family] = {
-    "flux": Family(
+FAMILIES: Dict[str, BuiltinFamily] = {
+    "flux": BuiltinFamily(
         "Flux",
         dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
              hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
@@ -77,8 +77,8 @@ FAMILIES: Dict[str, Family] = {
         dict(depth=1, depth_single_blocks=1),
         "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False),
         dict(cfg=1.0, steps=20)),
-    "chroma": Family(  # Chroma1 (Flux.1-schnell's blocks without per-block modulation layers: one approximator makes
-        # every block's modulation from the timestep), T5-XXL only and unpadded, sampled with real CFG
+    "chroma": BuiltinFamily(  # Chroma1 (Flux.1-schnell's blocks without per-block modulation layers: one approximator
+        # makes every block's modulation from the timestep), T5-XXL only and unpadded, sampled with real CFG
         "Chroma",
         dict(image_model="chroma", in_channels=64, out_channels=64, in_dim=64, out_dim=3072, hidden_dim=5120,
              n_layers=5, hidden_size=3072, context_in_dim=4096, mlp_ratio=4.0, num_heads=24, depth=19,
@@ -87,8 +87,8 @@ FAMILIES: Dict[str, Family] = {
         dict(depth=1, depth_single_blocks=1),
         "flux_ae", dict(tokens=64, width=4096, pooled=None), dict(channels=16, spatial=8, frames=False),
         dict(cfg=4.0, steps=26)),
-    "flux2": Family(  # Flux.2 [dev] (32 B): 8 double and 48 single blocks at 48 heads x 128, their modulations made
-        # once per call by three global layers; Mistral Small 3.1's three stacked hidden layers as the text (15,360
+    "flux2": BuiltinFamily(  # Flux.2 [dev] (32 B): 8 double and 48 single blocks at 48 heads x 128, their modulations
+        # made once per call by three global layers; Mistral Small 3.1's three stacked hidden layers as the text (15,360
         # wide, padded to 512 tokens by ComfyUI); guidance-distilled. Detection fixes the heads and the rotary axes,
         # so the width stays 6,144 and the tiny file is one block of each kind (2.3 B parameters)
         "Flux2",
@@ -101,11 +101,11 @@ FAMILIES: Dict[str, Family] = {
         "flux2_ae", dict(tokens=512, width=15360, pooled=None, guidance=4.0),
         dict(channels=128, spatial=16, frames=False, node="EmptyFlux2LatentImage"),
         dict(cfg=1.0, steps=28), cpu_suite=False),
-    "qwen_image": Family(
+    "qwen_image": BuiltinFamily(
         "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=2),
         "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True, video=False),  # Wan 2.1 VAE
         dict(cfg=2.5, steps=20)),
-    "wan22": Family(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
+    "wan22": BuiltinFamily(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
         "WAN22_T2V",
         dict(image_model="wan2.1", model_type="t2v", dim=3072, out_dim=48, in_dim=48, num_heads=24, ffn_dim=14336,
              num_layers=30, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
@@ -113,7 +113,7 @@ FAMILIES: Dict[str, Family] = {
         dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
         "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True, video=True),
         dict(cfg=5.0, steps=20)),
-    "zimage": Family(
+    "zimage": BuiltinFamily(
         "ZImage",
         dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, n_layers=30,
              qk_norm=True, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
@@ -122,7 +122,7 @@ FAMILIES: Dict[str, Family] = {
         dict(n_layers=2),
         "flux_ae", dict(tokens=64, width=2560), dict(channels=16, spatial=8, frames=False),
         dict(cfg=1.0, steps=8)),
-    "sd35": Family(  # SD3.5 Large: 38 joint blocks of 64 x 38 channels
+    "sd35": BuiltinFamily(  # SD3.5 Large: 38 joint blocks of 64 x 38 channels
         "SD3",
         dict(in_channels=16, patch_size=2, out_channels=16, depth=38, input_size=None, adm_in_channels=2048,
              context_embedder_config={"target": "torch.nn.Linear",
@@ -134,17 +134,17 @@ FAMILIES: Dict[str, Family] = {
              num_patches=1024, pos_embed_max_size=32),
         "flux_ae", dict(tokens=154, width=4096, pooled=2048), dict(channels=16, spatial=8, frames=False),
         dict(cfg=4.5, steps=20)),
-    "ltxv": Family(  # LTX-Video 13B (0.9.7/0.9.8): 48 blocks of 32 heads x 128; detection reads depth and widths
+    "ltxv": BuiltinFamily(  # LTX-Video 13B (0.9.7/0.9.8): 48 blocks of 32 heads x 128; detection reads depth and widths
         "LTXV", dict(image_model="ltxv", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
         dict(num_layers=2, attention_head_dim=8, cross_attention_dim=256),
         "ltxv", dict(tokens=128, width=4096, prompt_share=0.25),
         dict(channels=128, spatial=32, frames=True, video=True, temporal=8),
         dict(cfg=3.0, steps=20)),
-    "ltx2": Family(  # LTX-2 (18.9 B): 48 blocks, each a video stream (32 heads x 128) and an audio stream (32 x 64)
-        # with cross-attention between them; Gemma 3's output through two connectors, video and audio side by side
-        # (2 x 3,840 wide), which pad it with learned registers to at least 1,024 tokens. Its latent is LTXV Concat AV
-        # Latent's: the video's (LTX-Video's VAE compression) and the audio's (8 channels x 16 mel bins, 25 latents
-        # a second of video at 25 fps), packed as one NestedTensor
+    "ltx2": BuiltinFamily(  # LTX-2 (18.9 B): 48 blocks, each a video stream (32 heads x 128) and an audio stream
+        # (32 x 64) with cross-attention between them; Gemma 3's output through two connectors, video and audio side
+        # by side (2 x 3,840 wide), which pad it with learned registers to at least 1,024 tokens. Its latent is LTXV
+        # Concat AV Latent's: the video's (LTX-Video's VAE compression) and the audio's (8 channels x 16 mel bins, 25
+        # latents a second of video at 25 fps), packed as one NestedTensor
         "LTXAV", dict(image_model="ltxav", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
         dict(num_layers=2, attention_head_dim=4, cross_attention_dim=128, audio_attention_head_dim=4,
              audio_num_attention_heads=2, audio_cross_attention_dim=8),

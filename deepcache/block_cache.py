@@ -25,7 +25,7 @@ from .schedule import DeepCacheSchedule
 
 @dataclass(frozen=True)
 class BlockRole:
-    stack: object          # families.Stack
+    stack: object          # families.BlockStack
     stack_index: int
     skippable: bool        # at or after block `cache_depth` of the cached stacks
     first_skipped: bool    # the first skippable block of its stack: its inputs start the stack's residual

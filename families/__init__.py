@@ -18,7 +18,7 @@ log = logging.getLogger("overdrive")
 
 
 @dataclass(frozen=True)
-class Stack:
+class BlockStack:
     """One `nn.ModuleList` of identical blocks on the diffusion model.
 
     attribute: the ModuleList's attribute name on the diffusion model.

@@ -1,14 +1,14 @@
 """Flux.1 (ComfyUI's `Flux`; Flux 2 shares the class) and Chroma (ComfyUI's `Chroma`, Flux.1-schnell's blocks with
 their modulations made once by one approximator): 19 double-stream blocks over image and text tokens, then 38
-single-stream blocks over their concatenation. Chroma calls its double blocks by keyword, which a Stack's streams
+single-stream blocks over their concatenation. Chroma calls its double blocks by keyword, which a BlockStack's streams
 allow. diffusers' `FluxTransformer2DModel` has the same blocks under its own names; its single blocks take and return
 both streams (they concatenate inside). diffusers' Flux.2 and Chroma pass their single blocks the streams already
 concatenated."""
-from . import Family, Stack
+from . import Family, BlockStack
 
 FAMILY = Family("flux", frozenset({"Flux"}), (
-    Stack("double_blocks", streams=(("img", 0), ("txt", 1)), returns=("img", "txt")),
-    Stack("single_blocks", streams=(("x", 0),), returns=("x",)),
+    BlockStack("double_blocks", streams=(("img", 0), ("txt", 1)), returns=("img", "txt")),
+    BlockStack("single_blocks", streams=(("x", 0),), returns=("x",)),
 ))
 
 CHROMA = Family("chroma", frozenset({"Chroma"}), FAMILY.stacks, float_layers=(
@@ -21,9 +21,9 @@ CHROMA = Family("chroma", frozenset({"Chroma"}), FAMILY.stacks, float_layers=(
 ))
 
 DIFFUSERS = Family("flux", frozenset({"FluxTransformer2DModel"}), (
-    Stack("transformer_blocks", streams=(("hidden_states", 0), ("encoder_hidden_states", 1)),
+    BlockStack("transformer_blocks", streams=(("hidden_states", 0), ("encoder_hidden_states", 1)),
           returns=("encoder_hidden_states", "hidden_states"), probe="hidden_states"),
-    Stack("single_transformer_blocks", streams=(("hidden_states", 0), ("encoder_hidden_states", 1)),
+    BlockStack("single_transformer_blocks", streams=(("hidden_states", 0), ("encoder_hidden_states", 1)),
           returns=("encoder_hidden_states", "hidden_states"), probe="hidden_states"),
 ))
 
@@ -31,7 +31,7 @@ DIFFUSERS = Family("flux", frozenset({"FluxTransformer2DModel"}), (
 # tokens included), the modulations of three global layers passed to every block.
 DIFFUSERS_FLUX2 = Family("flux2", frozenset({"Flux2Transformer2DModel"}), (
     DIFFUSERS.stacks[0],
-    Stack("single_transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
+    BlockStack("single_transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
 ))
 
 # diffusers' Chroma: Flux.2's stack layout over Flux.1's blocks, and the same approximator as ComfyUI's (CHROMA).

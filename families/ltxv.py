@@ -1,13 +1,13 @@
 """LTX-Video (ComfyUI's `LTXVModel`, Lightricks' 2B and 13B video DiTs; diffusers' `LTXVideoTransformer3DModel`): one
 stack of attention blocks over the video tokens, each a self-attention, a cross-attention over the T5 prompt and a gated
 MLP; ComfyUI's block updates its input in place and returns it. LTX-2 (`LTXAVModel`, audio and video: `LTX2`) runs the
-same patchifier; its blocks take and return the video and audio tokens as one tuple, a Stack's `parts`, and attend
+same patchifier; its blocks take and return the video and audio tokens as one tuple, a BlockStack's `parts`, and attend
 across the two (tests/test_ltx2.py)."""
 from types import SimpleNamespace
 
 import torch
 
-from . import Family, HostSyncFix, Stack
+from . import Family, HostSyncFix, BlockStack
 
 
 def latent_coords(self, latent_num_frames, latent_height, latent_width, batch_size, device):
@@ -40,7 +40,7 @@ _WHY = "ComfyUI's copies a small tensor from the CPU at every model call, which 
 _TEXT_ONLY = "runs on the prompt's tokens only (few rows, little to gain) and its 8-bit error reaches every block"
 
 FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
-    Stack("transformer_blocks", streams=(("x", 0),), returns=("x",)),
+    BlockStack("transformer_blocks", streams=(("x", 0),), returns=("x",)),
 ), float_layers=(
     # 768x512 (4,992 tokens against the prompt's 128), fp8 with QuantizeModel's defaults, one model call against bf16:
     # 6.2e-2, of which 3.9e-2 with the caption projection alone and 2.9e-2 / 1.8e-2 with the cross-attention's
@@ -55,12 +55,12 @@ FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
 ))
 
 DIFFUSERS = Family("ltxv", frozenset({"LTXVideoTransformer3DModel"}), (
-    Stack("transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
+    BlockStack("transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
 ), noise_timestep=1000.0)
 
 # LTX-2: its prompt reaches the video and the audio tokens through a caption projection and a cross-attention each.
 LTX2 = Family("ltx2", frozenset({"LTXAVModel"}), (
-    Stack("transformer_blocks", streams=(("x", 0),), returns=("x",), parts=(("x", ("video", "audio")),),
+    BlockStack("transformer_blocks", streams=(("x", 0),), returns=("x",), parts=(("x", ("video", "audio")),),
           options=("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")),
 ), float_layers=(
     (r"(audio_)?caption_projection\.", _TEXT_ONLY),

@@ -2,7 +2,7 @@
 video tokens."""
 import torch
 
-from . import Family, HostSyncFix, Stack
+from . import Family, HostSyncFix, BlockStack
 
 
 def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
@@ -22,13 +22,13 @@ def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
 _WHY = "ComfyUI's copies its frequencies from the CPU at every model call, which waits for the GPU to drain"
 
 FAMILY = Family("wan", frozenset({"WanModel"}), (
-    Stack("blocks", streams=(("x", 0),), returns=("x",)),
+    BlockStack("blocks", streams=(("x", 0),), returns=("x",)),
 ), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY,
                                      probe=(16, torch.tensor([0.0, 0.5, 999.0])))
                          for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")))
 
 DIFFUSERS = Family("wan", frozenset({"WanTransformer3DModel"}), (
-    Stack("blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
+    BlockStack("blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
 ), noise_timestep=1000.0, float_layers=(
     # diffusers' Wan casts the timestep to `next(time_embedder.parameters()).dtype`: with both its linears quantized
     # (whose weights are buffers) that raises StopIteration. Two GEMVs a call: nothing to gain from 8 bits.

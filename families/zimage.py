@@ -1,12 +1,12 @@
 """Z-Image (ComfyUI's `NextDiT`, Lumina 2's class; diffusers' `ZImageTransformer2DModel`): two small refiner stacks
 (image tokens, caption tokens) run before the main layers over both; the refiners are compiled, never skipped.
 diffusers' pipeline passes the timestep rising, (1000 - t) / 1000: 0 at pure noise."""
-from . import Family, Stack
+from . import Family, BlockStack
 
 FAMILY = Family("zimage", frozenset({"NextDiT"}), (
-    Stack("noise_refiner", streams=(("x", 0),), returns=("x",), cached=False),
-    Stack("context_refiner", streams=(("x", 0),), returns=("x",), cached=False),
-    Stack("layers", streams=(("x", 0),), returns=("x",)),
+    BlockStack("noise_refiner", streams=(("x", 0),), returns=("x",), cached=False),
+    BlockStack("context_refiner", streams=(("x", 0),), returns=("x",), cached=False),
+    BlockStack("layers", streams=(("x", 0),), returns=("x",)),
 ))
 
 DIFFUSERS = Family("zimage", frozenset({"ZImageTransformer2DModel"}), FAMILY.stacks, noise_timestep=0.0,

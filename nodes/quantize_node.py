@@ -17,7 +17,7 @@ from .attention_override import install_attention
 from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
-from .quantize_patches import bake_weight_patches, install, patches_digest
+from .quantize_patches import bake_weight_patches, install_quantized, patches_digest
 
 log = logging.getLogger("overdrive")
 DEFAULTS = QuantConfig()
@@ -107,7 +107,7 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
                                  between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
         patched = model.clone()
         baked = bake_weight_patches(patched, plan.modules, model.load_device)
-    install(patched, plan.modules)
+    install_quantized(patched, plan.modules)
     rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
     report = plan.report
     path = cache.decisions_path(report.cache_key)

@@ -183,7 +183,7 @@ class QuantizedModules:
         for key in [key for key in backups if key.startswith(under_layers)]:
             del backups[key]
         tree = patcher.model.diffusion_model
-        for key in patcher.object_patches:  # the fused MLPs' class patches (install)
+        for key in patcher.object_patches:  # the fused MLPs' class patches (install_quantized)
             if key.startswith(PREFIX) and key.endswith(CLASS_PATCH):
                 gelu_fusion.restore_class(tree.get_submodule(key[len(PREFIX):-len(CLASS_PATCH)]))
         for look_up_again in (False, True):  # again: a layer not where it was found (a container replaced since)
@@ -267,7 +267,7 @@ def compute_dtype(patcher) -> torch.dtype:
     return getattr(model, "manual_cast_dtype", None) or model.get_dtype()
 
 
-def install(patcher, modules: dict) -> None:
+def install_quantized(patcher, modules: dict) -> None:
     """Object patches for the quantized layers (and for the activations of the MLPs whose two fp8 GEMMs run as one
     fused pair, quantization/gelu_fusion.py), the LoRA-after guard and the device follower, on `patcher`."""
     tree = patcher.model.diffusion_model
@@ -348,7 +348,7 @@ def requantize_onto(patcher, diffusion_model) -> list:
         state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
     fresh = requantize(old, state, copy=True)
     patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old layers' follower
-    install(patcher, fresh)
+    install_quantized(patcher, fresh)
     return sorted(fresh)
 
 
@@ -358,7 +358,7 @@ def retarget(patcher) -> int:
     modules = quantized_modules(patcher)
     if modules:
         patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old tree's follower
-        install(patcher, modules)
+        install_quantized(patcher, modules)
     return len(modules)
 
 

@@ -6,7 +6,7 @@ import torch
 from overdrive.blockwise import BlockwiseForward
 from overdrive.deepcache import DeepCacheConfig, DeepCacheConfigError, DeepCacheUnsupportedError
 from overdrive.deepcache.block_cache import relative_change
-from overdrive.families import Family, Stack
+from overdrive.families import Family, BlockStack
 
 
 class Pair(torch.nn.Module):
@@ -48,8 +48,8 @@ class Toy(torch.nn.Module):
 
 
 TOY = Family("toy", frozenset({"Toy"}), (
-    Stack("pairs", streams=(("img", 0), ("txt", 1)), returns=("txt", "img"), probe="img"),
-    Stack("singles", streams=(("x", 0),), returns=("x",)),
+    BlockStack("pairs", streams=(("img", 0), ("txt", 1)), returns=("txt", "img"), probe="img"),
+    BlockStack("singles", streams=(("x", 0),), returns=("x",)),
 ))
 
 

@@ -4,7 +4,7 @@ it is. The recordings themselves are checked on a GPU (test_block_graphs_gpu.py)
 import torch
 
 from overdrive.compiler.block_graphs import BlockGraphs, _flatten, _rebuilt
-from overdrive.families import Stack
+from overdrive.families import BlockStack
 
 
 def signature(*args, **kwargs):
@@ -37,7 +37,7 @@ def test_rebuilt_puts_tensors_back_in_the_arguments_order():
 def test_a_call_on_the_cpu_runs_the_block_and_records_nothing():
     block = torch.nn.Linear(4, 4)
     graphs = BlockGraphs()
-    stack = Stack("blocks", streams=(("x", 0),), returns=("x",))
+    stack = BlockStack("blocks", streams=(("x", 0),), returns=("x",))
     x = torch.randn(2, 4)
     for _ in range(3):
         assert torch.equal(graphs.call("blocks.0", block, stack, block.forward, (x,), {}), block(x))

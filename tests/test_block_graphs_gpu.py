@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from overdrive.compiler.block_graphs import BlockGraphs
-from overdrive.families import Stack
+from overdrive.families import BlockStack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 RES, STEPS, CFG = 256, 5, 3.0
@@ -162,7 +162,7 @@ class SyncingBlock(NewOutputBlock):
         return super().forward(x, side, scale)
 
 
-TOY = Stack("blocks", streams=(("x", 0),), returns=("x",))
+TOY = BlockStack("blocks", streams=(("x", 0),), returns=("x",))
 
 
 def run_chain(blocks, graphs, x, side, scale=1.0):

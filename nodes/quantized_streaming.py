@@ -7,8 +7,16 @@ import torch
 from .gpu_budget import room_for_weights
 
 
+def tensors_of(module) -> list:
+    """(submodule, "_parameters" | "_buffers", name, tensor) for every tensor in `module`'s tree: read from the tensor
+    dicts, not state_dict() (its cost per layer, at every load, adds up over a model's hundreds of layers). A 1x1 conv's
+    8-bit layer holds its tensors in its inner GEMM."""
+    return [(sub, kind, name, tensor) for sub in module.modules() for kind in ("_parameters", "_buffers")
+            for name, tensor in getattr(sub, kind).items() if tensor is not None]
+
+
 def tensor_bytes(module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    return sum(tensor.numel() * tensor.element_size() for *_, tensor in tensors_of(module))
 
 
 def block_of(tree: torch.nn.Module, name: str) -> str | None:
@@ -48,59 +56,55 @@ class StreamedBlocks:
     float clone shares the module tree)."""
 
     def __init__(self):
-        self.pinned = {}  # id(layer) -> {buffer name: pinned host tensor}, made once per layer
+        self.pinned = {}  # id(layer) -> [(submodule, buffer name, pinned host tensor)], made once per layer
         self.handles = []
-        self.emptied = []  # (layer, host tensors) whose buffers are None until `stop`
+        self.emptied = []  # host copies [(submodule, buffer name, tensor)] whose buffers are None until `stop`
 
-    def host_copies(self, layer) -> dict:
+    def host_copies(self, layer) -> list:
         if id(layer) not in self.pinned:
             pin = torch.cuda.is_available()  # page-locked: copied without staging, and asynchronously
-            self.pinned[id(layer)] = {key: tensor.detach().to("cpu").pin_memory() if pin else tensor.detach().to("cpu")
-                                      for key, tensor in layer._buffers.items() if tensor is not None}
+            self.pinned[id(layer)] = [(sub, name, tensor.detach().to("cpu").pin_memory() if pin
+                                       else tensor.detach().to("cpu"))
+                                      for sub, kind, name, tensor in tensors_of(layer) if kind == "_buffers"]
         return self.pinned[id(layer)]
 
     def start(self, tree: torch.nn.Module, streamed: dict, device) -> None:
         self.stop()
         for block_name, layers in streamed.items():
             block = tree.get_submodule(block_name)
-            placed = [(block_name and name[len(block_name) + 1:], layer, self.host_copies(layer))
-                      for name, layer in layers.items()]
-            for _, layer, host in placed:
-                layer._buffers.update(dict.fromkeys(host))
-                self.emptied.append((layer, host))
-            self.handles.append(block.register_forward_pre_hook(self._bring_in(placed, device)))
-            self.handles.append(block.register_forward_hook(self._send_back(placed)))
+            first_name, first_layer = next(iter(layers.items()))
+            host = [copy for layer in layers.values() for copy in self.host_copies(layer)]
+            empty(host)
+            self.emptied.extend(host)
+            self.handles.append(block.register_forward_pre_hook(
+                self._bring_in(first_name[len(block_name) + 1:], first_layer, host, device)))
+            self.handles.append(block.register_forward_hook(lambda block, args, output, host=host: empty(host)))
 
     @staticmethod
-    def _bring_in(placed, device):
-        first_name, first_layer, _ = placed[0]
-
+    def _bring_in(first_name, first_layer, host, device):
         def hook(block, args):
             if block.get_submodule(first_name) is not first_layer:
                 return
-            for _, layer, host in placed:
-                for key, tensor in host.items():
-                    layer._buffers[key] = tensor.to(device, non_blocking=True)
-        return hook
-
-    @staticmethod
-    def _send_back(placed):
-        def hook(block, args, output):
-            for _, layer, host in placed:
-                layer._buffers.update(dict.fromkeys(host))
+            for sub, name, tensor in host:
+                sub._buffers[name] = tensor.to(device, non_blocking=True)
         return hook
 
     def stop(self) -> None:
         for handle in self.handles:
             handle.remove()
-        for layer, host in self.emptied:
-            layer._buffers.update(host)
+        for sub, name, tensor in self.emptied:
+            sub._buffers[name] = tensor
         self.handles, self.emptied = [], []
 
     def forget(self, layers) -> None:
         """Drop the host copies of `layers` (they are resident again, or gone)."""
         for layer in layers:
             self.pinned.pop(id(layer), None)
+
+
+def empty(host) -> None:
+    for sub, name, _ in host:
+        sub._buffers[name] = None
 
 
 def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move) -> int:
@@ -110,7 +114,7 @@ def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks
     room = room_for_weights(device)
     if room is not None:  # the layers already there are part of what may stay
         room += sum(tensor_bytes(layer) for layer in layers.values()
-                    if any(t.device == torch.device(device) for t in layer._buffers.values() if t is not None))
+                    if any(tensor.device == torch.device(device) for *_, tensor in tensors_of(layer)))
     resident, streamed = split_by_room(tree, layers, room)
     streaming.forget(resident.values())
     move(resident.values(), device)

@@ -359,9 +359,9 @@ def test_float_layers_comfyui_left_in_host_memory_stay_there_when_a_float_clone_
     from overdrive.nodes.quantize_patches import QuantizedModules
     streamed, resident = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
     tree = torch.nn.Sequential(OrderedDict(streamed=streamed, resident=resident))
-    follower = QuantizedModules({name: Int8Linear.from_float(torch.nn.Linear(32, 32)) for name in ("streamed", "resident")},
-                                {"streamed": streamed, "resident": resident}, torch.device("meta"), torch.device("cpu"),
-                                tree)
+    eight_bit = {name: Int8Linear.from_float(torch.nn.Linear(32, 32)) for name in ("streamed", "resident")}
+    follower = QuantizedModules(eight_bit, {"streamed": streamed, "resident": resident}, torch.device("meta"),
+                                torch.device("cpu"), tree)
     moves.place([streamed], "cpu")
     moves.place([resident], "meta")
     follower.to(torch.device("meta"))
@@ -655,6 +655,18 @@ def test_switch_weights_on_a_quantized_model_requantizes_the_same_layers_from_th
     assert torch.equal(sample(model), quantized_latent)  # the model that was running is untouched
 
 
+class LinearThenConv(torch.nn.Module):
+    """A block whose second layer is a 1x1 conv over the rows as pixels: its 8-bit layer keeps its tensors in its inner
+    GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.conv = torch.nn.Linear(64, 64), torch.nn.Conv2d(64, 64, 1)
+
+    def forward(self, x):
+        return self.conv(torch.nn.functional.gelu(self.linear(x)).T[None, :, :, None])[0, :, :, 0].T
+
+
 def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output(comfy):
     """On a card too small for every 8-bit layer (Flux in fp8 on an 8 GiB card), the last blocks' layers stay in host
     memory and each block copies its own in as it runs (nodes/quantized_streaming.py). Here the CPU stands for both
@@ -662,16 +674,19 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
     from overdrive.nodes.quantized_streaming import StreamedBlocks, block_of, split_by_room, tensor_bytes
     torch.manual_seed(0)
     tree = torch.nn.Module()
-    tree.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3))
+    mlps = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(2)]
+    tree.blocks = torch.nn.ModuleList([*mlps, LinearThenConv()])
     tree.head = torch.nn.Linear(64, 64)
     layers = {name: Int8Linear.from_float(tree.get_submodule(name)) for name in
-              ("blocks.0.0", "blocks.1.0", "blocks.2.0", "head")}
-    assert [block_of(tree, name) for name in layers] == ["blocks.0", "blocks.1", "blocks.2", None]
+              ("blocks.0.0", "blocks.1.0", "blocks.2.linear", "head")}
+    layers["blocks.2.conv"] = QuantConv2d1x1.from_float(tree.blocks[2].conv, "int8")
+    assert [block_of(tree, name) for name in layers] == ["blocks.0", "blocks.1", "blocks.2", None, "blocks.2"]
     one = tensor_bytes(layers["blocks.0.0"])
+    assert tensor_bytes(layers["blocks.2.conv"]) == one  # the inner GEMM's tensors are counted
     resident, streamed = split_by_room(tree, layers, room=one + one // 2)
     assert sorted(resident) == ["blocks.0.0", "head"]  # a layer outside every block always stays
-    assert {block: sorted(names) for block, names in streamed.items()} == {"blocks.1": ["blocks.1.0"],
-                                                                            "blocks.2": ["blocks.2.0"]}
+    assert {block: sorted(names) for block, names in streamed.items()} == {
+        "blocks.1": ["blocks.1.0"], "blocks.2": ["blocks.2.conv", "blocks.2.linear"]}
     assert split_by_room(tree, layers, room=None) == (layers, {})
 
     def run(x):
@@ -688,10 +703,11 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
     calls = []
     tree.blocks[1].register_forward_pre_hook(lambda block, args: calls.append(layers["blocks.1.0"].weight_q))
     assert torch.equal(run(x), expected)
-    host = streaming.pinned[id(layers["blocks.1.0"])]["weight_q"]
+    host = next(tensor for _, name, tensor in streaming.pinned[id(layers["blocks.1.0"])] if name == "weight_q")
     assert len(calls) == 1 and torch.equal(calls[0], host)  # (on a GPU, a copy on it: bench/ at 8 GiB)
     # Outside its block's call a streamed layer holds nothing ComfyUI's loader would move onto the GPU ...
     assert layers["blocks.1.0"].weight_q is None and "blocks.1.0.weight_q" not in dict(tree.named_buffers())
+    assert layers["blocks.2.conv"].gemm.weight_q is None
     streaming.stop()  # ... and once the run is over it is whole again
-    assert layers["blocks.1.0"].weight_q is host
+    assert layers["blocks.1.0"].weight_q is host and layers["blocks.2.conv"].gemm.weight_q is not None
     assert len(tree.blocks[1]._forward_pre_hooks) == 1  # only this test's own hook is left

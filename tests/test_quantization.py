@@ -455,13 +455,17 @@ def test_chosen_layers_wait_on_the_store_device_from_the_moment_they_are_decided
     not pile up on it while the others are measured. The meta device stands for the host here."""
     from overdrive.quantization.gemm import QuantizedGemm
     from overdrive.quantization.modules import gemm_of
+    import gc
     model = make_model()
     where = []
 
-    def before_each_layer():  # how many quantized layers already sit on the measuring device
-        import gc
-        where.append(sum(issubclass(type(o), QuantizedGemm) and o.weight_q.device.type == "cpu"  # type(): a dead
-                         for o in gc.get_objects()))                                            # weak proxy raises
+    def on_the_cpu() -> set:  # type(), not isinstance(): a dead weak proxy raises
+        return {id(o) for o in gc.get_objects()
+                if issubclass(type(o), QuantizedGemm) and o.weight_q.device.type == "cpu"}
+    already = on_the_cpu()  # other tests' layers still alive in this process
+
+    def before_each_layer():  # how many of this plan's quantized layers already sit on the measuring device
+        where.append(len(on_the_cpu() - already))
     plan = plan_quantization(model, QuantConfig(**ALL), calibration=calibration_for(model), store_device="meta",
                              between_layers=before_each_layer)
     assert set(plan.report.quantized) == QUANTIZABLE

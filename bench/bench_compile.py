@@ -87,8 +87,9 @@ def add_stream_estimate(row: dict, model_calls: int) -> None:
     """GiB copied to the GPU per model call and what that costs per image over a desktop's PCIe 4.0 x16 link (25 GB/s).
     The lower of two accounts: ComfyUI's (model_size - loaded_size: right under dynamic VRAM, whose layers live in host
     memory between calls, but blind to Quantize Model's 8-bit layers) and the module tree's (weights not on the GPU at
-    the first call: right on the classic loader)."""
+    the first call: right on the classic loader), plus Quantize Model's layers that stay in host memory."""
     streamed = max(min(row["weights_gib_not_loaded"], row["weights_gib_in_tree"] - row["weights_gib_on_gpu"]), 0.0)
+    streamed += row.get("quantized_gib_streamed", 0.0)
     row["streamed_gib_per_call"] = round(streamed, 3)
     row["stream_s_per_image_at_25gb_s"] = round(streamed * 2**30 * model_calls / 25e9, 2)
 
@@ -278,8 +279,8 @@ def main():
                        "overdrive-comfy-attention": {"fast_attention": False}}
 
     def make(variant):
-        """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8, with attn<bound> or
-        attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
+        """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8 | int4[mse<threshold>], with
+        attn<bound> or attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
         overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (deepcache[N]: interval N; adaptive;
         easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
         percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
@@ -302,17 +303,23 @@ def main():
             mode = "8bit" if attn.startswith("attn8bit") else "auto"
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
-        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", fixed, "easycache", adaptive, attn,
+        # "int4mse0.03": Quantize Model with bits 4 (int4_fp8) and that linear_mse_threshold ("int4": the node's)
+        int4 = next((p for p in parts if p.startswith("int4")), None)
+        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", int4, fixed, "easycache", adaptive, attn,
                                  "float-memory-bound", window, "comfy-syncs"}
                    - set(compile_options) - set(SWITCHES))
         if unknown:
             raise ValueError(f"unknown variant parts {sorted(unknown)}")
         patcher = base.clone()
-        for fmt in ("int8", "fp8"):
+        for fmt in ("int8", "fp8", int4):
             if fmt in parts:
                 start = time.perf_counter()
-                patcher = run_node("OverdriveQuantizeModel", model=patcher,
-                                   format={"int8": "int8", "fp8": "fp8_e4m3"}[fmt], positive=positive,
+                settings = {"format": {"int8": "int8", "fp8": "fp8_e4m3"}.get(fmt, "int4_fp8")}
+                if fmt == int4:
+                    settings["bits"] = 4
+                    if fmt[len("int4mse"):]:
+                        settings["linear_mse_threshold"] = float(fmt[len("int4mse"):])
+                patcher = run_node("OverdriveQuantizeModel", model=patcher, **settings, positive=positive,
                                    negative=negative, latent={"samples": latent}, **attention,
                                    weight_only="float-memory-bound" not in parts)
                 sync()
@@ -398,6 +405,8 @@ def main():
         (the same input in every variant: noise at the first sigma)."""
         options = patcher.model_options
         if first_call is not None:  # on the timed model itself: a clone would be another model to ComfyUI's loader
+            from overdrive.nodes.quantize_patches import followers
+
             def record(apply_model, call):
                 out = apply_model(call["input"], call["timestep"], **call["c"])
                 if not first_call:
@@ -405,6 +414,7 @@ def main():
                     first_call.append(weights_gib(patcher.model.diffusion_model))
                     first_call.append(weights_gib(patcher.model.diffusion_model, gpu_only=False))
                     first_call.append((patcher.model_size() - patcher.loaded_size()) / 2**30)  # ComfyUI's account
+                    first_call.append(sum(f.streamed_bytes for f in followers(patcher)) / 2**30)  # Overdrive's
                 return out
             patcher.model_options = {**options, "model_function_wrapper": record}
         sync()
@@ -472,6 +482,7 @@ def main():
         # What does not stay on the GPU is copied in at every model call: its cost over a desktop's PCIe 4.0 x16 link.
         row["weights_gib_in_tree"] = first_call[2]
         row["weights_gib_not_loaded"] = round(first_call[3], 3)  # ComfyUI's model_size - loaded_size
+        row["quantized_gib_streamed"] = round(first_call[4], 3)  # Quantize Model's layers in pinned host memory
         add_stream_estimate(row, args.steps * (2 if cfg > 1 else 1))
         # Profiled here, before the per-call errors below load the float model beside this one (its loads and
         # unloads then filled the profile with copies).

@@ -7,7 +7,8 @@ import pathlib
 import sys
 
 COLUMNS = {"overdrive": "Compile Model", "overdrive+fp8+attn": "+ Quantize Model fp8",
-           "overdrive+fp8+attn+deepcache4+window0.1-0.95": "+ step cache"}
+           "overdrive+int4mse0.03+attn": "+ Quantize Model 4-bit (threshold 0.03)",
+           "overdrive+fp8+attn+deepcache4+window0.1-0.95": "+ fp8 + step cache"}
 
 
 def cell(row, eager) -> str:
@@ -17,7 +18,7 @@ def cell(row, eager) -> str:
 
 
 def budgets(paths) -> str:
-    """One row per emulated card: eager, Compile Model, + fp8, + step cache (seconds per image and the ratio to eager
+    """One row per emulated card: eager, Compile Model, + fp8, + 4 bits, + fp8 and step cache (seconds per image and the ratio to eager
     in the same process), eager again after them where run, the weights eager streams per model call and their cost per
     image over a 25 GB/s link."""
     reports = sorted((json.loads(pathlib.Path(p).read_text()) | {"file": pathlib.Path(p).name} for p in paths),

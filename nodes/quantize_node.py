@@ -26,10 +26,13 @@ ATTENTION_DEFAULTS = AttentionConfig()
 TOOLTIPS = {
     "model": "The diffusion model to quantize. It is not modified; a patched copy is returned. Apply LoRAs before "
              "this node: they are baked into the quantized weights.",
-    "bits": "Bits per weight and activation. 8 only (int8 or fp8 tensor-core kernels).",
-    "format": "auto: fp8 (e4m3) on GPUs that have it (Ada, Hopper, Blackwell), int8 on Ampere and on the CPU. "
-              "int8 / fp8_e4m3: force one; on a GPU without it (fp8 before Ada, int8 before Ampere) an error says so. "
-              "The CPU runs both through PyTorch's reference kernels: for testing, not for speed.",
+    "bits": "Bits per weight. 8: int8 or fp8 tensor-core kernels. 4: int4 weights (half the VRAM of 8 bits, for "
+            "cards that cannot hold the model in 8 bits) computed in fp8, on GPUs with fp8; a layer whose 4-bit error "
+            "is above its threshold gets the 8-bit decision instead (raise the thresholds for more 4-bit layers).",
+    "format": "auto: fp8 (e4m3) on GPUs that have it (Ada, Hopper, Blackwell), int8 on Ampere and on the CPU; with "
+              "bits 4, int4_fp8. int8 / fp8_e4m3 / int4_fp8: force one (its bits must match); on a GPU without it "
+              "(fp8 before Ada, int8 before Ampere) an error says so. The CPU runs them through PyTorch's reference "
+              "kernels: for testing, not for speed.",
     "quantize_conv": "Consider 1x1 convolutions (SD1.5's attention projections, skip connections). Other convs stay "
                      "in the model's precision (no 8-bit kernel for them).",
     "quantize_linear": "Consider linear layers (attention and feed-forward projections).",
@@ -138,14 +141,14 @@ class OverdriveQuantizeModel(io.ComfyNode):
         return io.Schema(
             node_id="OverdriveQuantizeModel", display_name="Quantize Model (Overdrive)", category="overdrive",
             description=("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 "
-                         "kernels. A short calibration run measures each layer's error on real inputs; only layers "
+                         "kernels (or int4 weights in fp8 where memory is short). A short calibration run measures each layer's error on real inputs; only layers "
                          "below the error threshold and dense enough to gain are quantized (the log lists every "
                          "decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before "
                          "this node. If quantizing fails, the model runs unquantized with a warning in the log."),
             inputs=[
                 io.Model.Input("model", tooltip=TOOLTIPS["model"]),
                 io.Int.Input("bits", default=DEFAULTS.bits, min=min(bit_widths()), max=max(bit_widths()),
-                             tooltip=TOOLTIPS["bits"]),
+                             step=4, tooltip=TOOLTIPS["bits"]),
                 io.Combo.Input("format", options=list(format_names()), default=DEFAULTS.format,
                                tooltip=TOOLTIPS["format"]),
                 io.Boolean.Input("quantize_conv", default=DEFAULTS.quantize_conv, tooltip=TOOLTIPS["quantize_conv"]),

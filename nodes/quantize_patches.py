@@ -123,14 +123,16 @@ class QuantizedModules:
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
     def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None,
-                 tree: torch.nn.Module | None = None):
+                 tree: torch.nn.Module | None = None, owner=None):
         self.modules = modules
+        self.owner = None if owner is None else weakref.ref(owner)  # ComfyUI's BaseModel: its dynamic-VRAM cache
         self.originals = originals or {}
         self.load_device = torch.device(load_device) if load_device is not None else None
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
         self.tree = tree
         self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the CPU (its way back)
         self.streaming = StreamedBlocks()  # the 8-bit layers a short card has no room for
+        self.streamed_bytes = 0  # of them, copied in at each model call since the last load
         self.return_hook = None
         self._slots = (None, [])  # (tree, [(parent, attribute, 8-bit layer, float layer)]): see slots()
 
@@ -153,13 +155,23 @@ class QuantizedModules:
             forget_load_state(self.originals.values())
             if self.tree is not None and self.originals and self.return_hook is None:
                 self.return_hook = return_hook(self)
+        self.streamed_bytes = 0
         if self.tree is None or device.type != "cuda":
             move(self.modules.values(), device)
-        elif streamed := place(self.tree, self.modules, device, self.streaming, move):
-            log.info("Overdrive quantization: the card's budget leaves no room for every 8-bit layer; %.2f GiB of "
+        elif streamed := place(self.tree, self.modules, device, self.streaming, move, self.free_cache(device)):
+            self.streamed_bytes = streamed
+            log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB of "
                      "them stay in pinned host memory and are copied in block by block at each model call.",
                      streamed / 2**30)
         return self
+
+    def free_cache(self, device):
+        """What frees ComfyUI's dynamic-VRAM cache of this model's float weights on `device` (comfy-aimdo's VBAR keeps
+        them on the card while memory allows, the float layers that quantized ones replace among them, which only the
+        calibration run used), or None without one."""
+        vbars = getattr(self.owner() if self.owner is not None else None, "dynamic_vbars", None) or {}
+        vbar = vbars.get(device)
+        return None if vbar is None else vbar.free_memory
 
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
@@ -285,7 +297,7 @@ def install_quantized(patcher, modules: dict) -> None:
     guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
-    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree)
+    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree, patcher.model)
     patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
     patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
     patcher.set_model_patch(follower, FOLLOWER)

@@ -107,17 +107,23 @@ def empty(host) -> None:
         sub._buffers[name] = None
 
 
-def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move) -> int:
-    """Put `layers` ({name: 8-bit layer}) on `device` as far as the card's budget allows and stream the rest
-    (`move(modules, device)` moves); returns the bytes streamed per model call."""
+def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move, free_cache=None) -> int:
+    """Put `layers` ({name: quantized layer}) on `device` as far as the card's budget allows and stream the rest
+    (`move(modules, device)` moves); returns the bytes streamed per model call. `free_cache(bytes)`, if given, first
+    frees up to that much of what ComfyUI keeps cached on the card (returns what it freed)."""
     streaming.stop()  # every layer whole again before it is measured and placed
     room = room_for_weights(device)
     if room is not None:  # the layers already there are part of what may stay
-        room += sum(tensor_bytes(layer) for layer in layers.values()
-                    if any(tensor.device == torch.device(device) for *_, tensor in tensors_of(layer)))
+        on_card = sum(tensor_bytes(layer) for layer in layers.values()
+                      if any(tensor.device == torch.device(device) for *_, tensor in tensors_of(layer)))
+        wanted = sum(tensor_bytes(layer) for layer in layers.values()) - on_card
+        if free_cache is not None and wanted > room and free_cache(wanted - room):
+            room = room_for_weights(device)
+        room += on_card
     resident, streamed = split_by_room(tree, layers, room)
     streaming.forget(resident.values())
     move(resident.values(), device)
+    streamed_bytes = sum(tensor_bytes(layer) for block in streamed.values() for layer in block.values())
     if streamed:
-        streaming.start(tree, streamed, device)
-    return sum(tensor_bytes(layer) for block in streamed.values() for layer in block.values())
+        streaming.start(tree, streamed, device)  # (it empties the streamed layers: counted before)
+    return streamed_bytes

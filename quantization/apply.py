@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import cache as cache_mod
+from . import formats
 from .calibrate import Calibrator, decide
 from .candidates import FilterFn, find_candidates
 from .config import QuantConfig
@@ -97,8 +98,9 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
     amax = {layer.name: layer.input_amax for layer in report.layers}
     weight_only = set(report.weight_only)
     modules = {}
+    layer_formats = report.formats()
     for name in report.quantized:
-        candidate = candidates[name]
+        candidate, fmt = candidates[name], layer_formats[name]
         if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
             modules[name] = weight_only_module_for(candidate.module, device=device).to(store_device)
             continue
@@ -106,17 +108,16 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
         module = None
         if tensors is not None:
             try:
-                module = build_empty("linear" if candidate.kind == "linear" else "conv", report.format,
+                module = build_empty("linear" if candidate.kind == "linear" else "conv", fmt,
                                      candidate.in_features, candidate.out_features,
                                      bias=candidate.module.bias is not None, config=config, device=store_device)
-                module.load_quantized(tensors["weight_q"], tensors["weight_scale"], tensors.get("bias"))
-                module.load_input_scale(tensors.get("input_scale"))
+                module.load_quantized_state(tensors)
             except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
                 log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
                 module = None
         if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
             input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
-            module = quantized_module_for(candidate.module, report.format, config, device=device,
+            module = quantized_module_for(candidate.module, fmt, config, device=device,
                                           input_amax=input_amax).to(store_device)
         modules[name] = module
     return modules
@@ -152,7 +153,8 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
     device = torch.device(device) if device is not None else _model_device(model)
     store_device = torch.device(store_device) if store_device is not None else device
     fmt = config.resolve_format(device)
-    candidates = find_candidates(model, config, fmt, filter_fn)
+    # Below 8 bits a layer the format's kernel cannot take falls back to 8 bits: its inputs are recorded all the same.
+    candidates = find_candidates(model, config, fmt if formats.get(fmt).bits >= 8 else None, filter_fn)
     by_name = {c.name: c for c in candidates}
     store = _as_cache(cache)
 

@@ -24,11 +24,12 @@ from ..storage import (CorruptEntry, atomic_file, cache_dir, cache_key, discard,
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 6  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
+SCHEMA = 7  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
 #            4: storage's framing; 5: decisions carry each layer's calibration amax; 6: a memory-bound layer may run
-#            its 8-bit GEMM where that measured faster than weight-only storage
+#            its 8-bit GEMM where that measured faster than weight-only storage; 7: each layer's own format (4 bits
+#            fall back to 8 per layer)
 REQUANTIZE = "its cached decisions stand, and the chosen layers are quantized again from the model's weights (no calibration)"
-_TENSOR_NAMES = ("weight_q", "weight_scale", "bias", "input_scale")
+_TENSOR_NAMES = ("weight_q", "weight_scale", "group_scale", "bias", "input_scale")
 
 
 def default_cache_dir() -> pathlib.Path:

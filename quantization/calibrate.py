@@ -271,8 +271,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
     return decisions, modules
 
 
-def decide_layer(candidate: Candidate, sample: LayerSample | None, config: QuantConfig, fmt: str):
-    """(LayerDecision, the replacement module or None) for one candidate layer and its calibration sample."""
+def _new_decision(candidate: Candidate, sample: LayerSample | None, config: QuantConfig) -> LayerDecision:
     module = candidate.module
     decision = LayerDecision(name=candidate.name, kind=candidate.kind, shape=list(module.weight.shape),
                              threshold=config.threshold_for(candidate.kind))
@@ -280,6 +279,15 @@ def decide_layer(candidate: Candidate, sample: LayerSample | None, config: Quant
         decision.calls = sample.calls
         decision.rows = sample.max_rows if sample.calls else None
         decision.density = layer_density(candidate, sample)
+    return decision
+
+
+def decide_layer(candidate: Candidate, sample: LayerSample | None, config: QuantConfig, fmt: str):
+    """(LayerDecision, the replacement module or None) for one candidate layer and its calibration sample."""
+    if formats.get(fmt).bits < 8:
+        return _decide_narrow(candidate, sample, config, fmt)
+    module = candidate.module
+    decision = _new_decision(candidate, sample, config)
     reason = candidate.skip_reason
     if reason is None:
         reason = formats.get(fmt).shape_problem(candidate.in_features, candidate.out_features)
@@ -315,3 +323,31 @@ def decide_layer(candidate: Candidate, sample: LayerSample | None, config: Quant
         decision.reason += f", measured {decision.speedup:.2f}x faster"
     decision.input_amax = None if sample.amax is None else float(sample.amax)
     return decision, quantized
+
+
+def _decide_narrow(candidate: Candidate, sample: LayerSample | None, config: QuantConfig, fmt: str):
+    """A format below 8 bits (int4): the layer takes it wherever its kernel fits and its error passes, memory-bound or
+    not and without timing against float (a 4-bit choice is for memory: a card that holds the model whole, or half the
+    bytes streamed); else it gets the 8-bit decision of the device's best 8-bit format."""
+    why = candidate.skip_reason or formats.get(fmt).shape_problem(candidate.in_features, candidate.out_features)
+    if why is None and sample is not None and sample.rows is not None:
+        quantized, error = measure_layer(candidate.module, sample.rows, fmt, config, sample.amax)
+        if error < config.threshold_for(candidate.kind):
+            decision = _new_decision(candidate, sample, config)
+            decision.decision, decision.error, decision.format = QUANTIZE, error, fmt
+            decision.reason = f"{fmt}: error {error:.2e} < {decision.threshold:g} (4 bits for memory: not timed)"
+            decision.input_amax = None if sample.amax is None else float(sample.amax)
+            return decision, quantized
+        why = f"{fmt} error {error:.2e} >= threshold {config.threshold_for(candidate.kind):g}"
+    device = sample.rows.device if sample is not None and sample.rows is not None else candidate.module.weight.device
+    fallback = formats.best_supported(device, 8)
+    if fallback is None:
+        decision = _new_decision(candidate, sample, config)
+        decision.reason = why or "no 8-bit format runs on this device"
+        return decision, None
+    decision, module = decide_layer(candidate, sample, config, fallback.name)
+    if decision.quantized and not decision.weight_only:
+        decision.format = fallback.name
+    if why is not None and why != candidate.skip_reason:
+        decision.reason += f"; {why}"
+    return decision, module

@@ -22,9 +22,11 @@ class QuantConfig:
     `conv_mse_threshold`) AND its compute density is at least `compute_density_threshold` FLOP/byte.
     See `overdrive.quantization.metrics` for both measures.
 
-    - bits: the bit width of the registered formats (quantization/formats/: 8 for int8 and fp8).
+    - bits: the bit width of the registered formats (quantization/formats/: 8 for int8 and fp8, 4 for int4 weights
+      with fp8 compute). With 4, a layer whose 4-bit error is not below its threshold gets the 8-bit decision.
     - format: "auto" (the best registered format of `bits` the device runs: fp8 e4m3 on NVIDIA compute capability
-      >= 8.9, int8 on >= 8.0 and on the CPU), or a registered format's name ("int8", "fp8_e4m3").
+      >= 8.9, int8 on >= 8.0 and on the CPU; int4_fp8 for 4 bits on >= 8.9), or a registered format's name ("int8",
+      "fp8_e4m3", "int4_fp8").
     - quantize_linear / quantize_conv: consider nn.Linear / nn.Conv2d layers at all.
     - linear_mse_threshold / conv_mse_threshold: largest normalised MSE (mean((y_q - y)^2) / mean(y^2)) accepted.
       0.01 means a quantization noise 20 dB below the layer's output power (SQNR >= 20 dB).
@@ -112,9 +114,11 @@ class QuantConfig:
                                  f"{device.type!r}. Leave quantization off on this device.")
             best = formats.best_supported(device, self.bits)
             if best is None:
-                raise ValueError(f"format='auto': {describe_device(device)} has no {self.bits}-bit tensor-core path "
-                                 f"that Overdrive supports (int8 needs compute capability 8.0 or newer). Leave "
-                                 f"quantization off on this device.")
+                needs = "; ".join(f"{fmt.name} needs {fmt.hardware}" for fmt in formats.REGISTRY.values()
+                                  if fmt.bits == self.bits)
+                raise ValueError(f"format='auto': {describe_device(device)} has no {self.bits}-bit path that "
+                                 f"Overdrive supports ({needs}). Leave quantization off on this device"
+                                 + (", or use bits=8." if self.bits != 8 else "."))
             return best.name
         plugin = formats.get(self.format)
         if not plugin.supported(device):

@@ -19,19 +19,23 @@ class QuantizedGemm(nn.Module):
     format: str = ""
     storage_dtype: torch.dtype = torch.int8
     per_channel_scales: bool = True  # weight_scale is (1, N); else (1, 1)
+    quantized_names = ("weight_q", "weight_scale")  # what `quantize_weight` returns, in order: buffers of this layer
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None):
         super().__init__()
         self.in_features = int(in_features)
         self.out_features = int(out_features)
-        self.register_buffer("weight_q", torch.zeros(self.out_features, self.in_features, dtype=self.storage_dtype,
-                                                     device=device))
+        self.register_buffer("weight_q", torch.zeros(self.storage_shape(), dtype=self.storage_dtype, device=device))
         scales = self.out_features if self.per_channel_scales else 1
         self.register_buffer("weight_scale", torch.ones(1, scales, dtype=torch.float32, device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(self.out_features, dtype=torch.float32, device=device))
         else:
             self.register_buffer("bias", None)
+
+    def storage_shape(self) -> tuple:
+        """The shape of `weight_q` (a format that packs values sets its own)."""
+        return (self.out_features, self.in_features)
 
     # -- construction / weight switching -------------------------------------------------------------------
     @classmethod
@@ -46,7 +50,8 @@ class QuantizedGemm(nn.Module):
         module.load_float_weight(weight, bias)
         return module
 
-    def quantize_weight(self, weight: torch.Tensor):
+    def quantize_weight(self, weight: torch.Tensor) -> tuple:
+        """The tensors of `quantized_names` for a float (N, K) weight."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -55,7 +60,7 @@ class QuantizedGemm(nn.Module):
         weight = weight.detach()
         if weight.dim() != 2:
             weight = weight.reshape(weight.shape[0], -1)
-        if tuple(weight.shape) != tuple(self.weight_q.shape):
+        if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"{type(self).__name__}.load_float_weight: weight of shape {tuple(weight.shape)} does not "
                              f"fit this layer ({self.out_features} x {self.in_features}); pass the weight of the same "
                              f"layer from a checkpoint of the same architecture.")
@@ -63,27 +68,31 @@ class QuantizedGemm(nn.Module):
             raise ValueError(f"{type(self).__name__}.load_float_weight: the layer was built "
                              f"{'without' if self.bias is None else 'with'} a bias; pass "
                              f"{'bias=None' if self.bias is None else 'its bias'}.")
-        q, scale = self.quantize_weight(weight.to(self.weight_q.device))
-        self.load_quantized(q, scale, bias)
-        return self
+        tensors = self.quantize_weight(weight.to(self.weight_q.device))
+        return self.load_quantized_state({**dict(zip(self.quantized_names, tensors)), "bias": bias})
+
+    def load_quantized(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        """Copy already quantized tensors into this module's buffers (`load_quantized_state` takes every kind)."""
+        return self.load_quantized_state({"weight_q": weight_q, "weight_scale": weight_scale, "bias": bias})
 
     @torch.no_grad()
-    def load_quantized(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
-        """Copy already quantized tensors (e.g. from the on-disk cache) into this module's buffers."""
-        if weight_q.dtype != self.storage_dtype or tuple(weight_q.shape) != tuple(self.weight_q.shape):
-            raise ValueError(f"{type(self).__name__}: quantized weight {tuple(weight_q.shape)} {weight_q.dtype} does "
-                             f"not fit {tuple(self.weight_q.shape)} {self.storage_dtype}.")
-        if weight_scale.numel() != self.weight_scale.numel():
-            raise ValueError(f"{type(self).__name__}: {weight_scale.numel()} weight scales do not fit this layer's "
-                             f"{self.weight_scale.numel()}.")
-        self.weight_q.copy_(weight_q)
-        self.weight_scale.copy_(weight_scale.reshape(1, -1))
-        if self.bias is not None and bias is not None:
-            self.bias.copy_(bias.detach().reshape(-1))
+    def load_quantized_state(self, state: dict) -> "QuantizedGemm":
+        """Copy `quantized_state()`'s tensors (e.g. from the on-disk cache) into this module's buffers, in place."""
+        for name in self.quantized_names:
+            tensor, buffer = state[name], self._buffers[name]
+            if tensor.dtype != buffer.dtype or tensor.numel() != buffer.numel() or (
+                    name == "weight_q" and tuple(tensor.shape) != tuple(buffer.shape)):
+                raise ValueError(f"{type(self).__name__}: quantized {name} {tuple(tensor.shape)} {tensor.dtype} does "
+                                 f"not fit {tuple(buffer.shape)} {buffer.dtype}.")
+        for name in self.quantized_names:
+            self._buffers[name].copy_(state[name].reshape(self._buffers[name].shape))
+        if self.bias is not None and state.get("bias") is not None:
+            self.bias.copy_(state["bias"].detach().reshape(-1))
+        self.load_input_scale(state.get("input_scale"))
         return self
 
     def quantized_state(self) -> dict:
-        state = {"weight_q": self.weight_q, "weight_scale": self.weight_scale}
+        state = {name: self._buffers[name] for name in self.quantized_names}
         if self.bias is not None:
             state["bias"] = self.bias
         return state

@@ -3,6 +3,9 @@
 Schemes (symmetric, no zero points):
 - int8 W8A8: weights per output channel, scale = amax(row) / 127; activations per token (row), dynamic,
   scale = amax(row) / 127; `torch._int_mm` int8 x int8 -> int32; then y = acc * s_x * s_w (+ bias) in float32.
+- int4 weights for fp8 GEMMs (formats/int4.py): 4-bit integers with a scale per group of `INT4_GROUP` input channels,
+  stored as the groups' ratios to the tensor's largest scale; before each GEMM one elementwise pass turns them into
+  e4m3 weights (q x ratio x `INT4_TO_FP8`, each an exact-enough e4m3 value) for the fp8 path below.
 - fp8 e4m3: one scale per tensor, scale = amax / 448 for the weight; for the activation either a static scale set
   from the amax seen in calibration times `STATIC_HEADROOM` (the default), or a dynamic one (amax of each input);
   `torch._scaled_mm` with tensor-wise scales (cuBLASLt): output in the model's dtype with the bias added inside the
@@ -41,6 +44,10 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 STATIC_HEADROOM = 2.0
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants M > 16
 EPS = 1e-12
+INT4_MAX = 7            # symmetric levels -7..7 from the scale; -8, the format's spare code, takes rounding only
+INT4_GROUP = 128        # input channels per int4 scale
+INT4_TO_FP8 = 32.0      # |q x ratio| <= 8 maps to <= 256, inside e4m3's 448 and above its subnormals down to ratio 2^-8
+INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # each group keeps the clipping of its amax with the least squared error
 
 # ----------------------------------------------------------------------------------------------- weights
 def quantize_weight_int8(weight: torch.Tensor):
@@ -57,6 +64,46 @@ def quantize_weight_fp8(weight: torch.Tensor):
     scale = (w.abs().amax() / FP8_MAX).clamp(min=EPS).reshape(1, 1)
     q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.contiguous(), scale
+
+
+def quantize_weight_int4(weight: torch.Tensor, group: int = INT4_GROUP, rows_per_pass: int = 1 << 22):
+    """(N, K) float -> (uint8 (N, K/2): two 4-bit codes a byte, code = q + 8, even k in the low nibble; float32 scale
+    (1, 1) of the e4m3 weights `dequantize_int4_fp8` makes; float16 (N, K/group) ratios of each group's scale to the
+    tensor's largest). Per group, the clipping of INT4_CLIPS with the least squared error. `rows_per_pass` bounds the
+    float32 temporaries (elements) on a short card."""
+    n, k = weight.shape
+    step = max(1, rows_per_pass // k)
+    codes, scales = [], []
+    for start in range(0, n, step):
+        w = weight[start:start + step].detach().float().reshape(-1, k // group, group)
+        amax = w.abs().amax(-1, keepdim=True).clamp(min=EPS)
+        best_q, best_scale, best_error = None, None, None
+        for clip in INT4_CLIPS:
+            scale = amax * (clip / INT4_MAX)
+            q = torch.round(w / scale).clamp(-INT4_MAX - 1, INT4_MAX)
+            error = (q * scale - w).square().sum(-1, keepdim=True)
+            if best_q is None:
+                best_q, best_scale, best_error = q, scale, error
+            else:
+                better = error < best_error
+                best_q = torch.where(better, q, best_q)
+                best_scale = torch.where(better, scale, best_scale)
+                best_error = torch.minimum(error, best_error)
+        code = (best_q + 8).to(torch.uint8).reshape(-1, k)
+        codes.append(code[:, 0::2] | (code[:, 1::2] << 4))
+        scales.append(best_scale.reshape(-1, k // group))
+    scales = torch.cat(scales)
+    largest = scales.amax().clamp(min=EPS)
+    ratios = (scales / largest).to(torch.float16)
+    return torch.cat(codes).contiguous(), (largest / INT4_TO_FP8).reshape(1, 1), ratios.contiguous()
+
+
+def dequantize_int4_fp8(packed: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
+    """`quantize_weight_int4`'s codes and ratios -> the (N, K) e4m3 weight the fp8 GEMM takes with its scale."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, ratios.shape[1], -1)
+    weight = (codes.float() - 8.0) * (ratios.float() * INT4_TO_FP8).unsqueeze(-1)
+    return weight.reshape(n, k).to(FP8_DTYPE)
 
 
 # ----------------------------------------------------------------------------------------------- activations
@@ -171,6 +218,11 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_sca
     if bias is not None and not fused_bias:
         y = y + bias
     return y
+
+
+def int4_fp8_weight(packed: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
+    """`dequantize_int4_fp8`, one Triton kernel in eager CUDA mode (the torch ops are ~6 kernels over the weight)."""
+    return _eager_fused(triton_kernels.dequantize_int4_fp8, dequantize_int4_fp8, packed, ratios)
 
 
 def fp8_linear_gelu(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -51,6 +51,10 @@ class QuantConv2d1x1(nn.Module):
         self.gemm.load_quantized(weight_q, weight_scale, bias)
         return self
 
+    def load_quantized_state(self, state: dict):
+        self.gemm.load_quantized_state(state)
+        return self
+
     def load_input_scale(self, input_scale):
         self.gemm.load_input_scale(input_scale)
 

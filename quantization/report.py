@@ -29,6 +29,7 @@ class LayerDecision:
     input_amax: float | None = None  # largest |input| in calibration: a quantized layer rebuilt from the cached
     #                                  decisions gets the same static activation scale (fp8)
     weight_only: bool = False      # quantized as weight-only int8 storage (memory-bound), not as an 8-bit GEMM
+    format: str | None = None      # the format this layer runs in, where a 4-bit plan put it in 8 bits (or in 4)
 
     @property
     def quantized(self) -> bool:
@@ -85,7 +86,7 @@ class QuantReport:
 
     def formats(self) -> dict:
         """{quantized layer: the format it runs in}."""
-        return {layer.name: "int8 weight-only" if layer.weight_only else self.format
+        return {layer.name: "int8 weight-only" if layer.weight_only else layer.format or self.format
                 for layer in self.layers if layer.quantized}
 
     @property
@@ -103,8 +104,11 @@ class QuantReport:
         why = "; ".join(f"{count} {reason}" for reason, count in reasons.most_common())
         source = "cached decisions" if self.cache_hit else "calibrated" if self.calibrated else "no calibration"
         stored = len(self.weight_only)
+        others = collections.Counter(fmt for fmt in self.formats().values()
+                                     if fmt not in (self.format, "int8 weight-only"))
         text = (f"Overdrive quantization ({self.format} on {self.device}, {source}): "
                 f"{len(self.quantized) - stored} of {len(self.layers)} layers quantized"
+                + "".join(f", {count} of them in {fmt}" for fmt, count in others.items())
                 + (f", {stored} memory-bound layer(s) stored in int8 (weight-only)" if stored else ""))
         return text + (f"; skipped: {why}" if why else "")
 

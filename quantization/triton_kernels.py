@@ -9,6 +9,8 @@ cast, ...) and the int8 rescale 5 more, which costs several times the GEMM itsel
 - `quantize_tensor_fp8(x)`: one scale for the whole tensor: torch.aminmax (one reduction, no |x| copy), then one
   kernel that turns it into the scale and casts x to e4m3; `quantize_tensor_fp8_static(x, inverse_scale)`: that
   kernel alone, with a given (calibrated) scale's reciprocal.
+- `dequantize_int4_fp8(packed, ratios)`: an int4 layer's e4m3 weight for its fp8 GEMM, one read of the codes and
+  ratios, one write.
 - `weight_only_matmul(x, w_int8, w_scale, bias, out_dtype)`: up to `WEIGHT_ONLY_MAX_ROWS` rows of x times an int8
   weight, compiled or not (kernels.weight_only_linear calls it through a custom op): the time of such a call is
   reading the weight, and Inductor's own reduction for it read Flux's modulation weights at 0.5-1 TB/s on an H100
@@ -98,6 +100,20 @@ if triton is not None:
 
 
     @triton.jit
+    def _dequantize_int4_kernel(packed_ptr, ratio_ptr, out_ptr, n_bytes, half_k, groups, GROUP: tl.constexpr,
+                                SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_bytes
+        byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
+        row = offs // half_k
+        group = (offs % half_k) * 2 // GROUP
+        ratio = tl.load(ratio_ptr + row * groups + group, mask=mask, other=0.0).to(tl.float32) * SCALE
+        low = ((byte & 15) - 8).to(tl.float32) * ratio
+        high = ((byte >> 4) - 8).to(tl.float32) * ratio
+        tl.store(out_ptr + 2 * offs, low.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + 2 * offs + 1, high.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _weight_only_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
@@ -155,6 +171,19 @@ def weight_only_matmul(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Ten
         x, w_int8, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), w_int8.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)  # without a bias, the scales stand in for the pointer, never read
+    return out
+
+
+def dequantize_int4_fp8(packed: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 codes, (N, K/group) float16 ratios -> (N, K) float8_e4m3fn (kernels.dequantize_int4_fp8)."""
+    from .kernels import FP8_DTYPE, INT4_TO_FP8
+    n, half_k = packed.shape
+    out = torch.empty((n, 2 * half_k), dtype=FP8_DTYPE, device=packed.device)
+    if packed.numel():
+        block = 2048
+        _dequantize_int4_kernel[(triton.cdiv(packed.numel(), block),)](
+            packed.contiguous(), ratios.contiguous(), out, packed.numel(), half_k, ratios.shape[1],
+            GROUP=2 * half_k // ratios.shape[1], SCALE=INT4_TO_FP8, BLOCK=block, num_warps=8)
     return out
 
 

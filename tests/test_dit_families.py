@@ -273,17 +273,20 @@ def test_adaptive_step_cache_at_threshold_0_runs_every_step_in_full(nodes, base,
     assert_calls_match(sample(cached)[1], eager[1], 1e-6)
 
 
-def quantize_every_layer(nodes, model, family, fmt="int8"):
+def quantize_every_layer(nodes, model, family, fmt="int8", **settings):
     """QuantizeModel with no density or speed rule (every layer whose error passes is quantized), calibrated for one
     step on the family's built-in conditioning and latent: (its report, None where it fell back, and the quantized
     model)."""
     from overdrive.nodes.quantize_node import quantization_report
+    from overdrive.quantization import formats
 
-    quantized = nodes["OverdriveQuantizeModel"].execute(model, format=fmt, compute_density_threshold=0.0,
-                                                        min_speedup=0.0, calibration_steps=1,
+    quantized = nodes["OverdriveQuantizeModel"].execute(model, format=fmt, bits=formats.get(fmt).bits,
+                                                        compute_density_threshold=0.0, min_speedup=0.0,
+                                                        calibration_steps=1,
                                                         positive=conditioning(family, 1),
                                                         negative=conditioning(family, 2),
-                                                        latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
+                                                        latent={"samples": empty_latent(family, RES, RES, FRAMES)},
+                                                        **settings)[0]
     return quantization_report(quantized), quantized
 
 

@@ -86,8 +86,12 @@ def state(model):
 
 # ----------------------------------------------------------------------------------------------- config
 def test_config_errors_name_problem_and_fix():
-    with pytest.raises(ValueError, match=r"bits=4 .*Use bits=8"):
-        QuantConfig(bits=4)
+    with pytest.raises(ValueError, match=r"bits=5 .*4 or 8 bits.*Use bits=8"):
+        QuantConfig(bits=5)
+    with pytest.raises(ValueError, match=r"'int4_fp8' is a 4-bit format, but bits=8. Use bits=4"):
+        QuantConfig(format="int4_fp8")
+    with pytest.raises(ValueError, match=r"no 4-bit path.*int4_fp8 needs .*8.9.*or use bits=8"):
+        QuantConfig(bits=4).resolve_format("cpu")
     with pytest.raises(ValueError, match=r"format='int4' is unknown.*'int8'"):
         QuantConfig(format="int4")
     with pytest.raises(ValueError, match=r"linear_mse_threshold=-1.*negative.*0 or more"):
@@ -267,6 +271,11 @@ TRITON_CHECK = textwrap.dedent("""
     plain = kernels.int8_linear(x, wq, wscale, bias, torch.float16)
     kernels._eager_triton = lambda t: True
     assert torch.equal(kernels.int8_linear(x, wq, wscale, bias, torch.float16), plain)
+    # int4 codes to e4m3 weights (ragged sizes), most elements (the interpreter's fp8 cast, as above).
+    for n, k in [(3, 256), (70, 384)]:
+        packed, _, ratios = kernels.quantize_weight_int4(torch.randn(n, k))
+        fused, plain = tk.dequantize_int4_fp8(packed, ratios).float(), kernels.dequantize_int4_fp8(packed, ratios).float()
+        assert fused.shape == (n, k) and (fused == plain).float().mean() > 0.9, (n, k)
     print("ok")
 """)
 
@@ -565,6 +574,88 @@ def test_failures_leave_the_model_untouched(tmp_path):
     assert {n: type(m) for n, m in model.named_modules()} == types
     with pytest.raises(KeyError):
         apply_modules(model, {"no.such.layer": Int8Linear(64, 64)})
+
+
+# ----------------------------------------------------------------------------------------------- 4 bits
+INT4 = dict(bits=4, format="int4_fp8")
+
+
+def test_int4_weights_pack_two_codes_a_byte_with_group_scales():
+    """Codes q + 8 in nibbles (even input channel low), a ratio per group of 128 to the largest group scale; the e4m3
+    weight they make is q x ratio x 32, and its error on a normal weight is what 4 bits with groups allow."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256)
+    weight[3, 128:] *= 1e-3  # a quiet group keeps its own scale
+    packed, scale, ratios = kernels.quantize_weight_int4(weight)
+    assert packed.shape == (64, 128) and packed.dtype == torch.uint8 and ratios.shape == (64, 2)
+    assert scale.shape == (1, 1) and ratios.dtype == torch.float16 and ratios.max() == 1
+    codes = torch.stack((packed & 15, packed >> 4), -1).reshape(64, 256).float() - 8
+    assert codes.min() >= -8 and codes.max() <= 7
+    expected = (codes.reshape(64, 2, 128) * ratios.float()[..., None] * kernels.INT4_TO_FP8).reshape(64, 256)
+    assert torch.equal(kernels.dequantize_int4_fp8(packed, ratios), expected.to(kernels.FP8_DTYPE))
+    restored = kernels.dequantize_int4_fp8(packed, ratios).float() * scale
+    assert oq.metrics.normalised_mse(restored, weight) < 0.013
+    assert oq.metrics.normalised_mse(restored[3, 128:], weight[3, 128:]) < 0.02
+    split = kernels.quantize_weight_int4(weight, rows_per_pass=256 * 5)  # a few rows a pass: the same result
+    assert all(torch.equal(a, b) for a, b in zip(split, (packed, scale, ratios)))
+
+
+def test_int4_linear_runs_its_reference_reloads_in_place_and_round_trips_its_state():
+    torch.manual_seed(1)
+    a, b = nn.Linear(256, 64), nn.Linear(256, 64)
+    layer = oq.quantized_module_for(a, "int4_fp8", QuantConfig(**INT4), input_amax=torch.tensor(4.0))
+    assert type(layer).__name__ == "Int4Linear" and layer.static_input and layer.weight_q.shape == (64, 128)
+    x = torch.randn(32, 256)
+    torch.testing.assert_close(layer(x), layer.reference_forward(x))
+    assert 0 < rel(layer(x), a(x)) < 0.15
+    pointer = layer.weight_q.data_ptr()
+    layer.load_float_weight(b.weight, b.bias)
+    assert layer.weight_q.data_ptr() == pointer and rel(layer(x), b(x)) < 0.15
+    copy = oq.modules.build_empty("linear", "int4_fp8", 256, 64, True, QuantConfig(**INT4))
+    copy.load_quantized_state(layer.quantized_state())
+    assert torch.equal(copy(x), layer(x))
+    with pytest.raises(ValueError, match="multiple of its group of 128"):
+        oq.modules.build_empty("linear", "int4_fp8", 192, 64, True, QuantConfig(**INT4))
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.load_float_weight(torch.randn(64, 128), b.bias)
+
+
+class Wide(nn.Module):
+    """Two layers 4 bits can take (K = 128, 256) and one it cannot (K = 64)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.narrow_in = nn.Linear(64, 128)
+        self.up = nn.Linear(128, 256)
+        self.down = nn.Linear(256, 128)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(self.narrow_in(x))))
+
+
+@pytest.mark.parametrize("threshold, in_4_bits", [(1.0, {"up", "down"}), (2e-3, set())])
+def test_4_bits_where_the_error_passes_else_the_8_bit_decision_and_the_cache_keeps_both(tmp_path, threshold,
+                                                                                       in_4_bits):
+    """A layer 4 bits cannot take (K = 64) or whose 4-bit error is too high gets the 8-bit format's decision (int8
+    on the CPU); the report says which format each runs in, and the cache rebuilds the same layers."""
+    config = QuantConfig(**INT4, linear_mse_threshold=threshold, compute_density_threshold=0)
+    model, x = Wide().eval().requires_grad_(False), torch.randn(64, 64)
+    expected = model(x)
+    report = quantize_(model, config, calibration=lambda: model(torch.randn(64, 64)), cache=tmp_path)
+    layer_formats = report.formats()
+    assert {name for name, fmt in layer_formats.items() if fmt == "int4_fp8"} == in_4_bits
+    assert {name for name, fmt in layer_formats.items() if fmt == "int8"} == {"narrow_in", "up", "down"} - in_4_bits
+    assert "multiple of 128" in report["narrow_in"].reason
+    if not in_4_bits:
+        assert "int4_fp8 error" in report["up"].reason
+    assert "of them in int8" in report.summary()
+    assert rel(model(x), expected) < (0.2 if in_4_bits else 0.02)
+    again = Wide().eval().requires_grad_(False)
+    cached = quantize_(again, config, calibration=None, cache=tmp_path)
+    assert cached.cache_hit and cached.formats() == layer_formats
+    assert {name: type(m) for name, m in again.named_children()} == {name: type(m) for name, m in model.named_children()}
+    torch.testing.assert_close(again(x), model(x))
 
 
 # ----------------------------------------------------------------------------------------------- cache

@@ -190,3 +190,30 @@ def test_cublaslt_fp8_gemm_gelu_matches_the_separate_kernels_saturates_and_repla
     graph.replay()
     assert torch.equal(graphed.float(), cublaslt.fp8_gemm_gelu(xq.flip(0).contiguous(), x_scale, wq, w_scale, bias,
                                                                1 / out_scale).float())
+
+
+@pytest.mark.parametrize("rows", [1, 4608])
+def test_int4_layer_eager_and_compiled_match_the_reference_and_save_half_the_bytes(rows):
+    """int4 weights in fp8 GEMMs: the eager Triton pass that makes the e4m3 weight equals the torch ops Inductor
+    compiles, and eager, compiled and the float64 oracle agree; the stored weight is half an 8-bit layer's."""
+    from overdrive.quantization import kernels, triton_kernels
+    from overdrive.quantization.formats.fp8 import Fp8Linear
+    from overdrive.quantization.formats.int4 import Int4Linear
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    torch.manual_seed(0)
+    linear = nn.Linear(3072, 9216).cuda()
+    x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+    layer = Int4Linear.from_float(linear).set_input_amax(x.abs().amax().float())
+    assert torch.equal(triton_kernels.dequantize_int4_fp8(layer.weight_q, layer.group_scale).float(),
+                       kernels.dequantize_int4_fp8(layer.weight_q, layer.group_scale).float())
+    ref = layer.reference_forward(x).float()
+    torch._dynamo.reset()
+    for y in (layer(x), torch.compile(layer, fullgraph=True)(x)):
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    float_out = linear(x.float())
+    assert ((layer(x).float() - float_out).norm() / float_out.norm()).item() < 0.15
+    size = sum(t.numel() * t.element_size() for t in layer.quantized_state().values())
+    eight_bit = sum(t.numel() * t.element_size() for t in Fp8Linear.from_float(linear).quantized_state().values())
+    assert size < 0.55 * eight_bit

@@ -560,7 +560,8 @@ def test_compile_then_quantize_calibrates_eager_and_keeps_the_compiled_forward(c
 
 # -------------------------------------------------------------------------------------------- inputs and failures
 @pytest.mark.parametrize("settings, message", [
-    (dict(bits=4), "bits=4 is not supported.*Use bits=8"),
+    (dict(bits=6), "bits=6 is not supported.*Use bits=8"),
+    (dict(bits=4), "no 4-bit path.*int4_fp8 needs .*or use bits=8"),  # the CPU: 4 bits compute in fp8
     (dict(format="int4"), "format='int4' is unknown"),
     (dict(conv_mse_threshold=-0.1), "conv_mse_threshold=-0.1 is negative. Use 0 or more"),
     (dict(linear_mse_threshold=-1.0), "linear_mse_threshold=-1.0 is negative"),
@@ -711,3 +712,31 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
     streaming.stop()  # ... and once the run is over it is whole again
     assert layers["blocks.1.0"].weight_q is host and layers["blocks.2.conv"].gemm.weight_q is not None
     assert len(tree.blocks[1]._forward_pre_hooks) == 1  # only this test's own hook is left
+
+
+def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, monkeypatch):
+    """ComfyUI's dynamic VRAM keeps float weights cached on the card while memory allows (those of the layers now
+    quantized among them, from the calibration run): placing the quantized layers frees as much of that cache as they
+    need first, and streams only what still does not fit."""
+    from overdrive.nodes import quantized_streaming
+    torch.manual_seed(0)
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+    layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
+    one = quantized_streaming.tensor_bytes(layers["blocks.0"])
+    card = {"room": one}
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device: card["room"])
+    asked, moved = [], []
+
+    def free_cache(size):
+        asked.append(size)
+        card["room"] += size // 2  # the cache holds only half of what is asked
+        return size // 2
+    streaming = quantized_streaming.StreamedBlocks()
+    streamed = quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: moved.extend(modules),
+                                         free_cache)
+    assert asked == [2 * one] and moved == [layers["blocks.0"], layers["blocks.1"]] and streamed == one
+    streaming.stop()
+    card["room"], asked[:] = 3 * one, []
+    assert quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: None, free_cache) == 0
+    assert not asked  # room enough: the cache stays

@@ -1,8 +1,8 @@
 """Quantization formats as plug-ins, in torchao's style: one `QuantFormat` per file, registered by name. A format
 brings its quantized linear layer (a `gemm.QuantizedGemm`) and says where it runs, which GEMM shapes its kernel
 takes, and how a calibrated layer is finished and timed. The rest of quantization (calibration, measuring, the
-decisions, the cache, ComfyUI's node and the diffusers API) works through this registry, so a new format (int4
-weight-only, nvfp4) is one file here plus its import line below.
+decisions, the cache, ComfyUI's node and the diffusers API) works through this registry, so a new format (nvfp4)
+is one file here plus its import line below.
 """
 from __future__ import annotations
 
@@ -102,4 +102,4 @@ def best_supported(device, bits: int) -> QuantFormat | None:
     return max(usable, key=lambda fmt: fmt.auto_priority, default=None)
 
 
-from . import int8, fp8  # noqa: E402,F401,I001  (each registers itself; this order is the node's list)
+from . import int8, fp8, int4  # noqa: E402,F401,I001  (each registers itself; this order is the node's list)

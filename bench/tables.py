@@ -1,6 +1,6 @@
 """Markdown tables generated from bench/results/, for README.md and bench/README.md (figures are not typed by hand).
 
-  python bench/tables.py budgets bench/results/*_budget-*gib_flux_1024.json
+  python bench/tables.py budgets bench/results/*_budget-*gib_flux_1024{,_prefetch}.json
 """
 import json
 import pathlib

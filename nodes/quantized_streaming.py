@@ -1,6 +1,6 @@
-"""Quantize Model's 8-bit layers on a card too small for all of them: the layers that do not fit stay in pinned host
-memory and their block copies them in just before it runs (ComfyUI streams float layers so under a budget; the 8-bit
-layers are Overdrive's to place). Blocks are the items of the model's ModuleLists (Flux's double and single blocks,
+"""Quantize Model's layers on a card too small for all of them: the layers that do not fit stay in pinned host memory
+and are copied in as their block runs, the next block's copy overlapping this one's compute on a side stream (ComfyUI
+streams float layers so under a budget; the quantized layers are Overdrive's to place). Blocks are the items of the model's ModuleLists (Flux's double and single blocks,
 Wan's blocks, a UNet's input/output blocks); a layer outside every ModuleList always stays on the GPU."""
 import torch
 
@@ -46,19 +46,63 @@ def split_by_room(tree: torch.nn.Module, layers: dict, room: int | None) -> tupl
     return resident, streamed
 
 
+class SideStreamCopies:
+    """Host-to-GPU copies on a side CUDA stream, so that the next block's layers arrive while the current block
+    computes: `send(tensors)` starts them and returns a ticket, `receive(ticket)` makes the compute stream wait for them
+    and hands the GPU tensors over (the allocator then keeps their memory until the compute stream is done with them)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.side = torch.cuda.Stream(self.device)
+
+    def send(self, tensors: list):
+        with torch.cuda.stream(self.side):
+            copies = [tensor.to(self.device, non_blocking=True) for tensor in tensors]
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return copies, done
+
+    def receive(self, ticket) -> list:
+        copies, done = ticket
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(done)
+        for tensor in copies:
+            tensor.record_stream(compute)
+        return copies
+
+
+class InlineCopies:
+    """The same interface copying at once on the current stream (the CPU, and tests of the order logic)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def send(self, tensors: list):
+        return [tensor.to(self.device, non_blocking=True) for tensor in tensors]
+
+    def receive(self, ticket) -> list:
+        return ticket
+
+
 class StreamedBlocks:
-    """Hooks on the blocks whose 8-bit layers live in pinned host memory: before the block runs, its layers' tensors
-    are copied to the GPU (non-blocking, on the compute stream); after it, the GPU copies return to PyTorch's cache.
+    """Hooks on the blocks whose quantized layers live in pinned host memory: as a block starts, its layers' tensors
+    go in (copied ahead, see below), and the next streamed block's copy starts on a side stream, so that it overlaps
+    this block's compute (the last block fetches the first for the next model call); after the block, the GPU copies
+    return to PyTorch's cache. Room for one block more is the price (`place` keeps it). A block that runs out of the
+    expected order copies its own at once and the copy made ahead is dropped.
     While the model is loaded, a streamed layer's buffers are empty (None) outside its block's call: ComfyUI's
     dynamic-VRAM loader moves every buffer it finds onto the GPU, which would load them all after all (and run a
     short card out of memory). `stop` puts the host tensors back, so that between runs the layers are whole (Switch
     Weights re-quantizes them, a copy of the model copies them). Inert while another clone's layers sit in the block (a
     float clone shares the module tree)."""
 
-    def __init__(self):
+    def __init__(self, copies=None):
         self.pinned = {}  # id(layer) -> [(submodule, buffer name, pinned host tensor)], made once per layer
         self.handles = []
         self.emptied = []  # host copies [(submodule, buffer name, tensor)] whose buffers are None until `stop`
+        self.copies = copies  # how tensors travel (None: chosen by the device at `start`)
+        self.blocks = []  # [(first layer's name in the block, first layer, host copies)], in model order
+        self.ahead = None  # (block index, ticket) of the copy started ahead
 
     def host_copies(self, layer) -> list:
         if id(layer) not in self.pinned:
@@ -70,23 +114,31 @@ class StreamedBlocks:
 
     def start(self, tree: torch.nn.Module, streamed: dict, device) -> None:
         self.stop()
-        for block_name, layers in streamed.items():
+        device = torch.device(device)
+        if self.copies is None or self.copies.device != device:
+            self.copies = SideStreamCopies(device) if device.type == "cuda" else InlineCopies(device)
+        for index, (block_name, layers) in enumerate(streamed.items()):
             block = tree.get_submodule(block_name)
             first_name, first_layer = next(iter(layers.items()))
             host = [copy for layer in layers.values() for copy in self.host_copies(layer)]
             empty(host)
             self.emptied.extend(host)
-            self.handles.append(block.register_forward_pre_hook(
-                self._bring_in(first_name[len(block_name) + 1:], first_layer, host, device)))
+            self.blocks.append((first_name[len(block_name) + 1:], first_layer, host))
+            self.handles.append(block.register_forward_pre_hook(self._bring_in(index)))
             self.handles.append(block.register_forward_hook(lambda block, args, output, host=host: empty(host)))
 
-    @staticmethod
-    def _bring_in(first_name, first_layer, host, device):
+    def _bring_in(self, index: int):
         def hook(block, args):
+            first_name, first_layer, host = self.blocks[index]
             if block.get_submodule(first_name) is not first_layer:
                 return
-            for sub, name, tensor in host:
-                sub._buffers[name] = tensor.to(device, non_blocking=True)
+            ahead, self.ahead = self.ahead, None
+            ticket = ahead[1] if ahead is not None and ahead[0] == index else self.copies.send(
+                [tensor for *_, tensor in host])
+            for (sub, name, _), tensor in zip(host, self.copies.receive(ticket)):
+                sub._buffers[name] = tensor
+            following = (index + 1) % len(self.blocks)
+            self.ahead = (following, self.copies.send([tensor for *_, tensor in self.blocks[following][2]]))
         return hook
 
     def stop(self) -> None:
@@ -94,7 +146,7 @@ class StreamedBlocks:
             handle.remove()
         for sub, name, tensor in self.emptied:
             sub._buffers[name] = tensor
-        self.handles, self.emptied = [], []
+        self.handles, self.emptied, self.blocks, self.ahead = [], [], [], None
 
     def forget(self, layers) -> None:
         """Drop the host copies of `layers` (they are resident again, or gone)."""
@@ -121,6 +173,9 @@ def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks
             room = room_for_weights(device)
         room += on_card
     resident, streamed = split_by_room(tree, layers, room)
+    if streamed:  # one streamed block's copy made ahead sits beside the running one
+        largest = max(sum(tensor_bytes(layer) for layer in block.values()) for block in streamed.values())
+        resident, streamed = split_by_room(tree, layers, room - largest)
     streaming.forget(resident.values())
     move(resident.values(), device)
     streamed_bytes = sum(tensor_bytes(layer) for block in streamed.values() for layer in block.values())

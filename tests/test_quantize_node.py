@@ -735,8 +735,52 @@ def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, 
     streaming = quantized_streaming.StreamedBlocks()
     streamed = quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: moved.extend(modules),
                                          free_cache)
-    assert asked == [2 * one] and moved == [layers["blocks.0"], layers["blocks.1"]] and streamed == one
+    # room for two after the cache gave half: one resident, one for the block copied ahead of the running one
+    assert asked == [2 * one] and moved == [layers["blocks.0"]] and streamed == 2 * one
     streaming.stop()
-    card["room"], asked[:] = 3 * one, []
+    card["room"], asked[:] = 3 * one, []  # all of them fit: nothing streams, so nothing is copied ahead
     assert quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: None, free_cache) == 0
     assert not asked  # room enough: the cache stays
+
+
+class CountingCopies:
+    """InlineCopies that says which block's tensors each copy was for."""
+
+    def __init__(self, blocks):
+        self.device, self.sent, self.blocks = torch.device("cpu"), [], blocks
+
+    def send(self, tensors):
+        self.sent.append(next(name for name, layer in self.blocks.items() if tensors[0] is layer.weight_q_host))
+        return list(tensors)
+
+    def receive(self, ticket):
+        return ticket
+
+
+def test_streamed_blocks_copy_the_next_block_ahead_and_a_block_out_of_order_copies_its_own(comfy):
+    """Each streamed block's copy starts as the block before it starts (the last one fetches the first for the next
+    model call), so that on the GPU it overlaps that block's compute; a block that runs out of that order copies its
+    own at once, and the copy made ahead is dropped. Outputs match the resident model's every time."""
+    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    torch.manual_seed(0)
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+    layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
+    for i in range(3):
+        tree.blocks[i] = layers[f"blocks.{i}"]
+    x = torch.randn(4, 64)
+    expected = [tree.blocks[i](x) for i in range(3)]
+    streaming = StreamedBlocks()
+    streamed = {f"blocks.{i}": {f"blocks.{i}": layers[f"blocks.{i}"]} for i in range(3)}
+    for name, layer in layers.items():
+        layer.weight_q_host = next(t for _, buffer, t in streaming.host_copies(layer) if buffer == "weight_q")
+    streaming.copies = copies = CountingCopies({name.split(".")[1]: layer for name, layer in layers.items()})
+    streaming.start(tree, streamed, "cpu")
+    for _ in range(2):  # two model calls in order: block 0's own copy once, then every copy is made ahead
+        assert all(torch.equal(tree.blocks[i](x), expected[i]) for i in range(3))
+    assert copies.sent == ["0", "1", "2", "0", "1", "2", "0"]
+    copies.sent.clear()
+    assert torch.equal(tree.blocks[2](x), expected[2])  # out of order: block 0 was ahead
+    assert copies.sent == ["2", "0"] and streaming.ahead[0] == 0
+    streaming.stop()
+    assert streaming.ahead is None and all(layer.weight_q is not None for layer in layers.values())

@@ -77,21 +77,10 @@ class DeepCacheRunner:
         paths = DiffusersUNetPaths(unet, config.cache_depth, num_train_timesteps)
         return cls(paths, config, percent_to_sigma=paths.percent_to_timestep, native_forward=native_forward)
 
-    def compile_paths(self, wrap) -> None:
-        """Route the two paths through compiled callables: `wrap(paths_module, "full_forward" | "shallow_forward")`
-        returns a callable with the method's signature, e.g. `lambda m, name: CompiledMethod(m, name, options)` or
-        `lambda m, name: torch.compile(getattr(m, name))`. Each path then compiles once.
-
-        With CUDA graphs the wrapper must hand back outputs that a later replay will not overwrite, since the feature
-        is kept across steps (CompiledMethod copies its outputs; plain torch.compile(mode="reduce-overhead") does
-        not)."""
-        self.full_path = wrap(self.paths, "full_forward")
-        self.shallow_path = wrap(self.paths, "shallow_forward")
-
     def clone(self, native_forward=None) -> "DeepCacheRunner":
         """A runner over the same paths and settings with its own (empty) schedule and cache, eager paths, and
         `native_forward` (default: this one's). For a node that wraps a model already carrying a runner, e.g. a
-        compile node downstream of DeepCache: `new = runner.clone(); new.compile_paths(...)`."""
+        compile node downstream of DeepCache, which then routes `full_path` and `shallow_path` through compiled code."""
         return DeepCacheRunner(self.paths, self.config, percent_to_sigma=self.schedule.percent_to_sigma,
                                native_forward=native_forward if native_forward is not None else self.native)
 

@@ -3,6 +3,7 @@ run without downloading text encoders (ComfyUI builds those at full size only: T
 from comfy_api.latest import io
 
 from ..builtin_models.dit import FAMILIES, conditioning
+from .schema import node_schema
 
 SEED, TOKENS = 0, 0  # tokens 0: the family's usual text length
 
@@ -10,9 +11,8 @@ SEED, TOKENS = 0, 0  # tokens 0: the family's usual text length
 class OverdriveBuiltinConditioning(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="OverdriveBuiltinConditioning", display_name="Built-in Conditioning (Overdrive)",
-            category="overdrive/testing",
+        return node_schema(
+            "OverdriveBuiltinConditioning", "Built-in Conditioning (Overdrive)", category="overdrive/testing",
             description=("Fixed-seed random conditioning in the shape a family's text encoders produce (Flux: T5-XXL "
                          "tokens and a CLIP-L pooled vector; Flux.2: Mistral Small 3.1's stacked hidden layers; "
                          "Chroma: T5-XXL; Qwen-Image: Qwen2.5-VL; Wan: UMT5-XXL; Z-Image: Qwen3; SD3.5: T5 and pooled "

@@ -18,6 +18,7 @@ from .cache_folder import comfy_cache_dir
 from .dynamic_vram import compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
+from .schema import node_schema
 
 log = logging.getLogger("overdrive")
 DEFAULTS = CompileOptions()  # the nodes' defaults are the core's
@@ -86,9 +87,9 @@ def release_held_memory(patcher, unpatch_all) -> None:
 class OverdriveCompileModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="OverdriveCompileModel", display_name="Compile Model (Overdrive)", category="overdrive",
-            description=("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling "
+        return node_schema(
+            "OverdriveCompileModel", "Compile Model (Overdrive)",
+            ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling "
                          "step: a UNet as one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, "
                          "each distinct block once. Graphs are shared by every checkpoint of the same architecture. "
                          "Before or after DeepCache, its full and shallow steps are compiled. If compiling fails, "
@@ -132,9 +133,9 @@ class OverdriveCompileModel(io.ComfyNode):
 class OverdriveCompileVAE(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="OverdriveCompileVAE", display_name="Compile VAE (Overdrive)", category="overdrive",
-            description=("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the "
+        return node_schema(
+            "OverdriveCompileVAE", "Compile VAE (Overdrive)",
+            ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the "
                          "normal path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not "
                          "compiled (it decoded slower compiled): its 3-D convolutions switch to the channels-last "
                          "layout instead."),

@@ -8,6 +8,7 @@ from ..deepcache.config import MODES
 from ..families import family_of
 from ..stack import Stack
 from .forward_patch import foreign_forward, install, installed_stack
+from .schema import node_schema
 
 log = logging.getLogger("overdrive")
 DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
@@ -39,9 +40,9 @@ END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 =
 class OverdriveDeepCache(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="OverdriveDeepCache", display_name="DeepCache (Overdrive)", category="overdrive",
-            description=("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks "
+        return node_schema(
+            "OverdriveDeepCache", "DeepCache (Overdrive)",
+            ("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks "
                          "run and the rest is reused from the last full step, for a small change in detail. Full "
                          "steps are exact. UNets (SD1.5, SD2, SDXL) reuse their deep features; DiTs (Flux, "
                          "Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks, on a fixed "

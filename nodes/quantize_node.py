@@ -18,6 +18,7 @@ from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
 from .quantize_patches import bake_weight_patches, install_quantized, patches_digest
+from .schema import node_schema
 
 log = logging.getLogger("overdrive")
 DEFAULTS = QuantConfig()
@@ -138,9 +139,9 @@ class OverdriveQuantizeModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         threshold = {"min": 0.0, "max": 1000.0, "step": 0.001}
-        return io.Schema(
-            node_id="OverdriveQuantizeModel", display_name="Quantize Model (Overdrive)", category="overdrive",
-            description=("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 "
+        return node_schema(
+            "OverdriveQuantizeModel", "Quantize Model (Overdrive)",
+            ("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 "
                          "kernels (or int4 weights in fp8 where memory is short). A short calibration run measures each layer's error on real inputs; only layers "
                          "below the error threshold and dense enough to gain are quantized (the log lists every "
                          "decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before "

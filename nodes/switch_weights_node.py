@@ -16,6 +16,7 @@ from .dynamic_vram import LAYER_LOADER_STATE, MODEL_LOADER_STATE
 from .load_state import forget_load_state
 from .forward_patch import rebuild
 from .quantize_patches import float_view, requantize_onto
+from .schema import node_schema
 
 log = logging.getLogger("overdrive")
 
@@ -108,8 +109,8 @@ class SwitchNode(io.ComfyNode):
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id=cls.NODE_ID, display_name=cls.DISPLAY_NAME, category="overdrive", description=cls.DESCRIPTION_TEXT,
+        return node_schema(
+            cls.NODE_ID, cls.DISPLAY_NAME, cls.DESCRIPTION_TEXT,
             inputs=[io.Model.Input("model", tooltip="A model (ideally from Compile Model) whose architecture the file "
                                                     "shares. It is not modified."),
                     io.Combo.Input(cls.INPUT, options=folder_paths.get_filename_list(cls.FOLDER),

@@ -500,8 +500,12 @@ def test_compiled_paths_two_graphs_no_recompile_per_step(tiny):
         compiled_graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
+    def compile_paths(runner):  # as the compile stack routes them (stack.py)
+        runner.full_path = torch.compile(runner.paths.full_forward, backend=counting_inductor)
+        runner.shallow_path = torch.compile(runner.paths.shallow_forward, backend=counting_inductor)
+
     runner, eager = tiny.runner(cache_interval=3), tiny.runner(cache_interval=3)
-    runner.compile_paths(lambda module, name: torch.compile(getattr(module, name), backend=counting_inductor))
+    compile_paths(runner)
     breaks = sum(counters["graph_break"].values())
     for sigma in tiny.sigmas:
         out, ref = tiny.step(runner, sigma), tiny.step(eager, sigma)
@@ -514,7 +518,7 @@ def test_compiled_paths_two_graphs_no_recompile_per_step(tiny):
         tiny.step(runner, sigma)
     assert len(compiled_graphs) == 2 and runner.schedule.runs == 2
     twin = runner.clone()
-    twin.compile_paths(lambda module, name: torch.compile(getattr(module, name), backend=counting_inductor))
+    compile_paths(twin)
     for sigma in tiny.sigmas[:4]:
         assert relative_error(tiny.step(twin, sigma), tiny.step(eager, sigma)) < COMPILE_RTOL
     assert twin.stats.decisions == [True, False, False, True] and twin.schedule.runs == 1

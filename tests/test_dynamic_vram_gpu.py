@@ -127,6 +127,72 @@ def test_quantize_model_4_bits_then_compile_model(nodes, base, family, sample, e
              len(in_4_bits), len(report.quantized), error_eager, error)
 
 
+class RecordedLog(logging.Handler):
+    """Every record the root logger gets while installed (ComfyUI's own warnings included)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_long_mix_of_prompts_leaves_no_model_and_no_memory_behind(comfy, nodes, base, family, sample):
+    """Every node in turn on one model, each model dropped and unloaded after its prompt, three times over: once the
+    first round has built what is kept on purpose (compiled graphs, decision caches), GPU memory after each unload and
+    the process's host memory stay at that level, and ComfyUI never reports a model kept alive."""
+    import gc
+
+    import psutil
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the mix quantizes in fp8 and 4 bits: compute capability 8.9")
+    management, process = comfy.model_management, psutil.Process()
+
+    def fp8(model):
+        return quantize_every_layer(nodes, model, family, "fp8_e4m3")[1]
+
+    def int4(model):
+        return quantize_every_layer(nodes, model, family, "int4_fp8", linear_mse_threshold=1.0)[1]
+
+    def compile_model(model):
+        return nodes["OverdriveCompileModel"].execute(model)[0]
+
+    def cached(model):
+        return nodes["OverdriveDeepCache"].execute(model, cache_interval=2)[0]
+    recipes = {"eager": lambda: base.clone(), "compile": lambda: compile_model(base), "fp8": lambda: fp8(base),
+               "4-bit": lambda: int4(base), "step cache": lambda: cached(base),
+               "fp8 + compile + step cache": lambda: cached(compile_model(fp8(base)))}
+
+    def settled():
+        management.unload_all_models()
+        gc.collect()
+        management.soft_empty_cache()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated(), process.memory_info().rss
+
+    log = RecordedLog()
+    logging.getLogger().addHandler(log)
+    try:
+        levels = []
+        for _ in range(3):
+            for name, make in recipes.items():
+                model = make()
+                assert torch.isfinite(sample(model)[0]).all(), name
+                del model
+                levels.append((name, *settled()))
+    finally:
+        logging.getLogger().removeHandler(log)
+    baseline_gpu = max(gpu for _, gpu, _ in levels[:len(recipes)])
+    baseline_host = max(host for _, _, host in levels[:len(recipes)])
+    grown = [(name, (gpu - baseline_gpu) / 2**20) for name, gpu, _ in levels[len(recipes):]
+             if gpu > baseline_gpu + 64 * 2**20]
+    assert not grown, grown  # MiB above the first round's level
+    assert levels[-1][2] < baseline_host + 2**30, (levels[-1][2] - baseline_host) / 2**20
+    assert not [line for line in log.lines if "memory leak" in line.lower()], log.lines
+
+
 def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, files, sample):
     sample(compiled)
     graphs = dynamo_graph_count()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine for Overdrive: torch, ComfyUI 0.33.0 with its own requirements, the test tools.
+# Sets up a fresh machine for Overdrive: torch, ComfyUI 0.33.0 with its own requirements, Overdrive's.
+#   --tests                        also what only the test suite uses: requirements-dev.txt and, as root on Debian,
+#                                  redis-server and chromium
 #   COMFYUI_PATH=/path/to/ComfyUI  use that ComfyUI (>= 0.33.0) instead of setting one up (Overdrive is linked into it)
-#   OVERDRIVE_NO_SYSTEM_PACKAGES=1 skip the Debian packages that only the tests use (redis-server, chromium)
+#   OVERDRIVE_NO_SYSTEM_PACKAGES=1 skip those Debian packages even with --tests
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -9,19 +11,25 @@ py="${PYTHON:-python3}"
 comfy_version="0.33.0"     # what a fresh machine gets
 comfy_commit="783545f6"     # upstream master at 0.33.0 (no release tag)
 pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
+tests=""
+case "${1:-}" in
+  --tests) tests=1 ;;
+  "") ;;
+  *) echo "usage: bash scripts/install.sh [--tests]" >&2; exit 2 ;;
+esac
 
 # 1. torch: keep the one a user already has; on a fresh machine take the pinned build.
 if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
   pip_install "torch==${TORCH_VERSION:-2.14.1}" "torchvision==${TORCHVISION_VERSION:-0.29.1}"
 fi
-pip_install -r requirements-dev.txt
+pip_install -r "requirements${tests:+-dev}.txt"
 
-# 2. Debian packages that only the tests start for real: a Redis server (shared compile cache of a fleet) and
-#    Chromium (the drag-and-drop browser test). Installed where missing and where apt-get can (root on Debian).
+# 2. With --tests, the Debian packages that only the tests start for real: a Redis server (shared compile cache of a
+#    fleet) and Chromium (the drag-and-drop browser test). Installed where missing and where apt-get can (root on Debian).
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v chromium >/dev/null || missing+=(chromium chromium-driver)
-if [ ${#missing[@]} -gt 0 ] && [ -z "${OVERDRIVE_NO_SYSTEM_PACKAGES:-}" ]; then
+if [ -n "$tests" ] && [ ${#missing[@]} -gt 0 ] && [ -z "${OVERDRIVE_NO_SYSTEM_PACKAGES:-}" ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "Installing system packages for the tests: ${missing[*]} (OVERDRIVE_NO_SYSTEM_PACKAGES=1 skips this)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

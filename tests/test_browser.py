@@ -21,8 +21,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.name.endswith("_api.json"))
 DROPPED = ("compile_quantize_deepcache_sd15", "compile_sd15", "switch_weights_sd15", "compile_stepcache_flux",
            "compile_wan22")
-pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
-                                reason="Chromium is not installed (Debian package chromium; scripts/install.sh installs it)")
+pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="Chromium is not installed (Debian package "
+                                "chromium; scripts/install.sh --tests installs it)")
 
 DROP = """([name, text]) => {
     const data = new DataTransfer();

@@ -256,13 +256,13 @@ def test_key_changes_with_device_and_software():
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """A real redis-server on loopback (Debian's package; scripts/install.sh installs it)."""
+    """A real redis-server on loopback (Debian's package; scripts/install.sh --tests installs it)."""
     import shutil
     import socket
     import time
 
     binary = shutil.which("redis-server")
-    assert binary, "redis-server is not installed: run scripts/install.sh"
+    assert binary, "redis-server is not installed: run scripts/install.sh --tests"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -31,3 +31,9 @@ def test_install_names_the_comfyui_it_found_and_warns_when_it_is_older_than_supp
     assert f"Overdrive is set up: ComfyUI {version} at {folder}" in run.stdout
     assert ("older than 0.33.0" in run.stderr) == warned, run.stderr[-2000:]
     assert (folder / "custom_nodes" / "overdrive").resolve() == REPO
+
+
+def test_install_refuses_an_unknown_option_before_installing_anything():
+    run = subprocess.run(["bash", str(REPO / "scripts/install.sh"), "--test"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and "usage: bash scripts/install.sh [--tests]" in run.stderr

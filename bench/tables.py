@@ -56,7 +56,8 @@ def budgets(reports) -> str:
         lines.append(" | ".join([
             f"| {report['settings']['budget_gib']:g} GiB", f"{eager['s_per_image']:.3f}", *cells,
             f"{again[0]['s_per_image']:.3f}" if again else "—",
-            f"{eager.get('streamed_gib_per_call', 0):.1f} GiB", f"+{eager.get('stream_s_per_image_at_25gb_s', 0):.1f} s",
+            f"{eager.get('streamed_gib_per_call', 0):.1f} GiB",
+            f"+{eager.get('stream_s_per_image_at_25gb_s', 0):.1f} s",
             f"`{report['file']}` |"]))
     return "\n".join(lines)
 
@@ -65,8 +66,8 @@ MODEL_COLUMNS = {"overdrive": "Compile Model", "overdrive+fp8+attn": "+ Quantize
 
 
 def model_name(settings: dict, short: bool = False) -> str:
-    """"Flux.1-dev 1024²", "Wan 2.2 5B 832×480×33, fp8_scaled file (eager: ComfyUI's fp8 path)", ... (`short`: without
-    the parenthesis)."""
+    """"Flux.1-dev 1024²", "Wan 2.2 5B 832×480×33, fp8_scaled file (eager: ComfyUI's fp8 path)", ... (`short`:
+    without the parenthesis)."""
     name = FAMILY_NAMES.get(settings["arch"], settings["arch"])
     if settings["arch"].startswith("wan"):
         name += f" {settings.get('width') or settings['res']}×{settings['res']}×{settings['frames']}"

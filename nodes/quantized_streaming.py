@@ -1,7 +1,8 @@
 """Quantize Model's layers on a card too small for all of them: the layers that do not fit stay in pinned host memory
 and are copied in as their block runs, the next block's copy overlapping this one's compute on a side stream (ComfyUI
-streams float layers so under a budget; the quantized layers are Overdrive's to place). Blocks are the items of the model's ModuleLists (Flux's double and single blocks,
-Wan's blocks, a UNet's input/output blocks); a layer outside every ModuleList always stays on the GPU."""
+streams float layers so under a budget; the quantized layers are Overdrive's to place). Blocks are the items of the
+model's ModuleLists (Flux's double and single blocks, Wan's blocks, a UNet's input/output blocks); a layer outside
+every ModuleList always stays on the GPU."""
 import torch
 
 from .gpu_budget import room_for_weights

@@ -175,7 +175,7 @@ class OverdriveQuantizeModel(io.ComfyNode):
                 io.Conditioning.Input("negative", tooltip=TOOLTIPS["negative"], optional=True),
                 io.Latent.Input("latent", tooltip=TOOLTIPS["latent"], optional=True),
             ],
-            outputs=[io.Model.Output(tooltip="The model with the chosen layers running 8-bit kernels (the input "
+            outputs=[io.Model.Output(tooltip="The model with the chosen layers running low-bit kernels (the input "
                                              "MODEL is unchanged).")],
         )
 

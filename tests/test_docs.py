@@ -34,3 +34,12 @@ def test_a_changed_figure_is_caught(tmp_path):
     assert checked.returncode == 1 and "out of date" in checked.stdout
     subprocess.run([sys.executable, str(ROOT / "bench/tables.py"), "--write", str(copy)], check=True, timeout=120)
     assert copy.read_text() == readme
+
+
+def test_the_node_reference_matches_the_nodes_schemas():
+    """NODES.md is the nodes' own schemas written out (defaults, ranges, tooltips): a changed default or tooltip
+    without it regenerated fails here."""
+    checked = subprocess.run([sys.executable, "scripts/node_reference.py", "--check"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+    assert checked.returncode == 0, checked.stdout + checked.stderr[-3000:]
+    assert "| `bits` | INT | `8` |" in (ROOT / "NODES.md").read_text()

@@ -634,15 +634,18 @@ class Wide(nn.Module):
         return self.down(F.gelu(self.up(self.narrow_in(x))))
 
 
+@pytest.mark.parametrize("store_weights", [False, True])
 @pytest.mark.parametrize("threshold, in_4_bits", [(1.0, {"up", "down"}), (2e-3, set())])
 def test_4_bits_where_the_error_passes_else_the_8_bit_decision_and_the_cache_keeps_both(tmp_path, threshold,
-                                                                                       in_4_bits):
+                                                                                       in_4_bits, store_weights):
     """A layer 4 bits cannot take (K = 64) or whose 4-bit error is too high gets the 8-bit format's decision (int8
-    on the CPU); the report says which format each runs in, and the cache rebuilds the same layers."""
+    on the CPU); the report says which format each runs in, and the cache rebuilds the same layers (from the stored
+    quantized tensors, group scales included, or quantized again)."""
     config = QuantConfig(**INT4, linear_mse_threshold=threshold, compute_density_threshold=0)
     model, x = Wide().eval().requires_grad_(False), torch.randn(64, 64)
     expected = model(x)
-    report = quantize_(model, config, calibration=lambda: model(torch.randn(64, 64)), cache=tmp_path)
+    cache = QuantCache(tmp_path, store_weights=store_weights)
+    report = quantize_(model, config, calibration=lambda: model(torch.randn(64, 64)), cache=cache)
     layer_formats = report.formats()
     assert {name for name, fmt in layer_formats.items() if fmt == "int4_fp8"} == in_4_bits
     assert {name for name, fmt in layer_formats.items() if fmt == "int8"} == {"narrow_in", "up", "down"} - in_4_bits
@@ -651,8 +654,12 @@ def test_4_bits_where_the_error_passes_else_the_8_bit_decision_and_the_cache_kee
         assert "int4_fp8 error" in report["up"].reason
     assert "of them in int8" in report.summary()
     assert rel(model(x), expected) < (0.2 if in_4_bits else 0.02)
+    if store_weights and in_4_bits:
+        from safetensors import safe_open
+        with safe_open(str(tmp_path / f"{report.cache_key}.safetensors"), "pt") as stored:
+            assert {"up.weight_q", "up.group_scale", "narrow_in.weight_q"} <= set(stored.keys())
     again = Wide().eval().requires_grad_(False)
-    cached = quantize_(again, config, calibration=None, cache=tmp_path)
+    cached = quantize_(again, config, calibration=None, cache=cache)
     assert cached.cache_hit and cached.formats() == layer_formats
     assert {name: type(m) for name, m in again.named_children()} == {name: type(m) for name, m in model.named_children()}
     torch.testing.assert_close(again(x), model(x))

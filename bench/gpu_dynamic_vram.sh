@@ -5,6 +5,7 @@
 # Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen.tar.xz,
 # whl_av.tar.xz (ComfyUI's V3 API, which the nodes use, imports PyAV) and whl_fa3.tar.xz carried (bench/device_carry.sh):
 #   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off |
+#     qwen-on | qwen-off (Qwen-Image 1328²) | wan22_14b-on | wan22_14b-off (a Wan 2.2 A14B expert, 480p) |
 #     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8
 #     path (Flux.2 at a quarter of its blocks: its 32 B parameters take longer to write than a device call lasts)
 set -uo pipefail
@@ -30,6 +31,9 @@ case "$part" in
   flux-on|flux-off) run flux_1024 "${part#flux-}" --arch flux --res 1024 --steps 20 --repeats 2 ;;
   wan22-on|wan22-off) run wan22_480p "${part#wan22-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 \
                         --repeats 2 ;;
+  wan22_14b-on|wan22_14b-off) run wan22_14b_480p "${part#wan22_14b-}" --arch wan22_14b --res 480 --width 832 \
+                                --frames 33 --steps 20 --repeats 2 ;;
+  qwen-on|qwen-off) run qwen_image_1328 "${part#qwen-}" --arch qwen_image --res 1328 --steps 20 --repeats 2 ;;
   wan22-fp8_scaled-on|wan22-fp8_scaled-off)
     run wan22_480p_fp8_scaled "${part##*-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 --repeats 2 \
       --layout fp8_scaled ;;

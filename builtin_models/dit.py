@@ -113,6 +113,14 @@ FAMILIES: Dict[str, BuiltinFamily] = {
         dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
         "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True, video=True),
         dict(cfg=5.0, steps=20)),
+    "wan22_14b": BuiltinFamily(  # Wan 2.2 A14B's experts (and Wan 2.1 14B), which ComfyUI loads as WAN21_T2V
+        "WAN21_T2V",               # (16-channel latents, Wan 2.1 VAE); the CPU suite runs Wan's blocks as wan22
+        dict(image_model="wan2.1", model_type="t2v", dim=5120, out_dim=16, in_dim=16, num_heads=40, ffn_dim=13824,
+             num_layers=40, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
+             cross_attn_norm=True, eps=1e-6),
+        dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
+        "wan21", dict(tokens=512, width=4096), dict(channels=16, spatial=8, frames=True, video=True),
+        dict(cfg=5.0, steps=20), cpu_suite=False),
     "zimage": BuiltinFamily(
         "ZImage",
         dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, n_layers=30,

@@ -8,8 +8,8 @@ from overdrive.builtin_models.dit import FAMILIES, conditioning, model_layout, v
 
 # Parameters of the real models (ComfyUI's classes at the configs its detection reads from the released files; LTX-2's
 # class in ComfyUI 0.33 holds 19.6 B at the 19 B model's config).
-FULL_BILLIONS = {"flux": 11.9, "flux2": 32.2, "qwen_image": 20.4, "wan22": 5.0, "zimage": 6.2, "sd35": 8.1,
-                 "ltxv": 13.0, "chroma": 8.9, "ltx2": 19.6}
+FULL_BILLIONS = {"flux": 11.9, "flux2": 32.2, "qwen_image": 20.4, "wan22": 5.0, "wan22_14b": 14.3, "zimage": 6.2,
+                 "sd35": 8.1, "ltxv": 13.0, "chroma": 8.9, "ltx2": 19.6}
 
 
 def billions(specs) -> float:

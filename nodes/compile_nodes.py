@@ -89,11 +89,11 @@ class OverdriveCompileModel(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return node_schema(
             "OverdriveCompileModel", "Compile Model (Overdrive)",
-            ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling "
-                         "step: a UNet as one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, "
-                         "each distinct block once. Graphs are shared by every checkpoint of the same architecture. "
-                         "Before or after DeepCache, its full and shallow steps are compiled. If compiling fails, "
-                         "sampling continues on the normal (eager) path with a warning in the log."),
+            ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step: a UNet as "
+             "one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, each distinct block once. Graphs"
+             " are shared by every checkpoint of the same architecture. Before or after DeepCache, its full and shallow"
+             " steps are compiled. If compiling fails, sampling continues on the normal (eager) path with a warning in "
+             "the log."),
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to compile. It is not modified; a patched copy "
                                                 "is returned."),
@@ -135,10 +135,9 @@ class OverdriveCompileVAE(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return node_schema(
             "OverdriveCompileVAE", "Compile VAE (Overdrive)",
-            ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the "
-                         "normal path with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not "
-                         "compiled (it decoded slower compiled): its 3-D convolutions switch to the channels-last "
-                         "layout instead."),
+            ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal path "
+             "with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not compiled (it decoded slower"
+             " compiled): its 3-D convolutions switch to the channels-last layout instead."),
             inputs=[
                 io.Vae.Input("vae", tooltip="The VAE to compile. It is not modified; a patched copy is returned. Wan's "
                                             "video VAE is returned itself, its convolution weights in the "

@@ -42,14 +42,13 @@ class OverdriveDeepCache(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return node_schema(
             "OverdriveDeepCache", "DeepCache (Overdrive)",
-            ("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks "
-                         "run and the rest is reused from the last full step, for a small change in detail. Full "
-                         "steps are exact. UNets (SD1.5, SD2, SDXL) reuse their deep features; DiTs (Flux, "
-                         "Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks, on a fixed "
-                         "schedule or adaptively (a step is reused while the first blocks' output barely changed). "
-                         "Works with Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. "
-                         "ControlNet and block patches make their steps run the whole model. The log shows each "
-                         "run's full / reused steps."),
+            ("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks run and the "
+             "rest is reused from the last full step, for a small change in detail. Full steps are exact. UNets (SD1.5,"
+             " SD2, SDXL) reuse their deep features; DiTs (Flux, Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of"
+             " their later blocks, on a fixed schedule or adaptively (a step is reused while the first blocks' output "
+             "barely changed). Works with Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. "
+             "ControlNet and block patches make their steps run the whole model. The log shows each run's full / reused"
+             " steps."),
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to accelerate. It is not modified; a patched "
                                                 "copy is returned."),

@@ -141,11 +141,11 @@ class OverdriveQuantizeModel(io.ComfyNode):
         threshold = {"min": 0.0, "max": 1000.0, "step": 0.001}
         return node_schema(
             "OverdriveQuantizeModel", "Quantize Model (Overdrive)",
-            ("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 "
-                         "kernels (or int4 weights in fp8 where memory is short). A short calibration run measures each layer's error on real inputs; only layers "
-                         "below the error threshold and dense enough to gain are quantized (the log lists every "
-                         "decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before "
-                         "this node. If quantizing fails, the model runs unquantized with a warning in the log."),
+            ("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 kernels (or int4 "
+             "weights in fp8 where memory is short). A short calibration run measures each layer's error on real "
+             "inputs; only layers below the error threshold and dense enough to gain are quantized (the log lists every"
+             " decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before this node. If "
+             "quantizing fails, the model runs unquantized with a warning in the log."),
             inputs=[
                 io.Model.Input("model", tooltip=TOOLTIPS["model"]),
                 io.Int.Input("bits", default=DEFAULTS.bits, min=min(bit_widths()), max=max(bit_widths()),

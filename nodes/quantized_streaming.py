@@ -31,14 +31,15 @@ def block_of(tree: torch.nn.Module, name: str) -> str | None:
     return None
 
 
-def split_by_room(tree: torch.nn.Module, layers: dict, room: int | None) -> tuple:
+def split_by_room(tree: torch.nn.Module, layers: dict, room: int | None, sizes: dict | None = None) -> tuple:
     """(resident {name: layer}, streamed {block name: {name: layer}}): layers in model order stay resident while they
-    fit `room` bytes (None: all of them); a block's layers after that are streamed."""
+    fit `room` bytes (None: all of them); a block's layers after that are streamed. `sizes`: {name: bytes}, where the
+    caller has them."""
     if room is None:
         return dict(layers), {}
     resident, streamed, used = {}, {}, 0
     for name, layer in layers.items():
-        block, size = block_of(tree, name), tensor_bytes(layer)
+        block, size = block_of(tree, name), sizes[name] if sizes is not None else tensor_bytes(layer)
         if block is None or (used + size <= room and not streamed):
             resident[name] = layer
             used += size
@@ -50,7 +51,8 @@ def split_by_room(tree: torch.nn.Module, layers: dict, room: int | None) -> tupl
 class SideStreamCopies:
     """Host-to-GPU copies on a side CUDA stream, so that the next block's layers arrive while the current block
     computes: `send(tensors)` starts them and returns a ticket, `receive(ticket)` makes the compute stream wait for them
-    and hands the GPU tensors over (the allocator then keeps their memory until the compute stream is done with them)."""
+    and hands the GPU tensors over (the allocator then keeps their memory until the compute stream is done with
+    them)."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -165,21 +167,21 @@ def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks
     (`move(modules, device)` moves); returns the bytes streamed per model call. `free_cache(bytes)`, if given, first
     frees up to that much of what ComfyUI keeps cached on the card (returns what it freed)."""
     streaming.stop()  # every layer whole again before it is measured and placed
+    sizes = {name: tensor_bytes(layer) for name, layer in layers.items()}  # read once: the streamed ones empty below
     room = room_for_weights(device)
     if room is not None:  # the layers already there are part of what may stay
-        on_card = sum(tensor_bytes(layer) for layer in layers.values()
+        on_card = sum(sizes[name] for name, layer in layers.items()
                       if any(tensor.device == torch.device(device) for *_, tensor in tensors_of(layer)))
-        wanted = sum(tensor_bytes(layer) for layer in layers.values()) - on_card
+        wanted = sum(sizes.values()) - on_card
         if free_cache is not None and wanted > room and free_cache(wanted - room):
             room = room_for_weights(device)
         room += on_card
-    resident, streamed = split_by_room(tree, layers, room)
+    resident, streamed = split_by_room(tree, layers, room, sizes)
     if streamed:  # one streamed block's copy made ahead sits beside the running one
-        largest = max(sum(tensor_bytes(layer) for layer in block.values()) for block in streamed.values())
-        resident, streamed = split_by_room(tree, layers, room - largest)
+        largest = max(sum(sizes[name] for name in block) for block in streamed.values())
+        resident, streamed = split_by_room(tree, layers, room - largest, sizes)
     streaming.forget(resident.values())
     move(resident.values(), device)
-    streamed_bytes = sum(tensor_bytes(layer) for block in streamed.values() for layer in block.values())
     if streamed:
-        streaming.start(tree, streamed, device)  # (it empties the streamed layers: counted before)
-    return streamed_bytes
+        streaming.start(tree, streamed, device)
+    return sum(sizes[name] for block in streamed.values() for name in block)

@@ -2,8 +2,8 @@
 never change (`model.half()` or `.to(dtype)` moves them between devices but does not cast them), re-quantization in
 place from a new float weight (`load_float_weight`, without re-measuring: the buffers are overwritten, so a compiled
 graph that captured them keeps working through weight switching), and the cache's quantized state.
-A format's layer sets `format`, `storage_dtype`, `per_channel_scales` and implements `quantize_weight`, `gemm` and
-`reference_gemm`.
+A format's layer sets `format`, `storage_dtype`, `per_channel_scales` (and `quantized_names`, `storage_shape` where it
+stores more tensors or packs values) and implements `quantize_weight`, `gemm` and `reference_gemm`.
 """
 from __future__ import annotations
 
@@ -70,10 +70,6 @@ class QuantizedGemm(nn.Module):
                              f"{'bias=None' if self.bias is None else 'its bias'}.")
         tensors = self.quantize_weight(weight.to(self.weight_q.device))
         return self.load_quantized_state({**dict(zip(self.quantized_names, tensors)), "bias": bias})
-
-    def load_quantized(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
-        """Copy already quantized tensors into this module's buffers (`load_quantized_state` takes every kind)."""
-        return self.load_quantized_state({"weight_q": weight_q, "weight_scale": weight_scale, "bias": bias})
 
     @torch.no_grad()
     def load_quantized_state(self, state: dict) -> "QuantizedGemm":

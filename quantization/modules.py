@@ -47,16 +47,9 @@ class QuantConv2d1x1(nn.Module):
     def quantized_state(self) -> dict:
         return self.gemm.quantized_state()
 
-    def load_quantized(self, weight_q, weight_scale, bias=None):
-        self.gemm.load_quantized(weight_q, weight_scale, bias)
-        return self
-
     def load_quantized_state(self, state: dict):
         self.gemm.load_quantized_state(state)
         return self
-
-    def load_input_scale(self, input_scale):
-        self.gemm.load_input_scale(input_scale)
 
     def set_input_amax(self, amax):
         self.gemm.set_input_amax(amax)

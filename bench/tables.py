@@ -15,7 +15,8 @@ from xml.sax.saxutils import escape
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 STEP_CACHE = "overdrive+fp8+attn+deepcache4+window0.1-0.95"
-FAMILY_NAMES = {"flux": "Flux.1-dev", "flux2": "Flux.2", "wan22": "Wan 2.2 5B", "qwen_image": "Qwen-Image",
+FAMILY_NAMES = {"flux": "Flux.1-dev", "flux2": "Flux.2", "wan22": "Wan 2.2 5B", "wan22_14b": "Wan 2.2 14B",
+                "qwen_image": "Qwen-Image",
                 "sdxl": "SDXL", "sd15": "SD1.5"}
 
 
@@ -44,17 +45,18 @@ BUDGET_COLUMNS = {"overdrive": "Compile Model", "overdrive+fp8+attn": "+ Quantiz
 
 
 def budgets(reports) -> str:
-    """One row per emulated card: eager, Compile Model, + fp8, + 4 bits, + fp8 and step cache (seconds per image and the
-    ratio to eager in the same process), eager again after them where run, the weights eager streams per model call and
-    their cost per image over a 25 GB/s link."""
+    """One row per model and emulated card: eager, Compile Model, + fp8, + 4 bits, + fp8 and step cache (seconds per
+    image and the ratio to eager in the same process), eager again after them where run, the weights eager streams per
+    model call and their cost per image over a 25 GB/s link."""
     reports = sorted(reports, key=lambda r: -r["settings"]["budget_gib"])
-    lines = ["| card | eager | " + " | ".join(BUDGET_COLUMNS.values()) + " | eager after them | eager streams per call "
-             "| at 25 GB/s | `bench/results/` |", "|---" * (len(BUDGET_COLUMNS) + 6) + "|"]
+    lines = ["| model | card | eager | " + " | ".join(BUDGET_COLUMNS.values()) + " | eager after them | eager streams "
+             "per call | at 25 GB/s | `bench/results/` |", "|---" * (len(BUDGET_COLUMNS) + 7) + "|"]
     for report in reports:
         eager, cells = rows_of(report, BUDGET_COLUMNS)
         again = [row for row in report["results"][1:] if row["variant"] == "eager"]
         lines.append(" | ".join([
-            f"| {report['settings']['budget_gib']:g} GiB", f"{eager['s_per_image']:.3f}", *cells,
+            f"| {model_name(report['settings'], short=True)}", f"{report['settings']['budget_gib']:g} GiB",
+            f"{eager['s_per_image']:.3f}", *cells,
             f"{again[0]['s_per_image']:.3f}" if again else "—",
             f"{eager.get('streamed_gib_per_call', 0):.1f} GiB",
             f"+{eager.get('stream_s_per_image_at_25gb_s', 0):.1f} s",
@@ -98,7 +100,8 @@ TABLES = {
                         "2026-11-29_h200_comfy033_dynamic-on_wan22_480p_fast_attention.json",
                         "2026-11-28_h200_comfy033_dynamic-on_wan22_480p_fp8_scaled.json",
                         "2026-11-28_h200_comfy033_dynamic-on_flux2_quarter_1024_fp8_mixed.json")),
-    "budgets": (budgets, ("*_budget-*gib_flux_1024.json", "*_budget-*gib_flux_1024_prefetch.json")),
+    "budgets": (budgets, ("*_budget-*gib_flux_1024.json", "*_budget-*gib_flux_1024_prefetch.json",
+                          "*_budget-12gib_flux_1024_no_prefetch.json", "*_budget-*gib_wan22_14b_480p.json")),
 }
 
 

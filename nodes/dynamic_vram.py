@@ -20,9 +20,10 @@ from .quantize_patches import quantized_modules, resident_bytes
 log = logging.getLogger("overdrive")
 
 # Room beside the weights for activations, compiled code's workspace and the CUDA graphs' pools, as a fraction of the
-# weights (at least WORKSPACE_MIN_BYTES).
+# weights (at least WORKSPACE_MIN_BYTES). The floor covers a compiled image DiT at 1024² (bench/results, the budget
+# runs); a larger one kept a 4-bit Flux off CUDA graphs on the 8 GB card it fits.
 WORKSPACE_FRACTION = 0.25
-WORKSPACE_MIN_BYTES = 3 * 2**30
+WORKSPACE_MIN_BYTES = int(1.5 * 2**30)
 
 
 # What dynamic VRAM keeps about a model's loads: on its BaseModel (per model), and on each layer (handles to pinned host

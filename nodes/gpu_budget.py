@@ -3,8 +3,8 @@ import torch
 
 import comfy.model_management
 
-# Room kept free beside a model's weights for one uncompiled model call's activations (ComfyUI's minimum inference
-# memory less its reserve, which the budget already leaves out).
+# Room kept free beside a model's weights for one uncompiled model call's activations, at least (ComfyUI's minimum
+# inference memory less its reserve, which the budget already leaves out); a sampling's own estimate raises it.
 ACTIVATIONS_BYTES = int(0.8 * 2**30)
 
 
@@ -18,9 +18,9 @@ def gpu_budget_bytes(device) -> int:
     return int(budget)
 
 
-def room_for_weights(device) -> int | None:
+def room_for_weights(device, activations: int = 0) -> int | None:
     """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there and one call's
-    activations; None off CUDA (no budget to keep). In use: what the device reports used (ComfyUI's dynamic-VRAM
+    activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to keep). In use: what the device reports used (ComfyUI's dynamic-VRAM
     weights live outside PyTorch's allocator) less what PyTorch caches unused, and at least what PyTorch allocated."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -28,4 +28,4 @@ def room_for_weights(device) -> int | None:
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     in_use = max(torch.cuda.memory_allocated(device), total - free - cached)
-    return gpu_budget_bytes(device) - in_use - ACTIVATIONS_BYTES
+    return gpu_budget_bytes(device) - in_use - max(ACTIVATIONS_BYTES, activations)

@@ -16,8 +16,9 @@ import weakref
 import torch
 
 import comfy.lora
+import comfy.sampler_helpers
 import comfy.utils
-from comfy.patcher_extension import CallbacksMP
+from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
@@ -99,6 +100,7 @@ class RefuseQuantizedPatches:
 
 
 FOLLOWER = "overdrive_quantized"  # the name of QuantizedModules in model_options' patches
+ACTIVATIONS_KEY = "overdrive_quantized_activations"  # the PREPARE_SAMPLING wrapper's key (record_activations)
 FLOAT_HOME = torch.device("cpu")  # where the float layers that 8-bit layers replaced wait while the quantized model runs
 
 
@@ -133,6 +135,8 @@ class QuantizedModules:
         self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the CPU (its way back)
         self.streaming = StreamedBlocks()  # the 8-bit layers a short card has no room for
         self.streamed_bytes = 0  # of them, copied in at each model call since the last load
+        self.activations_bytes = 0  # ComfyUI's estimate of one model call's activations in this sampling
+        self.float_size = 0  # the checkpoint's size with its float layers (install_quantized sets it)
         self.return_hook = None
         self._slots = (None, [])  # (tree, [(parent, attribute, 8-bit layer, float layer)]): see slots()
 
@@ -158,7 +162,8 @@ class QuantizedModules:
         self.streamed_bytes = 0
         if self.tree is None or device.type != "cuda":
             move(self.modules.values(), device)
-        elif streamed := place(self.tree, self.modules, device, self.streaming, move, self.free_cache(device)):
+        elif streamed := place(self.tree, self.modules, device, self.streaming, move, self.free_cache(device),
+                               self.activations_bytes):
             self.streamed_bytes = streamed
             log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB of "
                      "them stay in pinned host memory and are copied in block by block at each model call.",
@@ -279,9 +284,12 @@ def compute_dtype(patcher) -> torch.dtype:
     return getattr(model, "manual_cast_dtype", None) or model.get_dtype()
 
 
-def install_quantized(patcher, modules: dict) -> None:
+def install_quantized(patcher, modules: dict, float_size: int | None = None) -> None:
     """Object patches for the quantized layers (and for the activations of the MLPs whose two fp8 GEMMs run as one
-    fused pair, quantization/gelu_fusion.py), the LoRA-after guard and the device follower, on `patcher`."""
+    fused pair, quantization/gelu_fusion.py), the LoRA-after guard and the device follower, on `patcher`; its size as
+    ComfyUI reads it (ModelPatcher.size) becomes the quantized model's. `float_size`: the checkpoint's float size where
+    `patcher` already reports a quantized one (a re-install)."""
+    float_size = patcher.model_size() if float_size is None else float_size
     tree = patcher.model.diffusion_model
     originals = {name: tree.get_submodule(name) for name in modules}
     originals = {name: module for name, module in originals.items() if not hasattr(module, "load_float_weight")}
@@ -298,9 +306,27 @@ def install_quantized(patcher, modules: dict) -> None:
     guard.guard(patcher)
     patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
     follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree, patcher.model)
+    follower.float_size = float_size
     patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
     patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
+    patcher.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY)
+    patcher.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY, record_activations)
     patcher.set_model_patch(follower, FOLLOWER)
+    # ComfyUI loads a model whole (model.to(device), every tensor) only where its size fits; told the float size, it
+    # loaded a 4-bit Wan 14B that fits a 16 GB card partially, leaving the blocks' own modulation tensors in host
+    # memory, which kept every compiled block off CUDA graphs.
+    patcher.size = resident_bytes(patcher)
+
+
+def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
+    """A PREPARE_SAMPLING wrapper: ComfyUI's own estimate of one model call's activations for this sampling (what its
+    partial loader keeps free, comfy.sampler_helpers.estimate_memory), kept for placing the quantized layers at the
+    load that follows. A video model's activations outgrow the fixed reserve (gpu_budget.ACTIVATIONS_BYTES): Wan 14B's
+    8-bit layers placed beside it ran a 16 GB card out of memory in the first step."""
+    _, minimum = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
+    for follower in followers(model):
+        follower.activations_bytes = int(minimum)
+    return executor(model, noise_shape, conds, *args, **kwargs)
 
 
 def patches_digest(patches: dict) -> str:
@@ -340,7 +366,9 @@ def quantized_modules(patcher) -> dict:
 def resident_bytes(patcher) -> int:
     """What `patcher`'s model holds on the GPU loaded whole: ComfyUI's model_size (the checkpoint's layers, as the
     shared module tree holds them between runs) with the layers Quantize Model replaced at their 8-bit size."""
-    size, tree = patcher.model_size(), patcher.model.diffusion_model
+    follower = next(iter(followers(patcher)), None)
+    size = follower.float_size if follower is not None and follower.float_size else patcher.model_size()
+    tree = patcher.model.diffusion_model
     for name, module in quantized_modules(patcher).items():
         original = patcher.object_patches_backup.get(PREFIX + name) or tree.get_submodule(name)
         size += tensor_bytes(module) - (0 if original is module else tensor_bytes(original))
@@ -359,8 +387,7 @@ def requantize_onto(patcher, diffusion_model) -> list:
         layer = diffusion_model.get_submodule(name)
         state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
     fresh = requantize(old, state, copy=True)
-    patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old layers' follower
-    install_quantized(patcher, fresh)
+    reinstall(patcher, fresh)
     return sorted(fresh)
 
 
@@ -369,9 +396,17 @@ def retarget(patcher) -> int:
     quantized layers installed over the new module tree, whose float layers they now stand in for. Returns how many."""
     modules = quantized_modules(patcher)
     if modules:
-        patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []  # the old tree's follower
-        install_quantized(patcher, modules)
+        reinstall(patcher, modules)
     return len(modules)
+
+
+def reinstall(patcher, modules: dict) -> None:
+    """`modules` installed on `patcher` in place of the quantized layers it has (their follower dropped), its float
+    size carried over."""
+    old = followers(patcher)
+    float_size = old[0].float_size if old else None
+    patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []
+    install_quantized(patcher, modules, float_size)
 
 
 def float_view(patcher):

@@ -162,19 +162,21 @@ def empty(host) -> None:
         sub._buffers[name] = None
 
 
-def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move, free_cache=None) -> int:
-    """Put `layers` ({name: quantized layer}) on `device` as far as the card's budget allows and stream the rest
-    (`move(modules, device)` moves); returns the bytes streamed per model call. `free_cache(bytes)`, if given, first
-    frees up to that much of what ComfyUI keeps cached on the card (returns what it freed)."""
+def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move, free_cache=None,
+          activations: int = 0) -> int:
+    """Put `layers` ({name: quantized layer}) on `device` as far as the card's budget allows beside one model call's
+    `activations` (bytes) and stream the rest (`move(modules, device)` moves); returns the bytes streamed per model
+    call. `free_cache(bytes)`, if given, first frees up to that much of what ComfyUI keeps cached on the card (returns
+    what it freed)."""
     streaming.stop()  # every layer whole again before it is measured and placed
     sizes = {name: tensor_bytes(layer) for name, layer in layers.items()}  # read once: the streamed ones empty below
-    room = room_for_weights(device)
+    room = room_for_weights(device, activations)
     if room is not None:  # the layers already there are part of what may stay
         on_card = sum(sizes[name] for name, layer in layers.items()
                       if any(tensor.device == torch.device(device) for *_, tensor in tensors_of(layer)))
         wanted = sum(sizes.values()) - on_card
         if free_cache is not None and wanted > room and free_cache(wanted - room):
-            room = room_for_weights(device)
+            room = room_for_weights(device, activations)
         room += on_card
     resident, streamed = split_by_room(tree, layers, room, sizes)
     if streamed:  # one streamed block's copy made ahead sits beside the running one

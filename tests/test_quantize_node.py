@@ -219,6 +219,12 @@ def test_the_resident_size_counts_quantized_layers_at_their_8_bit_size(quantized
     assert eight_bit < 0.5 * float_bytes  # int8 from float32 weights (the scales, biases and static scales beside)
     assert resident_bytes(model) == base.model_size() - float_bytes + eight_bit
     assert resident_bytes(base) == base.model_size()
+    # ComfyUI sizes its loads by model_size(): told the float size, it loads a model that fits partially (tensors of
+    # the blocks themselves left in host memory, compiled blocks kept off CUDA graphs)
+    assert model.model_size() == resident_bytes(model)
+    from overdrive.nodes.quantize_patches import retarget
+    again = model.clone()
+    assert retarget(again) == len(layers) and again.model_size() == resident_bytes(again) == resident_bytes(model)
 
 
 class Moves(list):
@@ -725,7 +731,7 @@ def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, 
     layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
     one = quantized_streaming.tensor_bytes(layers["blocks.0"])
     card = {"room": one}
-    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device: card["room"])
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device, activations: card["room"] - activations)
     asked, moved = [], []
 
     def free_cache(size):
@@ -734,13 +740,30 @@ def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, 
         return size // 2
     streaming = quantized_streaming.StreamedBlocks()
     streamed = quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: moved.extend(modules),
-                                         free_cache)
+                                         free_cache, activations=0)
     # room for two after the cache gave half: one resident, one for the block copied ahead of the running one
     assert asked == [2 * one] and moved == [layers["blocks.0"]] and streamed == 2 * one
     streaming.stop()
     card["room"], asked[:] = 3 * one, []  # all of them fit: nothing streams, so nothing is copied ahead
     assert quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: None, free_cache) == 0
     assert not asked  # room enough: the cache stays
+    # a sampling whose activations take one layer's room: that layer streams (with the block copied ahead of it)
+    assert quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: None, None,
+                                     activations=one) == 2 * one
+    streaming.stop()
+
+
+def test_a_quantized_sampling_keeps_comfyuis_activation_estimate_for_placing_its_layers(quantized, sample, prompt):
+    """The quantized layers are placed at the load that a sampling starts; the room they leave for activations is
+    ComfyUI's own estimate for that sampling's latent (what its partial loader keeps free), not a fixed reserve."""
+    from overdrive.nodes import quantize_patches
+    model = quantized["model"]
+    follower = quantize_patches.followers(model)[0]
+    follower.activations_bytes = 0
+    sample(model)
+    latent = prompt["latent"]["samples"]
+    expected = int(model.model.memory_required([1, *latent.shape[1:]]))
+    assert expected > 0 and follower.activations_bytes == expected
 
 
 class CountingCopies:

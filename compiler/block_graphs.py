@@ -22,8 +22,8 @@ pool after the replay, so every block of a model shares one pool: its size is on
 A replay skips every check the compiled call makes, so it is keyed on what could change under it: the call
 signature, the data pointers of the block's parameters and buffers (a LoRA patch or a device move makes new tensors:
 the block records again; weights copied in place, as SwitchWeights does, are read by the replay), and whether a layer
-applies weight functions at run time (ComfyUI's low-VRAM LoRA patches). Blocks with such functions or with weights
-off the inputs' GPU run without a graph. A recording that fails (a block that synchronises with the host) leaves that
+applies weight functions at run time (ComfyUI's low-VRAM LoRA patches). Blocks with such functions, with weights
+off the inputs' GPU or with weights copied in at each call (WEIGHTS_COPIED_IN) run without a graph. A recording that fails (a block that synchronises with the host) leaves that
 signature without a graph, with a warning; the call itself runs as before.
 """
 from __future__ import annotations
@@ -38,6 +38,9 @@ from ..interrupts import raise_if_interrupt
 log = logging.getLogger("overdrive.compiler")
 
 RECORD_AT_CALL = 2  # the first call compiles and chooses; the second records
+# Set (True) on a block whose weights are copied in at each of its calls, by whatever streams them
+# (nodes/quantized_streaming.py): their addresses are the allocator's of the moment, so it runs without a graph.
+WEIGHTS_COPIED_IN = "overdrive_weights_copied_in"
 
 
 def _flatten(value, tensors: list, objects: list):
@@ -76,6 +79,7 @@ class _BlockWeights:
     each call (ModelPatcher replaces Parameter objects when it patches)."""
 
     def __init__(self, block: torch.nn.Module):
+        self._block = block
         modules = list(block.modules())
         self._slots = [(m._parameters, name) for m in modules for name in m._parameters] + \
                       [(m._buffers, name) for m in modules for name in m._buffers]
@@ -94,6 +98,8 @@ class _BlockWeights:
         """None when a graph can hold this block's weights by address, else why not."""
         if self._functions():
             return "its layers apply weight patches at run time (low-VRAM LoRA)"
+        if getattr(self._block, WEIGHTS_COPIED_IN, False):
+            return "its quantized layers are copied in from host memory at each call (the card has no room for them)"
         for slots, name in self._slots:
             tensor = slots[name]
             if tensor is not None and tensor.device != device:

@@ -4,9 +4,9 @@ Dynamic VRAM keeps every weight of a model in host memory and has each layer fet
 own call. A compiled block then traces ComfyUI's fetching code instead of a plain GEMM, and its weights are host tensors,
 so it can be replayed as no CUDA graph: compiled Flux ran slower than eager that way. Where the model fits the GPU whole,
 Compile Model therefore takes ComfyUI's classic loader for its clone, as ComfyUI's own TorchCompileModel does
-(`clone(disable_dynamic=True)`: ComfyUI reloads the file through the loader that made the model), and logs it. Where it
-does not fit, the clone keeps dynamic VRAM and its blocks run as ComfyUI runs them (never slower than eager); the log
-says so.
+(`clone(disable_dynamic=True)`: ComfyUI reloads the file through the loader that made the model), and logs it. So does
+a quantized model whose quantized layers do not all fit: Overdrive streams those itself. Any other model that does not
+fit keeps dynamic VRAM and its blocks run as ComfyUI runs them (never slower than eager); the log says so.
 """
 import logging
 
@@ -16,6 +16,7 @@ import comfy.model_management
 
 from .gpu_budget import gpu_budget_bytes
 from .quantize_patches import quantized_modules, resident_bytes
+from .quantized_streaming import tensor_bytes
 
 log = logging.getLogger("overdrive")
 
@@ -50,6 +51,16 @@ def fits_whole(model) -> tuple:
     return needed <= budget, needed / 2**30, budget / 2**30
 
 
+def streams_quantized_layers(model, budget: float) -> bool:
+    """Whether `model` is quantized (Quantize Model came first) and what it holds besides its quantized layers (norms,
+    embeddings: ComfyUI's loader places those) fits `budget` bytes with a compiled model's working memory: its
+    quantized layers beyond the card's room then stream block by block (nodes/quantized_streaming.py), which a
+    compiled block runs through as it does resident ones."""
+    layers = quantized_modules(model)
+    float_part = resident_bytes(model) - sum(tensor_bytes(layer) for layer in layers.values())
+    return bool(layers) and with_workspace(float_part) <= budget
+
+
 def eight_bit_bytes(model) -> int:
     """About what `model` would hold with every 16/32-bit linear weight in 8 bits (Quantize Model's ceiling)."""
     saved = sum(layer.weight.numel() * (layer.weight.element_size() - 1)
@@ -77,7 +88,8 @@ def compile_clone(model):
         return model.clone(), False
     fits, needed, budget = fits_whole(model)
     name = type(model.model).__name__
-    if not fits:
+    streamed = not fits and streams_quantized_layers(model, budget * 2**30)
+    if not fits and not streamed:
         log.warning("Overdrive Compile Model: %s needs %.1f GiB with its working memory and this GPU allows %.1f: it "
                     "keeps ComfyUI's dynamic VRAM (weights streamed per layer) and its blocks run uncompiled.%s",
                     name, needed, budget, quantize_first_hint(model, budget))
@@ -88,6 +100,12 @@ def compile_clone(model):
         log.warning("Overdrive Compile Model: %s stays on dynamic VRAM (%s); its blocks run uncompiled.", name, error)
         return model.clone(), False
     cast = cast_to_layer_dtypes_(clone.model)
+    if streamed:
+        log.info("Overdrive Compile Model: %s needs %.1f GiB with its working memory and this GPU allows %.1f: loaded "
+                 "by ComfyUI's classic loader, its quantized layers beyond the card's room stream block by block from "
+                 "pinned host memory, and its blocks compile (CUDA graphs for those whose layers all stay on the GPU)",
+                 name, needed, budget)
+        return clone, True
     log.info("Overdrive Compile Model: %s fits the GPU whole (%.1f of %.1f GiB): loaded by ComfyUI's classic loader "
              "instead of dynamic VRAM, so its compiled blocks keep their weights on the GPU and replay as CUDA graphs%s.",
              name, needed, budget, f" ({cast} weights cast from the file's dtype to the model's)" if cast else "")

@@ -5,6 +5,7 @@ model's ModuleLists (Flux's double and single blocks, Wan's blocks, a UNet's inp
 every ModuleList always stays on the GPU."""
 import torch
 
+from ..compiler.block_graphs import WEIGHTS_COPIED_IN
 from .gpu_budget import room_for_weights
 
 
@@ -18,6 +19,22 @@ def tensors_of(module) -> list:
 
 def tensor_bytes(module) -> int:
     return sum(tensor.numel() * tensor.element_size() for *_, tensor in tensors_of(module))
+
+
+def float_bytes_to_load(tree: torch.nn.Module, layers: dict, device) -> int:
+    """Bytes of `tree`'s tensors outside `layers` ({name: quantized layer}) that are not on `device` yet: what ComfyUI's
+    loader brings onto the card after the quantized layers are placed (norms, embeddings, a block's own tensors)."""
+    total = 0
+    for name, sub in tree.named_modules():
+        inside = name
+        while inside and inside not in layers:
+            inside = inside.rpartition(".")[0]
+        if inside:
+            continue
+        for kind in ("_parameters", "_buffers"):
+            total += sum(t.numel() * t.element_size() for t in getattr(sub, kind).values()
+                         if t is not None and t.device != torch.device(device))
+    return total
 
 
 def block_of(tree: torch.nn.Module, name: str) -> str | None:
@@ -106,6 +123,7 @@ class StreamedBlocks:
         self.copies = copies  # how tensors travel (None: chosen by the device at `start`)
         self.blocks = []  # [(first layer's name in the block, first layer, host copies)], in model order
         self.ahead = None  # (block index, ticket) of the copy started ahead
+        self.marked = []  # the blocks marked WEIGHTS_COPIED_IN
 
     def host_copies(self, layer) -> list:
         if id(layer) not in self.pinned:
@@ -129,6 +147,8 @@ class StreamedBlocks:
             self.blocks.append((first_name[len(block_name) + 1:], first_layer, host))
             self.handles.append(block.register_forward_pre_hook(self._bring_in(index)))
             self.handles.append(block.register_forward_hook(lambda block, args, output, host=host: empty(host)))
+            block.__dict__[WEIGHTS_COPIED_IN] = True  # no CUDA graph of it (compiler/block_graphs.py)
+            self.marked.append(block)
 
     def _bring_in(self, index: int):
         def hook(block, args):
@@ -149,7 +169,9 @@ class StreamedBlocks:
             handle.remove()
         for sub, name, tensor in self.emptied:
             sub._buffers[name] = tensor
-        self.handles, self.emptied, self.blocks, self.ahead = [], [], [], None
+        for block in self.marked:
+            block.__dict__.pop(WEIGHTS_COPIED_IN, None)
+        self.handles, self.emptied, self.blocks, self.ahead, self.marked = [], [], [], None, []
 
     def forget(self, layers) -> None:
         """Drop the host copies of `layers` (they are resident again, or gone)."""
@@ -165,18 +187,20 @@ def empty(host) -> None:
 def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move, free_cache=None,
           activations: int = 0) -> int:
     """Put `layers` ({name: quantized layer}) on `device` as far as the card's budget allows beside one model call's
-    `activations` (bytes) and stream the rest (`move(modules, device)` moves); returns the bytes streamed per model
-    call. `free_cache(bytes)`, if given, first frees up to that much of what ComfyUI keeps cached on the card (returns
-    what it freed)."""
+    `activations` (bytes) and the model's float tensors still to load, and stream the rest (`move(modules, device)`
+    moves); returns the bytes streamed per model call. `free_cache(bytes)`, if given, first frees up to that much of
+    what ComfyUI keeps cached on the card (returns what it freed)."""
     streaming.stop()  # every layer whole again before it is measured and placed
     sizes = {name: tensor_bytes(layer) for name, layer in layers.items()}  # read once: the streamed ones empty below
     room = room_for_weights(device, activations)
     if room is not None:  # the layers already there are part of what may stay
+        to_load = float_bytes_to_load(tree, layers, device)
+        room -= to_load
         on_card = sum(sizes[name] for name, layer in layers.items()
                       if any(tensor.device == torch.device(device) for *_, tensor in tensors_of(layer)))
         wanted = sum(sizes.values()) - on_card
         if free_cache is not None and wanted > room and free_cache(wanted - room):
-            room = room_for_weights(device, activations)
+            room = room_for_weights(device, activations) - to_load
         room += on_card
     resident, streamed = split_by_room(tree, layers, room, sizes)
     if streamed:  # one streamed block's copy made ahead sits beside the running one

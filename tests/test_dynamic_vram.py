@@ -76,6 +76,28 @@ def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower
     assert gpu_budget_bytes(card) == 140 * gib
 
 
+def test_a_quantized_model_too_large_for_the_card_compiles_with_its_quantized_layers_streamed(comfy, tmp_path):
+    """Compile Model takes ComfyUI's classic loader for a quantized model whose float part (norms, embeddings) fits the
+    card with the working memory even where its quantized layers do not all fit: Overdrive streams those block by
+    block, and compiled blocks run through them. A float model that does not fit keeps dynamic VRAM."""
+    import comfy.sd
+    from overdrive.nodes.dynamic_vram import streams_quantized_layers, with_workspace
+    from overdrive.nodes.quantize_patches import install_quantized, resident_bytes
+    from overdrive.nodes.quantized_streaming import tensor_bytes
+    from overdrive.quantization import Int8Linear
+
+    model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("flux", "tiny", 0, tmp_path)))
+    assert not streams_quantized_layers(model, 2**50)  # nothing of Overdrive's to stream
+    quantized = model.clone()
+    tree = quantized.model.diffusion_model
+    install_quantized(quantized, {name: Int8Linear.from_float(layer) for name, layer in tree.named_modules()
+                                  if isinstance(layer, torch.nn.Linear) and name.startswith("double_blocks.")})
+    layers = [module for key, module in quantized.object_patches.items() if hasattr(module, "load_float_weight")]
+    float_part = with_workspace(resident_bytes(quantized) - sum(tensor_bytes(layer) for layer in layers))
+    assert streams_quantized_layers(quantized, float_part)
+    assert not streams_quantized_layers(quantized, float_part - 1)
+
+
 def test_a_float_model_too_large_for_the_card_is_told_that_8_bits_would_fit(comfy, tmp_path):
     """Compile Model's log on a card the float model does not fit: where its linear weights in 8 bits would fit with
     the working memory, it says to put Quantize Model first (fp8 Flux fits a 16 GiB card; bf16 does not)."""

@@ -86,9 +86,10 @@ def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, 
     """A card too small for every 8-bit layer (fp8 Flux on an 8 GiB card): the layers beyond the room stay in pinned
     host memory and their blocks copy them in as they run (nodes/quantized_streaming.py), on dynamic VRAM, whose
     loader moves every buffer it finds onto the GPU. The tiny model fits any card, so the room is set to half of its
-    8-bit layers' bytes. Same kernels on the same inputs: the calls match the resident run's."""
-    from overdrive.nodes import quantized_streaming
-    from overdrive.nodes.quantize_patches import followers, quantized_modules
+    8-bit layers' bytes. Same kernels on the same inputs: the calls match the resident run's. Compile Model over it
+    takes the classic loader (the card holds its float part) and its compiled blocks run through the streamed layers."""
+    from overdrive.nodes import dynamic_vram, quantized_streaming
+    from overdrive.nodes.quantize_patches import followers, quantized_modules, resident_bytes
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
@@ -97,7 +98,7 @@ def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, 
     _, resident_calls = sample(quantized)
     layers = quantized_modules(quantized)
     half = sum(quantized_streaming.tensor_bytes(layer) for layer in layers.values()) // 2
-    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device: half)
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device, activations: half)
     comfy.model_management.unload_all_models()  # the next load places the layers again, by the room
     out, calls = sample(quantized)
     assert followers(quantized)[0].streamed_bytes > 0
@@ -109,6 +110,17 @@ def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, 
     assert all(t.device.type == "cpu" and t.is_pinned()  # ... and the streamed layers whole, in host memory
                for layer in streamed for t in layer._buffers.values() if t is not None)
     assert torch.isfinite(out).all()
+    # a card with room for the float part and the working memory, not for every quantized layer
+    float_part = resident_bytes(quantized) - sum(quantized_streaming.tensor_bytes(layer) for layer in layers.values())
+    monkeypatch.setattr(dynamic_vram, "gpu_budget_bytes", lambda device: dynamic_vram.with_workspace(float_part))
+    both = nodes["OverdriveCompileModel"].execute(quantized)[0]
+    assert not both.is_dynamic()
+    comfy.model_management.unload_all_models()
+    out, compiled_calls = sample(both)
+    assert followers(both)[0].streamed_bytes > 0 and torch.isfinite(out).all()
+    error = assert_calls_match(compiled_calls, resident_calls, FP8_TOLERANCE)
+    log.info("%s: compiled blocks over streamed fp8 layers, per-call error %.2e from the resident eager run", family,
+             error)
 
 
 def test_quantize_model_4_bits_then_compile_model(nodes, base, family, sample, eager):

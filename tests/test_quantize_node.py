@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from overdrive.compiler.block_graphs import _BlockWeights as WeightsOfBlock
 from overdrive.quantization import Int8Linear, QuantConv2d1x1
 from overdrive.runner.inprocess import build_model, conditioning
 from overdrive.runner.workflows import load_workflow, set_inputs, without_overdrive
@@ -707,6 +708,9 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
     expected = run(x)
     streaming = StreamedBlocks()
     streaming.start(tree, streamed, "cpu")
+    # the streamed blocks run without a CUDA graph: their layers' addresses are the allocator's of each call
+    assert [WeightsOfBlock(block).why_not(torch.device("cpu")) is not None for block in tree.blocks] == \
+        [False, True, True]
     calls = []
     tree.blocks[1].register_forward_pre_hook(lambda block, args: calls.append(layers["blocks.1.0"].weight_q))
     assert torch.equal(run(x), expected)
@@ -717,7 +721,29 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
     assert layers["blocks.2.conv"].gemm.weight_q is None
     streaming.stop()  # ... and once the run is over it is whole again
     assert layers["blocks.1.0"].weight_q is host and layers["blocks.2.conv"].gemm.weight_q is not None
+    assert all(WeightsOfBlock(block).why_not(torch.device("cpu")) is None for block in tree.blocks)
     assert len(tree.blocks[1]._forward_pre_hooks) == 1  # only this test's own hook is left
+
+
+def test_room_is_kept_for_the_float_tensors_comfyui_loads_after_the_quantized_layers(comfy, monkeypatch):
+    """ComfyUI's loader brings the model's float tensors (norms, embeddings, a block's own tensors) onto the card after
+    the quantized layers are placed: their room is kept, or the classic loader would load them beyond the card."""
+    from overdrive.nodes import quantized_streaming
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(2)])
+    tree.norm = torch.nn.LayerNorm(64)
+    layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(2)}
+    norm = quantized_streaming.tensor_bytes(tree.norm)
+    assert quantized_streaming.float_bytes_to_load(tree, layers, "cpu") == 0  # already there
+    assert quantized_streaming.float_bytes_to_load(tree, layers, "meta") == norm  # the float layers replaced: not
+    one = quantized_streaming.tensor_bytes(layers["blocks.0"])
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device, activations: 2 * one)
+    streaming = quantized_streaming.StreamedBlocks()
+    streamed = quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: None)
+    # room for the two layers less the norm's: they do not both stay, and the copy ahead of a streamed block takes
+    # the room of the other
+    assert streamed == 2 * one
+    streaming.stop()
 
 
 def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, monkeypatch):
@@ -764,6 +790,55 @@ def test_a_quantized_sampling_keeps_comfyuis_activation_estimate_for_placing_its
     latent = prompt["latent"]["samples"]
     expected = int(model.model.memory_required([1, *latent.shape[1:]]))
     assert expected > 0 and follower.activations_bytes == expected
+
+
+def test_compiled_blocks_run_their_streamed_layers_as_resident_ones_without_recompiling(comfy, tmp_path):
+    """Compile Model over a quantized model whose layers do not all fit: each streamed block's layers are swapped in
+    before its compiled forward and emptied after, at every call; the compiled blocks compute what the eager ones do
+    and compile once, not at each call."""
+    from overdrive.compiler import CompiledMethod, CompileOptions
+    from overdrive.compiler.shared_graph import dynamo_graph_count
+    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    torch.manual_seed(0)
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                       for _ in range(3)])
+    layers = {f"blocks.{i}.0": Int8Linear.from_float(tree.blocks[i][0]) for i in range(3)}
+    for i in range(3):
+        tree.blocks[i][0] = layers[f"blocks.{i}.0"]
+
+    def run(x):
+        for block in tree.blocks:
+            x = block(x)
+        return x
+    x = torch.randn(4, 64)
+    expected = run(x)
+    options = CompileOptions(cache_dir=str(tmp_path), precompile=False)
+    for block in tree.blocks:
+        block.forward = CompiledMethod(block, "forward", options)
+    streaming = StreamedBlocks(CloningCopies())  # new tensors at each call, as copies onto a GPU are
+    streaming.start(tree, {f"blocks.{i}": {f"blocks.{i}.0": layers[f"blocks.{i}.0"]} for i in (1, 2)}, "cpu")
+    before = dynamo_graph_count()
+    first = run(x)
+    graphs = dynamo_graph_count()
+    outputs = [run(x) for _ in range(3)]
+    assert graphs > before and all(block.forward.graph.failure is None for block in tree.blocks)  # compiled
+    assert dynamo_graph_count() == graphs  # buffers swapped in at each call are inputs, not a reason to recompile
+    assert relative_error(first, expected) < 1e-2 and all(torch.equal(out, first) for out in outputs)
+    assert layers["blocks.1.0"].weight_q is None  # emptied outside its block's call, compiled or not
+    streaming.stop()
+
+
+class CloningCopies:
+    """InlineCopies that hand over new tensors, as a copy onto another device does."""
+
+    device = torch.device("cpu")
+
+    def send(self, tensors):
+        return [tensor.clone() for tensor in tensors]
+
+    def receive(self, ticket):
+        return ticket
 
 
 class CountingCopies:

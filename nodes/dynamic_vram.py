@@ -22,7 +22,7 @@ log = logging.getLogger("overdrive")
 
 # Room beside the weights for activations, compiled code's workspace and the CUDA graphs' pools, as a fraction of the
 # weights (at least WORKSPACE_MIN_BYTES). The floor covers a compiled image DiT at 1024² (bench/results, the budget
-# runs); a larger one kept a 4-bit Flux off CUDA graphs on the 8 GB card it fits.
+# runs); a larger one kept a 4-bit Flux off CUDA graphs on the smallest card it fits.
 WORKSPACE_FRACTION = 0.25
 WORKSPACE_MIN_BYTES = int(1.5 * 2**30)
 

@@ -313,7 +313,7 @@ def install_quantized(patcher, modules: dict, float_size: int | None = None) -> 
     patcher.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY, record_activations)
     patcher.set_model_patch(follower, FOLLOWER)
     # ComfyUI loads a model whole (model.to(device), every tensor) only where its size fits; told the float size, it
-    # loaded a 4-bit Wan 14B that fits a 16 GB card partially, leaving the blocks' own modulation tensors in host
+    # loaded a 4-bit Wan 14B that fits a short card partially, leaving the blocks' own modulation tensors in host
     # memory, which kept every compiled block off CUDA graphs.
     patcher.size = resident_bytes(patcher)
 
@@ -322,7 +322,7 @@ def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
     """A PREPARE_SAMPLING wrapper: ComfyUI's own estimate of one model call's activations for this sampling (what its
     partial loader keeps free, comfy.sampler_helpers.estimate_memory), kept for placing the quantized layers at the
     load that follows. A video model's activations outgrow the fixed reserve (gpu_budget.ACTIVATIONS_BYTES): Wan 14B's
-    8-bit layers placed beside it ran a 16 GB card out of memory in the first step."""
+    8-bit layers placed beside it ran a short card out of memory in the first step."""
     _, minimum = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
     for follower in followers(model):
         follower.activations_bytes = int(minimum)

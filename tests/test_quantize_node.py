@@ -813,7 +813,7 @@ def test_compiled_blocks_run_their_streamed_layers_as_resident_ones_without_reco
         return x
     x = torch.randn(4, 64)
     expected = run(x)
-    options = CompileOptions(cache_dir=str(tmp_path), precompile=False)
+    options = CompileOptions(cache_dir=str(tmp_path))  # Compile Model's defaults: precompiled frames included
     for block in tree.blocks:
         block.forward = CompiledMethod(block, "forward", options)
     streaming = StreamedBlocks(CloningCopies())  # new tensors at each call, as copies onto a GPU are

@@ -23,8 +23,9 @@ A replay skips every check the compiled call makes, so it is keyed on what could
 signature, the data pointers of the block's parameters and buffers (a LoRA patch or a device move makes new tensors:
 the block records again; weights copied in place, as SwitchWeights does, are read by the replay), and whether a layer
 applies weight functions at run time (ComfyUI's low-VRAM LoRA patches). Blocks with such functions, with weights
-off the inputs' GPU or with weights copied in at each call (WEIGHTS_COPIED_IN) run without a graph. A recording that fails (a block that synchronises with the host) leaves that
-signature without a graph, with a warning; the call itself runs as before.
+off the inputs' GPU or with weights copied in at each call (WEIGHTS_COPIED_IN) run without a graph. A recording that
+fails (a block that synchronises with the host) leaves that signature without a graph, with a warning; the call itself
+runs as before.
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ def gpu_budget_bytes(device) -> int:
 
 def room_for_weights(device, activations: int = 0) -> int | None:
     """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there and one call's
-    activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to keep). In use: what the device reports used (ComfyUI's dynamic-VRAM
-    weights live outside PyTorch's allocator) less what PyTorch caches unused, and at least what PyTorch allocated."""
+    activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to keep). In use: what the
+    device reports used (ComfyUI's dynamic-VRAM weights live outside PyTorch's allocator) less what PyTorch caches
+    unused, and at least what PyTorch allocated."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None

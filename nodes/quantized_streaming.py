@@ -24,7 +24,7 @@ def tensor_bytes(module) -> int:
 def float_bytes_to_load(tree: torch.nn.Module, layers: dict, device) -> int:
     """Bytes of `tree`'s tensors outside `layers` ({name: quantized layer}) that are not on `device` yet: what ComfyUI's
     loader brings onto the card after the quantized layers are placed (norms, embeddings, a block's own tensors)."""
-    total = 0
+    device, total = torch.device(device), 0
     for name, sub in tree.named_modules():
         inside = name
         while inside and inside not in layers:
@@ -33,7 +33,7 @@ def float_bytes_to_load(tree: torch.nn.Module, layers: dict, device) -> int:
             continue
         for kind in ("_parameters", "_buffers"):
             total += sum(t.numel() * t.element_size() for t in getattr(sub, kind).values()
-                         if t is not None and t.device != torch.device(device))
+                         if t is not None and t.device != device)
     return total
 
 

@@ -34,6 +34,7 @@ import logging
 
 import torch
 
+from ..cuda_streams import side_stream
 from ..interrupts import raise_if_interrupt
 
 log = logging.getLogger("overdrive.compiler")
@@ -234,7 +235,7 @@ class BlockGraphs:
         streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=current.device)
+            self._stream = side_stream(current.device)
         if self._pool is None:  # also after release(): the model's graphs share one pool again
             self._pool = torch.cuda.graph_pool_handle()
         stream = self._stream

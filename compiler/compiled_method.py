@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from ..cuda_streams import capturing
 from ..interrupts import raise_if_interrupt
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
@@ -135,6 +136,8 @@ class CompiledMethod:
             for value, items in saved:
                 value[:] = items
             raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
+            if capturing():
+                raise  # the recorder (block_graphs) runs this block without a graph
             graph.failure = reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
             if self.options.regional:
                 # Regions are newer compiler machinery than whole-graph compilation: try that before giving up.

@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from ..cuda_streams import capturing
 from ..interrupts import raise_if_interrupt
 from . import precompiled
 from .activations import FastActivations
@@ -193,6 +194,8 @@ class SharedGraph:
                     return frame(module, self.method, args, kwargs)
             except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
                 raise_if_interrupt(error)
+                if capturing():
+                    raise  # the recorder (block_graphs) runs this block without a graph, through this frame
                 if attempt == 1 and isinstance(error, AttributeError) and precompiled.flatten_weight_subclasses(module):
                     continue  # weights made since tracing, whose inner tensors' attributes a flatten sets
                 self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]

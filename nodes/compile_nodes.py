@@ -15,7 +15,7 @@ from ..compiler.layouts import conv_weights_channels_last_
 from . import checkpoint_formats, quantize_patches
 from .attention_override import EXACT, install_attention
 from .cache_folder import comfy_cache_dir
-from .dynamic_vram import compile_clone, is_dynamic
+from .dynamic_vram import WORKSPACE_MIN_BYTES, compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
 from .schema import node_schema
@@ -125,6 +125,7 @@ class OverdriveCompileModel(io.ComfyNode):
         # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
         # A DeepCache already on the model is kept, with its paths compiled.
         install(patched, (installed_stack(patched) or Stack()).with_compile(options))
+        patched.model_options[quantize_patches.WORKSPACE_KEY] = WORKSPACE_MIN_BYTES  # where 8-bit layers stream
         if precompile or cuda_graphs:
             patched.add_callback(CallbacksMP.ON_DETACH, release_held_memory)
         return io.NodeOutput(patched)

@@ -101,6 +101,9 @@ class RefuseQuantizedPatches:
 
 FOLLOWER = "overdrive_quantized"  # the name of QuantizedModules in model_options' patches
 ACTIVATIONS_KEY = "overdrive_quantized_activations"  # the PREPARE_SAMPLING wrapper's key (record_activations)
+# model_options key: the working memory a compiled model needs beside one call's activations (Compile Model sets it),
+# kept free too where some quantized layers stream
+WORKSPACE_KEY = "overdrive_compiled_workspace"
 FLOAT_HOME = torch.device("cpu")  # where the float layers that 8-bit layers replaced wait while the quantized model runs
 
 
@@ -136,6 +139,7 @@ class QuantizedModules:
         self.streaming = StreamedBlocks()  # the 8-bit layers a short card has no room for
         self.streamed_bytes = 0  # of them, copied in at each model call since the last load
         self.activations_bytes = 0  # ComfyUI's estimate of one model call's activations in this sampling
+        self.workspace_bytes = 0  # the sampled model's compiled working memory (WORKSPACE_KEY), 0 uncompiled
         self.float_size = 0  # the checkpoint's size with its float layers (install_quantized sets it)
         self.return_hook = None
         self._slots = (None, [])  # (tree, [(parent, attribute, 8-bit layer, float layer)]): see slots()
@@ -163,7 +167,7 @@ class QuantizedModules:
         if self.tree is None or device.type != "cuda":
             move(self.modules.values(), device)
         elif streamed := place(self.tree, self.modules, device, self.streaming, move, self.free_cache(device),
-                               self.activations_bytes):
+                               self.activations_bytes, self.workspace_bytes):
             self.streamed_bytes = streamed
             log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB of "
                      "them stay in pinned host memory and are copied in block by block at each model call.",
@@ -324,8 +328,9 @@ def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
     load that follows. A video model's activations outgrow the fixed reserve (gpu_budget.ACTIVATIONS_BYTES): Wan 14B's
     8-bit layers placed beside it ran a short card out of memory in the first step."""
     _, minimum = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
-    for follower in followers(model):
+    for follower in followers(model):  # shared by clones: set for the one sampling now
         follower.activations_bytes = int(minimum)
+        follower.workspace_bytes = int(model.model_options.get(WORKSPACE_KEY, 0))
     return executor(model, noise_shape, conds, *args, **kwargs)
 
 

@@ -3,10 +3,14 @@ and are copied in as their block runs, the next block's copy overlapping this on
 streams float layers so under a budget; the quantized layers are Overdrive's to place). Blocks are the items of the
 model's ModuleLists (Flux's double and single blocks, Wan's blocks, a UNet's input/output blocks); a layer outside
 every ModuleList always stays on the GPU."""
+import logging
+
 import torch
 
 from ..compiler.block_graphs import WEIGHTS_COPIED_IN
 from .gpu_budget import room_for_weights
+
+log = logging.getLogger("overdrive")
 
 
 def tensors_of(module) -> list:
@@ -124,6 +128,7 @@ class StreamedBlocks:
         self.blocks = []  # [(first layer's name in the block, first layer, host copies)], in model order
         self.ahead = None  # (block index, ticket) of the copy started ahead
         self.marked = []  # the blocks marked WEIGHTS_COPIED_IN
+        self.warned = False  # a copy ahead ran out of memory
 
     def host_copies(self, layer) -> list:
         if id(layer) not in self.pinned:
@@ -156,13 +161,25 @@ class StreamedBlocks:
             if block.get_submodule(first_name) is not first_layer:
                 return
             ahead, self.ahead = self.ahead, None
-            ticket = ahead[1] if ahead is not None and ahead[0] == index else self.copies.send(
-                [tensor for *_, tensor in host])
+            ticket = ahead[1] if ahead is not None and ahead[0] == index else self._send_now(host)
             for (sub, name, _), tensor in zip(host, self.copies.receive(ticket)):
                 sub._buffers[name] = tensor
             following = (index + 1) % len(self.blocks)
-            self.ahead = (following, self.copies.send([tensor for *_, tensor in self.blocks[following][2]]))
+            try:
+                self.ahead = (following, self.copies.send([tensor for *_, tensor in self.blocks[following][2]]))
+            except torch.OutOfMemoryError as error:  # the next block copies its own when it starts
+                if not self.warned:
+                    self.warned = True
+                    log.warning("Overdrive quantization: no room to copy the next block's layers ahead (%s); each "
+                                "streamed block copies its own as it starts.", str(error).splitlines()[0][:160])
         return hook
+
+    def _send_now(self, host):
+        try:
+            return self.copies.send([tensor for *_, tensor in host])
+        except torch.OutOfMemoryError:  # memory PyTorch caches in pieces too small: given back, tried once more
+            torch.cuda.empty_cache()
+            return self.copies.send([tensor for *_, tensor in host])
 
     def stop(self) -> None:
         for handle in self.handles:
@@ -185,13 +202,28 @@ def empty(host) -> None:
 
 
 def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks, move, free_cache=None,
-          activations: int = 0) -> int:
+          activations: int = 0, streaming_workspace: int = 0) -> int:
     """Put `layers` ({name: quantized layer}) on `device` as far as the card's budget allows beside one model call's
     `activations` (bytes) and the model's float tensors still to load, and stream the rest (`move(modules, device)`
     moves); returns the bytes streamed per model call. `free_cache(bytes)`, if given, first frees up to that much of
-    what ComfyUI keeps cached on the card (returns what it freed)."""
+    what ComfyUI keeps cached on the card (returns what it freed). `streaming_workspace`: more room kept free where
+    some layers stream anyway (a compiled model's working memory beside the copies; where all fit, the model's own
+    fit check has counted it)."""
     streaming.stop()  # every layer whole again before it is measured and placed
     sizes = {name: tensor_bytes(layer) for name, layer in layers.items()}  # read once: the streamed ones empty below
+    resident, streamed = split_for_card(tree, layers, sizes, device, activations, free_cache)
+    if streamed and streaming_workspace:
+        resident, streamed = split_for_card(tree, layers, sizes, device, activations + streaming_workspace)
+    streaming.forget(resident.values())
+    move(resident.values(), device)
+    if streamed:
+        streaming.start(tree, streamed, device)
+    return sum(sizes[name] for block in streamed.values() for name in block)
+
+
+def split_for_card(tree: torch.nn.Module, layers: dict, sizes: dict, device, activations: int, free_cache=None):
+    """split_by_room with the room the card has for `layers` beside `activations` bytes (see place), less one streamed
+    block: its copy made ahead sits beside the running one."""
     room = room_for_weights(device, activations)
     if room is not None:  # the layers already there are part of what may stay
         to_load = float_bytes_to_load(tree, layers, device)
@@ -203,11 +235,7 @@ def place(tree: torch.nn.Module, layers: dict, device, streaming: StreamedBlocks
             room = room_for_weights(device, activations) - to_load
         room += on_card
     resident, streamed = split_by_room(tree, layers, room, sizes)
-    if streamed:  # one streamed block's copy made ahead sits beside the running one
+    if streamed:
         largest = max(sum(sizes[name] for name in block) for block in streamed.values())
         resident, streamed = split_by_room(tree, layers, room - largest, sizes)
-    streaming.forget(resident.values())
-    move(resident.values(), device)
-    if streamed:
-        streaming.start(tree, streamed, device)
-    return sum(sizes[name] for block in streamed.values() for name in block)
+    return resident, streamed

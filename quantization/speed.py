@@ -20,6 +20,7 @@ import threading
 
 import torch
 
+from ..cuda_streams import side_stream
 from .linear_layers import baseline
 
 log = logging.getLogger("overdrive.quantization")
@@ -51,7 +52,7 @@ def graph_seconds(fn) -> float:
 
 def warm_up(fn) -> None:
     # Outside the capture: Triton JIT, cuBLAS heuristics and workspaces happen here, on a side stream as capture needs.
-    stream = torch.cuda.Stream()
+    stream = side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):

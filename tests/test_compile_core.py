@@ -95,6 +95,25 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(caplog):
     assert torch.allclose(module(x), expected)
 
 
+def test_a_failure_while_a_cuda_graph_records_is_left_to_the_recorder_and_the_compiled_code_kept(monkeypatch):
+    """Out of memory for a CUDA graph's pool inside a compiled block says nothing about its compiled code: the error
+    goes to the recorder (compiler/block_graphs.py runs the block without a graph), and the block keeps compiling;
+    falling back to eager there ran eager code inside the capture, which failed the prompt."""
+    from overdrive.compiler import compiled_method
+    module = seeded_block(0)
+    x = torch.randn(1, 8, 6, 6)
+    expected = module(x)
+    compiled = compile_module(module, CompileOptions(mode="default"))
+    monkeypatch.setattr(compiled_method, "capturing", lambda: True)
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/false"), "force_disable_caches": True}):
+        with pytest.raises(Exception):
+            module(x)
+    assert compiled.graph.failure is None
+    monkeypatch.setattr(compiled_method, "capturing", lambda: False)
+    assert torch.allclose(module(x), expected, atol=1e-5) and compiled.graph.failure is None
+    assert compiled.graph.graphs_compiled >= 1
+
+
 def test_bad_options_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="choose one of"):
         CompileOptions(mode="fastest")

@@ -779,6 +779,29 @@ def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, 
     streaming.stop()
 
 
+def test_a_compiled_models_working_memory_is_kept_where_its_quantized_layers_stream(comfy, monkeypatch):
+    """Compile Model's working memory (its CUDA graphs' pool beside the streamed copies) is kept free as well where
+    some quantized layers stream anyway; where they all fit, placement is unchanged (the fit check counted it)."""
+    from overdrive.nodes import quantized_streaming
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+    layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
+    one = quantized_streaming.tensor_bytes(layers["blocks.0"])
+    card = {"room": 3 * one}
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device, activations: card["room"] - activations)
+    streaming = quantized_streaming.StreamedBlocks()
+
+    def streamed(workspace):
+        out = quantized_streaming.place(tree, layers, "meta", streaming, lambda modules, device: None,
+                                        streaming_workspace=workspace)
+        streaming.stop()
+        return out
+    assert streamed(one) == streamed(0) == 0  # all fit: the workspace is not taken from them
+    card["room"] = 5 * one // 2
+    assert streamed(0) == 2 * one  # one resident, one streamed and its copy ahead
+    assert streamed(one) == 3 * one  # a layer's room less: none resident
+
+
 def test_a_quantized_sampling_keeps_comfyuis_activation_estimate_for_placing_its_layers(quantized, sample, prompt):
     """The quantized layers are placed at the load that a sampling starts; the room they leave for activations is
     ComfyUI's own estimate for that sampling's latent (what its partial loader keeps free), not a fixed reserve."""
@@ -853,6 +876,47 @@ class CountingCopies:
 
     def receive(self, ticket):
         return ticket
+
+
+class CopiesWithoutRoomAhead(CountingCopies):
+    """CountingCopies whose copy made ahead (right after a block received its own, still in use) runs out of memory."""
+
+    after_receive = False
+
+    def send(self, tensors):
+        if self.after_receive:
+            self.after_receive = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return super().send(tensors)
+
+    def receive(self, ticket):
+        self.after_receive = True
+        return ticket
+
+
+def test_a_block_whose_copy_ahead_finds_no_room_copies_its_own_and_computes_the_same(comfy, caplog):
+    """Out of memory for the copy made ahead is no failure of the generation: the next block copies its own when it
+    starts, with one warning."""
+    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    torch.manual_seed(0)
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+    layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
+    for i in range(3):
+        tree.blocks[i] = layers[f"blocks.{i}"]
+    x = torch.randn(4, 64)
+    expected = [tree.blocks[i](x) for i in range(3)]
+    streaming = StreamedBlocks()
+    for layer in layers.values():
+        layer.weight_q_host = next(t for _, buffer, t in streaming.host_copies(layer) if buffer == "weight_q")
+    streaming.copies = copies = CopiesWithoutRoomAhead({name.split(".")[1]: layer for name, layer in layers.items()})
+    streaming.start(tree, {f"blocks.{i}": {f"blocks.{i}": layers[f"blocks.{i}"]} for i in range(3)}, "cpu")
+    with caplog.at_level(logging.WARNING, logger="overdrive"):
+        for _ in range(2):
+            assert all(torch.equal(tree.blocks[i](x), expected[i]) for i in range(3))
+    assert copies.sent == ["0", "1", "2"] * 2 and streaming.ahead is None  # each its own, none ahead
+    assert sum("copy the next block" in r.getMessage() for r in caplog.records) == 1
+    streaming.stop()
 
 
 def test_streamed_blocks_copy_the_next_block_ahead_and_a_block_out_of_order_copies_its_own(comfy):

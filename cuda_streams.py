@@ -1,0 +1,21 @@
+"""One side CUDA stream per device for the whole process, where Overdrive runs GEMMs off the current stream (CUDA-graph
+capture, timing a kernel). cuBLAS keeps a workspace for every stream it has run on until the process ends: a new
+stream per compiled model or per timed layer kept that memory on the card after each model was unloaded."""
+import torch
+
+_streams: dict = {}
+
+
+def side_stream(device=None) -> torch.cuda.Stream:
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device=device)
+    return _streams[device]
+
+
+def capturing() -> bool:
+    """Whether the current stream is recording a CUDA graph: a failure there (out of memory for the graph's pool) says
+    nothing about the code that ran, so a fallback that would give up that code lets it through to the recorder."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

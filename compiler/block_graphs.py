@@ -132,6 +132,7 @@ class BlockGraphs:
         self._pool = None
         self._stream = None
         self._warned: set = set()
+        self._stopped = None  # why recording stopped for this model (a recording failed), until release()
         self.replays = 0
         self.recorded = 0
 
@@ -148,6 +149,7 @@ class BlockGraphs:
         self._calls.clear()
         self._filled.clear()
         self._pool = None
+        self._stopped = None
 
     def describe(self) -> str:
         return f"{len(self._recordings)} block CUDA graphs recorded ({self.replays} replays)"
@@ -173,13 +175,18 @@ class BlockGraphs:
         self._calls[path] = (signature, pointers, count)
         if count < RECORD_AT_CALL:
             return run(*args, **kwargs)
-        why = weights.why_not(tensors[0].device)
+        why = self._stopped or weights.why_not(tensors[0].device)
         if why is None:
             try:
                 recording = self._record(stack, run, args, kwargs, tensors, signature, objects, pointers)
             except Exception as error:  # noqa: BLE001 - a block that cannot be recorded runs as before
                 raise_if_interrupt(error)
                 why = f"{type(error).__name__}: {str(error)[:200]}"
+                if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+                    # No more recordings for this model: each next block would fail the same way, at the cost of a
+                    # warm-up and a failed capture, and its graph would hold memory the model's calls need.
+                    self._stopped = why
+                    torch.cuda.empty_cache()
         if why is not None:
             self._refused[path] = signature
             if why not in self._warned:  # once per reason: a partly offloaded model would name every block
@@ -255,10 +262,7 @@ class BlockGraphs:
                         raise ValueError(f"the block's output {name!r} has no input of its shape to go back to")
                     target.copy_(value)
             except BaseException:
-                try:  # end the failed recording; its own error says less than the one that broke it
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001
-                    pass
+                end_failed_capture(graph, current.device, self._pool)
                 raise
             graph.capture_end()
             # Which other inputs the graph changes in place (inference tensors keep no version counter): replayed
@@ -272,3 +276,19 @@ class BlockGraphs:
         current.wait_stream(stream)
         output = stack.output({name: None if value is None else streams[name] for name, value in out.items()})
         return _Recording(signature, objects, pointers, graph, statics, written, output)
+
+
+def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
+    """End a recording that failed, and the allocator's routing of this stream's allocations into `pool`: where the
+    capture was invalidated, capture_end can raise before the allocator hears of it: every later recording failed
+    with "beginAllocateToPool: already recording to mempool_id" while what the warm-ups allocated stayed in the pool
+    (a short card then ran out of memory with most of its memory reserved and unused)."""
+    try:  # its own error says less than the one that broke the recording
+        graph.capture_end()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
+                                         pool)
+    except Exception:  # noqa: BLE001 - capture_end already ended it
+        pass

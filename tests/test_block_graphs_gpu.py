@@ -290,3 +290,32 @@ def test_a_stop_during_the_recording_ends_the_call_and_the_block_records_later()
     block.stop = False
     assert torch.allclose(run_chain([block], graphs, x, side), run_chain([block], None, x, side), atol=1e-6)
     assert graphs.recorded == 1  # not refused: the next call recorded it
+
+
+class PoolHungryBlock(NewOutputBlock):
+    """Asks its graph's pool for more than the card has while it is being recorded (a short card's recording)."""
+
+    def forward(self, x, side, scale=1.0):
+        if torch.cuda.is_current_stream_capturing():
+            torch.empty(torch.cuda.get_device_properties(x.device).total_memory, dtype=torch.uint8, device=x.device)
+        return super().forward(x, side, scale)
+
+
+@torch.inference_mode()
+def test_a_recording_out_of_memory_stops_recording_for_the_model_and_leaves_the_allocator_usable(caplog):
+    """Out of memory while recording: the blocks run unrecorded from then on (each would fail alike), outputs match,
+    and later recordings on the shared capture stream still work (a failed one left the allocator routing that stream
+    into its pool: "already recording to mempool_id", and the warm-ups' memory stayed there)."""
+    blocks = [PoolHungryBlock(0).cuda(), NewOutputBlock(1).cuda()]
+    graphs = BlockGraphs()
+    x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")
+    with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+        for _ in range(4):
+            assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+    assert graphs.recorded == 0 and "out of memory" in caplog.text.lower()
+    assert "already recording" not in caplog.text
+    others = [NewOutputBlock(seed).cuda() for seed in range(2)]
+    fresh = BlockGraphs()
+    for _ in range(3):
+        assert torch.allclose(run_chain(others, fresh, x, side), run_chain(others, None, x, side), atol=1e-6)
+    assert fresh.recorded == 2 and fresh.replays == 2

@@ -101,7 +101,8 @@ TABLES = {
                         "2026-11-28_h200_comfy033_dynamic-on_wan22_480p_fp8_scaled.json",
                         "2026-11-28_h200_comfy033_dynamic-on_flux2_quarter_1024_fp8_mixed.json")),
     "budgets": (budgets, ("*_budget-*gib_flux_1024.json", "*_budget-*gib_flux_1024_prefetch.json",
-                          "*_budget-12gib_flux_1024_no_prefetch.json", "*_budget-*gib_wan22_14b_480p.json")),
+                          "*_budget-12gib_flux_1024_no_prefetch.json", "*_budget-12gib_flux_1024_fp8_compiled.json",
+                          "*_budget-*gib_wan22_14b_480p.json")),
 }
 
 

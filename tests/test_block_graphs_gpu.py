@@ -293,11 +293,16 @@ def test_a_stop_during_the_recording_ends_the_call_and_the_block_records_later()
 
 
 class PoolHungryBlock(NewOutputBlock):
-    """Asks its graph's pool for more than the card has while it is being recorded (a short card's recording)."""
+    """Runs out of memory while it is being recorded, the capture invalidated first (as a short card's recording
+    failed: an operation the capture cannot hold, then the allocator's error)."""
 
     def forward(self, x, side, scale=1.0):
         if torch.cuda.is_current_stream_capturing():
-            torch.empty(torch.cuda.get_device_properties(x.device).total_memory, dtype=torch.uint8, device=x.device)
+            try:
+                x.sum().item()  # a host read: invalidates the capture
+            except Exception:  # noqa: BLE001
+                pass
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 742.00 MiB.")
         return super().forward(x, side, scale)
 
 

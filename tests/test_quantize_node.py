@@ -894,9 +894,9 @@ class CopiesWithoutRoomAhead(CountingCopies):
         return ticket
 
 
-def test_a_block_whose_copy_ahead_finds_no_room_copies_its_own_and_computes_the_same(comfy, caplog):
-    """Out of memory for the copy made ahead is no failure of the generation: the next block copies its own when it
-    starts, with one warning."""
+def three_streamed_int8_blocks():
+    """Three blocks of one int8 layer each, their outputs, and a StreamedBlocks holding their host copies (each layer's
+    `weight_q_host` names its copy, for the copy classes above)."""
     from overdrive.nodes.quantized_streaming import StreamedBlocks
     torch.manual_seed(0)
     tree = torch.nn.Module()
@@ -909,6 +909,13 @@ def test_a_block_whose_copy_ahead_finds_no_room_copies_its_own_and_computes_the_
     streaming = StreamedBlocks()
     for layer in layers.values():
         layer.weight_q_host = next(t for _, buffer, t in streaming.host_copies(layer) if buffer == "weight_q")
+    return tree, layers, x, expected, streaming
+
+
+def test_a_block_whose_copy_ahead_finds_no_room_copies_its_own_and_computes_the_same(comfy, caplog):
+    """Out of memory for the copy made ahead is no failure of the generation: the next block copies its own when it
+    starts, with one warning."""
+    tree, layers, x, expected, streaming = three_streamed_int8_blocks()
     streaming.copies = copies = CopiesWithoutRoomAhead({name.split(".")[1]: layer for name, layer in layers.items()})
     streaming.start(tree, {f"blocks.{i}": {f"blocks.{i}": layers[f"blocks.{i}"]} for i in range(3)}, "cpu")
     with caplog.at_level(logging.WARNING, logger="overdrive"):
@@ -923,19 +930,8 @@ def test_streamed_blocks_copy_the_next_block_ahead_and_a_block_out_of_order_copi
     """Each streamed block's copy starts as the block before it starts (the last one fetches the first for the next
     model call), so that on the GPU it overlaps that block's compute; a block that runs out of that order copies its
     own at once, and the copy made ahead is dropped. Outputs match the resident model's every time."""
-    from overdrive.nodes.quantized_streaming import StreamedBlocks
-    torch.manual_seed(0)
-    tree = torch.nn.Module()
-    tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
-    layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
-    for i in range(3):
-        tree.blocks[i] = layers[f"blocks.{i}"]
-    x = torch.randn(4, 64)
-    expected = [tree.blocks[i](x) for i in range(3)]
-    streaming = StreamedBlocks()
+    tree, layers, x, expected, streaming = three_streamed_int8_blocks()
     streamed = {f"blocks.{i}": {f"blocks.{i}": layers[f"blocks.{i}"]} for i in range(3)}
-    for name, layer in layers.items():
-        layer.weight_q_host = next(t for _, buffer, t in streaming.host_copies(layer) if buffer == "weight_q")
     streaming.copies = copies = CountingCopies({name.split(".")[1]: layer for name, layer in layers.items()})
     streaming.start(tree, streamed, "cpu")
     for _ in range(2):  # two model calls in order: block 0's own copy once, then every copy is made ahead

@@ -6,13 +6,22 @@ import torch
 _streams: dict = {}
 
 
+def _indexed(device) -> torch.device:
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def side_stream(device=None) -> torch.cuda.Stream:
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     if device not in _streams:
         _streams[device] = torch.cuda.Stream(device=device)
     return _streams[device]
+
+
+def replace_side_stream(device=None) -> None:
+    """After a failed CUDA-graph capture on it: later work gets a new stream (CUDA ends an invalidated capture, but a
+    stream that has been through one is not trusted with the next)."""
+    _streams.pop(_indexed(device), None)
 
 
 def capturing() -> bool:

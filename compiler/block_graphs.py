@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from ..cuda_streams import side_stream
+from ..cuda_streams import replace_side_stream, side_stream
 from ..interrupts import raise_if_interrupt
 
 log = logging.getLogger("overdrive.compiler")
@@ -263,6 +263,8 @@ class BlockGraphs:
                     target.copy_(value)
             except BaseException:
                 end_failed_capture(graph, current.device, self._pool)
+                replace_side_stream(current.device)
+                self._stream = None
                 raise
             graph.capture_end()
             # Which other inputs the graph changes in place (inference tensors keep no version counter): replayed

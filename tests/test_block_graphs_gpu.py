@@ -309,8 +309,8 @@ class PoolHungryBlock(NewOutputBlock):
 @torch.inference_mode()
 def test_a_recording_out_of_memory_stops_recording_for_the_model_and_leaves_the_allocator_usable(caplog):
     """Out of memory while recording: the blocks run unrecorded from then on (each would fail alike), outputs match,
-    and later recordings on the shared capture stream still work (a failed one left the allocator routing that stream
-    into its pool: "already recording to mempool_id", and the warm-ups' memory stayed there)."""
+    and later recordings still work (a failed one left the allocator routing its stream into the pool: "already
+    recording to mempool_id", and the warm-ups' memory stayed there)."""
     blocks = [PoolHungryBlock(0).cuda(), NewOutputBlock(1).cuda()]
     graphs = BlockGraphs()
     x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
                                 reason="needs a Hopper GPU")
 
 
-def inputs(shape, seed=0):
+def inputs(shape, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(shape, device="cuda", generator=g, dtype=dtype) for _ in range(3))
     return q, k, v
 
 
@@ -121,10 +121,12 @@ def test_cudnn_fp8_e4m3_output_under_inductor_and_cuda_graphs():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend", ["sdpa_cudnn", "fa3_bf16"])
-def test_16_bit_kernels_equal_sdpa_to_rounding(backend):
+@pytest.mark.parametrize("backend, dtype", [("sdpa_cudnn", torch.bfloat16), ("fa3_bf16", torch.bfloat16),
+                                            ("sdpa_cudnn", torch.float16), ("fa3_bf16", torch.float16)])
+def test_16_bit_kernels_equal_sdpa_to_rounding(backend, dtype):
+    """Also on fp16 inputs (Wan 2.2 under ComfyUI's fp16 inference), which FlashAttention-3 takes through bf16."""
     from overdrive.attention.choice import BACKENDS, EXACT_MAX_ERROR, sdpa
-    q, k, v = inputs((2, 24, 3510, 128), seed=3)  # Wan 2.2 5B's self-attention at 480p, CFG batched
+    q, k, v = inputs((2, 24, 3510, 128), seed=3, dtype=dtype)  # Wan 2.2 5B's self-attention at 480p, CFG batched
     why = BACKENDS[backend].applies(q, k, v)
     if why is not None:
         pytest.skip(why)

@@ -2,18 +2,17 @@
 torch ships). Its optional dependencies (cutlass-dsl, tvm-ffi) are not needed for this graph: install it with
 `pip install --no-deps nvidia-cudnn-frontend`.
 
-On Hopper cuDNN's fp8 graph takes one scale per tensor and writes its output in fp8, so its error per call is ~6 %
-(bench/README.md): the chooser uses it only where the user's error bound allows. One cuDNN graph is built per shape
+On Hopper cuDNN's fp8 graph takes one scale per tensor and writes its output in fp8, so its error per call is a few
+percent (bench/EXPERIMENTS.md): the chooser uses it only where the user's error bound allows. One cuDNN graph is built per shape
 and kept.
 
 Scales: each tensor's scale is carried from the call before at that shape (on that stream) while it fits: the cast
 reads Q, K and V once, casting with the carried scale and taking their maxima as it goes; where a maximum shows the
 carried scale would clip (more than `HEADROOM` x the maximum it came from) or waste range (more than `WINDOW` x the
 tensor's own maximum), a second pass casts that tensor again at its own maximum, which is then carried. Taking the
-maxima before casting reads Q, K and V twice at every call: at Flux's 1024² shape the backend then takes 0.356 ms a
-call against 0.333 ms with one read (H100, bench/README.md). e4m3 keeps its 3-bit mantissa from 2^-6 to 448, so a
-scale `WINDOW` times too large loses precision only on values below 1/3500 of the tensor's largest (1/28000 at its
-own). The output's scale follows from V's, since each output row is a convex combination of V's rows. All of it runs
+maxima before casting reads Q, K and V twice at every call, which measured slower at Flux's shape
+(bench/EXPERIMENTS.md). e4m3 keeps its 3-bit mantissa from 2^-6 to 448, so a scale `WINDOW` times too large loses
+precision only on the tensor's smallest values. The output's scale follows from V's, since each output row is a convex combination of V's rows. All of it runs
 on the GPU (no host sync), so CUDA graphs replay it.
 
 Around the graph, three Triton launches instead of ~30 torch ops (whose launches made the backend host-bound): the

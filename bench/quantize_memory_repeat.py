@@ -1,7 +1,7 @@
 """Does a dropped QuantizeModel output free its GPU memory? (GPU.)
 
-Why: in one bench_compile.py process, peak VRAM grew by ~8 GiB with each QuantizeModel output after the second on
-Flux.1-dev (bench/README.md). This quantizes a DiT several times (the node answering from its cache after the first),
+Why: in one bench_compile.py process, peak VRAM grew with each QuantizeModel output after the second on Flux.1-dev
+(bench/EXPERIMENTS.md). This quantizes a DiT several times (the node answering from its cache after the first),
 optionally compiles it, samples two steps, drops everything the way a workflow change does, and reports the bytes
 still allocated, whether the dropped 8-bit layers are still alive, and what holds them.
 

@@ -3,8 +3,7 @@
 Why: the host's work for a compiled block call (the precompiled frame's checks, Inductor's wrapper, the attention
 op's launches) is about as long as a Flux.1 block's GPU work with fp8 GEMMs and 8-bit attention. A full step still
 keeps the GPU busy, but the step cache's reused steps (one block of GPU work each) and diffusers' pipelines run at the
-host's pace: on an H100, Flux with fp8 and the step cache 0.816 -> 0.771 s per image in ComfyUI, 1.216 -> 1.051 s in
-diffusers (bench/README.md, "DiT blocks as CUDA graphs").
+host's pace, in ComfyUI and more so in diffusers (bench/EXPERIMENTS.md, "DiT blocks as CUDA graphs").
 
 How a block call runs:
 - The first call of a block with a call signature (argument shapes, dtypes and non-tensor values) runs the compiled
@@ -227,7 +226,7 @@ class BlockGraphs:
             if static is None:
                 # Contiguous, whatever the argument's layout: the block's output is written back here and read by the
                 # next block. (Wan's first block gets its input transposed; a buffer in that layout made every later
-                # block run the graph compiled for it: 2.08 against 1.86 s per video, bench/README.md.)
+                # block run the graph compiled for it, slower: bench/EXPERIMENTS.md.)
                 static = torch.empty(source.shape, dtype=source.dtype, device=source.device)
                 static.copy_(source)
                 self._filled[id(static)] = source

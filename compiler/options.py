@@ -22,8 +22,8 @@ class CompileOptions:
 
     mode:    "default" compiles fastest; "max-autotune" benchmarks GEMM/conv kernels on this GPU at the first run
              (slower first image, sometimes faster after).
-    cuda_graphs: replay each step as one CUDA graph instead of launching ~2000 kernels from Python. On an H100
-             the GPU sat idle ~45% of a compiled SDXL step without it (bench/README.md). Costs a graph recording
+    cuda_graphs: replay each step as one CUDA graph instead of launching thousands of kernels from Python: without
+             it the GPU sat idle for much of a compiled SDXL step (bench/EXPERIMENTS.md). Costs a graph recording
              per new shape and keeps that shape's activation memory reserved.
     dynamic: shape policy. "auto": the first shape compiles static, a later new resolution or batch compiles
              one shape-generic graph that serves every later shape (at most 3 graphs per architecture:

@@ -11,9 +11,9 @@ Schemes (symmetric, no zero points):
   `torch._scaled_mm` with tensor-wise scales (cuBLASLt): output in the model's dtype with the bias added inside the
   GEMM. A static scale makes the activation cast elementwise, so under torch.compile Inductor fuses it into the
   kernel that produces the input (which then writes fp8: half the bytes); a dynamic scale needs a reduction over
-  the whole input first, which cost 17-42 us per SDXL layer on the H100, about what the fp8 GEMM saves. Row-wise
-  scales were measured first: their kernels only write bf16, and the cast + bias pass that followed cost more than
-  the fp8 GEMM saved (bench/README.md). A floating-point format keeps its relative precision across
+  the whole input first, which cost about what the fp8 GEMM saves on SDXL's layers. Row-wise scales were measured
+  first: their kernels only write bf16, and the cast + bias pass that followed cost more than the fp8 GEMM saved
+  (bench/EXPERIMENTS.md). A floating-point format keeps its relative precision across
   the range, so one scale per tensor loses little against row-wise scales (tests bound the error).
 
 Kernel constraints (CUDA): `_int_mm` needs M > 16 and K, N multiples of 8; `_scaled_mm` needs K, N multiples of

@@ -26,7 +26,7 @@ def test_backend_matches_fp32_attention(shape, backend):
     if backend == "cudnn_fp8":
         if cudnn8.supports(q, k, v) is not None:
             pytest.skip(cudnn8.supports(q, k, v))
-        out, bound = cudnn8.attention(q, k, v), 0.10  # fp8 output, one scale per tensor (bench/README.md: ~6-10 %)
+        out, bound = cudnn8.attention(q, k, v), 0.10  # fp8 output, one scale per tensor (bench/EXPERIMENTS.md)
     else:
         pv = backend.split("_")[1]
         out, bound = triton8.attention(q, k, v, pv=pv), {"fp8": 0.05, "fp16": 0.02}[pv]

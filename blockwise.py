@@ -1,9 +1,9 @@
 """The forward of a diffusion model whose family is known (families/): the model's own code, with every block of its
 stacks called through one compiled graph per distinct block and, optionally, the DiT step cache.
 
-Why blocks and not one whole-model graph for DiTs: a DiT step is GPU-bound (Flux.1 at 1024² runs ~550 TFLOP/s
-compiled on an H200), so the whole-model graph's fusions across block boundaries and its CUDA graph gain little,
-while compiling 57 blocks inline dominated a 60-90 s cold compile. Compiled per block, Flux traces and lowers two
+Why blocks and not one whole-model graph for DiTs: a DiT step is GPU-bound (Flux.1 at 1024² runs near the tensor
+cores' rate compiled), so the whole-model graph's fusions across block boundaries and its CUDA graph gain little,
+while compiling every block inline dominated a long cold compile. Compiled per block, Flux traces and lowers two
 graphs (a double and a single block) that every block of that shape runs, and the step cache decides between blocks
 in plain Python, outside any graph, so both its paths reuse the same compiled blocks.
 
@@ -134,8 +134,8 @@ class BlockwiseForward:
         cache = self.cache
         if cache is not None:
             cache.begin(functools.partial(self._checked_step, self.read_step(args, kwargs)))
-        # Written to the blocks' __dict__ directly: nn.Module.__setattr__ costs ~1 us more each, twice per block and
-        # call, which a reused step (host-bound: one block of GPU work) pays in full.
+        # Written to the blocks' __dict__ directly: nn.Module.__setattr__ costs more each, twice per block and call,
+        # which a reused step (host-bound: one block of GPU work) pays in full.
         saved = [(block.__dict__, block.__dict__.get("forward")) for _, _, block in self.blocks]
         completed = False
         try:

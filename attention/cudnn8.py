@@ -225,9 +225,8 @@ class _Casts:
 class _Operands(_Casts):
     """A graph's fp8 inputs and output, scales and cuDNN variant pack for one CUDA stream, reused by each call there
     (a stream runs its calls in order): a call allocates nothing and builds no pack. Doing both at each call made
-    Flux's fp8 run slower with this backend than without it (1.970 against 1.845 s per image on an H100,
-    `2026-11-26_h100_flux_1024_cudnn_attention_host_bound.json`). The output kernel zeroes `amax` again and
-    carries the scales."""
+    Flux's fp8 run slower with this backend than without it (`..._h100_flux_1024_cudnn_attention_host_bound.json`).
+    The output kernel zeroes `amax` again and carries the scales."""
 
     def __init__(self, graph: _Graph, device):
         super().__init__(graph.shape_q, graph.shape_kv, device)

@@ -35,7 +35,7 @@ class CompileOptions:
              become 2 subgraphs, so Inductor's share of a cold compile shrinks several-fold (compiler/regions.py).
              Still one graph, and one CUDA graph per step.
     precompile: save the first shape's compiled call whole (torch's AOT precompile) so that a restart loads it
-             without tracing the model again (SDXL: the ~20 s of a warm restart that Inductor's caches cannot save).
+             without tracing the model again (SDXL: most of a warm restart, which Inductor's caches cannot save).
              The saved call has no Dynamo guards; Overdrive checks each call's shapes, argument values and weight
              devices, and what the traced code read (functions, module-level values, the model's attributes,
              submodule types), recorded from Dynamo's guards (compiler/precompiled.py). A call it cannot

@@ -1,7 +1,7 @@
 """Precompiled frames: after a restart, run a saved compiled call without tracing the model again.
 
 A restarted process traces the model's Python with Dynamo before Inductor's caches can serve a single kernel: for
-SDXL on the H100 that was 20.8 s of the 34 s a warm restart took (bench/results/archive_2026-11-23_h100.md, run set 6). torch's AOT
+SDXL that was most of a warm restart (bench/results/archive_2026-11-23_h100.md, run set 6). torch's AOT
 precompile (`torch.compile(fn, fullgraph=True).aot_compile(inputs)`, torch >= 2.10) captures one whole-graph call
 (the transformed bytecode and the compiled graph) into bytes that a new process loads and calls directly.
 
@@ -162,8 +162,8 @@ def weights_on(module: torch.nn.Module, device: torch.device) -> bool:
     """Every parameter and buffer of `module` on `device`: checked at every call, so kept cheap. The dicts that hold
     them are listed again only after a submodule or Parameter was replaced somewhere (weights_watch); the tensors are
     read from those dicts every time, since a device move swaps tensors and even Parameters in them without any hook.
-    (The recursive `module.parameters()` took ~3.9 ms for SD1.5 on the 2-core CPU, a walk over every module's dicts
-    ~130 us, this ~50 us.)"""
+    (The recursive `module.parameters()` costs far more per call, and a walk over every module's dicts more than
+    this.)"""
     generation = weights_generation()
     cached = _submodules.get(module)
     if cached is None or cached[0] != generation:
@@ -182,8 +182,9 @@ class GuardTemporaries:
     With a guard_filter_fn, Dynamo reads the value of every guard (`make_guard_filter_entry`); a chained source binds
     its base object to a `tmp<N>` name in that shared dict and skips deleting it when the read raises (seen in torch
     2.11 to 2.14, `ChainedSource.get_value`). The guards are then built again with a copy of that dict, which their
-    CheckFunctionManager keeps: on the H100 a leaked name held an SDXL up block, and 248 MiB of a dropped UNet stayed in
-    VRAM for good (bench/results/archive_2026-11-23_h100.md, run sets 10 and 11). So the names go in the filter itself, before that copy."""
+    CheckFunctionManager keeps: a leaked name held an SDXL up block, and part of a dropped UNet stayed in VRAM for good
+    (bench/results/archive_2026-11-23_h100.md, run sets 10 and 11). So the names go in the filter itself, before that
+    copy."""
 
     def __init__(self):
         self.before = set(_guard_closure_vars())

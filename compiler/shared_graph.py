@@ -153,13 +153,13 @@ class SharedGraph:
 
     def release_precompiled(self) -> None:
         """Forget the precompiled frames held in memory (with CUDA graphs, a frame's recording keeps the inputs of the
-        model it last ran: 269 MiB of an SDXL-sized UNet measured). Kept on disk, they load again in seconds."""
+        model it last ran, a large share of a UNet's activations). Kept on disk, they load again in seconds."""
         if self.frames is not None:
             self.frames.frames.clear()
             self.frames.not_on_disk.clear()
 
     def _recompile_limit(self):
-        # Entered at every UNet call: config.patch builds a class each time (~0.13 ms on the 2-core CPU), so it is
+        # Entered at every UNet call: config.patch builds a class each time (measurable per call), so it is
         # skipped when the limit already is ours (Dynamo's default 8 equals max_graphs' default).
         if torch._dynamo.config.recompile_limit == self.options.max_graphs:
             return contextlib.nullcontext()

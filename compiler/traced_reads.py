@@ -67,14 +67,14 @@ def _name_of(value) -> str:
 
 class GlobalsRead:
     """The functions and classes a frame read from modules when it was traced, as (Dynamo guard source, name)
-    pairs: `unchanged()` compares their identities at every call (~1 us each), `renamed()` their names in a new
+    pairs: `unchanged()` compares their identities at every call, `renamed()` their names in a new
     process, before a saved frame is trusted."""
 
     def __init__(self, entries):
         self.entries = [tuple(e) for e in entries]
         self.sources = [compile(source, "<dynamo guard source>", "eval") for source, _ in self.entries]
         self.values = [_resolve(source) for source in self.sources]
-        # All of them read by one expression at each call (a Flux block's frame reads ~34: one eval each cost ~1 us),
+        # All of them read by one expression at each call (one eval each added up over a frame's dozens of entries),
         # unless one was already gone when traced (that entry then counts as unchanged while it stays gone).
         self._all = None if _GONE in self.values else compile(
             f"({''.join(f'({source}), ' for source, _ in self.entries)})", "<dynamo guard sources>", "eval")
@@ -129,7 +129,7 @@ def _anchor(source: str) -> tuple[str | None, str]:
         is_python_module = isinstance(node, ast.Subscript) and isinstance(parent, ast.Name) and parent.id == "G"
         if is_submodule or is_python_module:
             # The anchor's own text, cut where its node ends (a UTF-8 offset), not rebuilt by ast.unparse: SDXL's
-            # frame has 7,360 entries, anchored at every restart (0.149 -> 0.084 s on a 2-core CPU).
+            # frame has thousands of entries, anchored at every restart, where ast.unparse showed.
             if node.col_offset != 0 or node.end_lineno != 1:
                 return None, source
             anchor = source.encode()[:node.end_col_offset].decode()
@@ -152,18 +152,17 @@ class ValuesRead:
     printed form) entries. `matches(call)` reads them for a call of the frame (module, method, args, kwargs) and
     compares them with what was read when the frame was built or, after a restart, first checked.
 
-    Cost: an SD1.5 UNet's frame reads ~1,800 of them (3,000 on the GPU), an SDXL's up to 7,360. Read through their
-    whole guard sources (chains of `_modules[...]`) they took ~0.6 ms a call on a 2-core CPU, which made SD1.5 on the
-    H200 33 % slower per image (0.2075 against 0.1566 s). So the submodules and Python modules they start from
+    Cost: a UNet's frame reads thousands of them. Read through their whole guard sources (chains of `_modules[...]`)
+    they made SD1.5 on a fast GPU markedly slower per image (host-bound). So the submodules and Python modules they
+    start from
     (anchors) are looked up once per model and module tree (again when another model calls, or a submodule or Parameter
     was replaced anywhere: weights_watch) and held weakly; each call reads the values from their anchors.
-    The types of the submodules themselves (58 % of SD1.5's entries) change only with the tree, so they are read only
-    when the anchors are looked up again: reading all took 1.48 ms of the GPU machine's host per SD1.5 call
-    (bench/host_timers.py). Not seen, as with the anchors: a module's `__class__` reassigned in place."""
+    The types of the submodules themselves (most of SD1.5's entries) change only with the tree, so they are read only
+    when the anchors are looked up again (reading them all at each call showed in bench/host_timers.py). Not seen, as with the anchors: a module's `__class__` reassigned in place."""
 
     def __init__(self, entries, compiled=None):
         """`compiled`: `.compiled` of a ValuesRead of the same entries (saved with a frame), so that a restart neither
-        parses nor compiles their sources again (7,360 synthetic entries: 0.197 -> 0.009 s on a 2-core CPU)."""
+        parses nor compiles their sources again (most of the cost of anchoring a large frame)."""
         self.entries = [tuple(e) for e in entries]
         self.structural = [i for i, (kind, source, _) in enumerate(self.entries) if _structural(kind, source)]
         structural = set(self.structural)

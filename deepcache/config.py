@@ -12,7 +12,7 @@ Terms used throughout `overdrive.deepcache`, for an openaimodel-style UNet (Comf
 * The paper's setting for Stable Diffusion (cache interval 3, the shallowest skip branch; "branch 0" in its
   zero-based numbering) is `cache_depth=1`: on SD1.5 a shallow step then costs the stem conv, one
   ResBlock + SpatialTransformer at full latent resolution and the output conv, about a tenth of the UNet's
-  multiply-adds, which is what makes ~2.3x at interval 3 possible. Larger depths are closer to the full model and
+  multiply-adds, which is what makes its speed-up at interval 3 possible. Larger depths are closer to the full model and
   slower.
 """
 from dataclasses import dataclass

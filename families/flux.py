@@ -12,10 +12,9 @@ FAMILY = Family("flux", frozenset({"Flux"}), (
 ))
 
 CHROMA = Family("chroma", frozenset({"Chroma"}), FAMILY.stacks, float_layers=(
-    # 1024², fp8 with QuantizeModel's defaults, one model call against bf16: 6.7e-2 with these 12 layers in 8 bits, of
-    # which 5.7e-2 with them alone (bench/results/2026-11-27_h100_chroma_fp8_layer_groups.json). They run on 344 rows
-    # (688 with CFG) once a call: with them in bf16 fp8 ran 1.507x Compile Model, against 1.512x with them in 8 bits
-    # in another process (..._chroma_1024_float_approximator.json, ..._chroma_1024.json).
+    # fp8 with QuantizeModel's defaults: most of a model call's error against bf16 comes from these layers alone
+    # (bench/results/2026-11-27_h100_chroma_fp8_layer_groups.json). They run on a few hundred rows once a call: in bf16
+    # fp8 ran as fast as with them in 8 bits (..._chroma_1024_float_approximator.json, ..._chroma_1024.json).
     (r"distilled_guidance_layer\.", "Chroma's approximator makes every block's modulation: its 8-bit error reaches "
                                     "all 57 blocks"),
 ))

@@ -118,8 +118,8 @@ class QuantizedModules:
       weights lower VRAM in every memory mode (--gpu-only and --highvram offload to the GPU).
     - Detaching: ComfyUI 0.7 detaches a loaded model without unpatching before every sampling run (it pops the model
       as a clone of itself and loads it again), when another clone of the model loads, and when a clone is collected.
-      None of these moves weights, so nothing moves here either (moving on each cost Flux's fp8 model 22 GB of copies
-      per image). Only a real unload sends the 8-bit layers to the offload device.
+      None of these moves weights, so nothing moves here either (moving on each copied Flux's fp8 weights to and fro
+      several times per image). Only a real unload sends the 8-bit layers to the offload device.
     - A float clone of the same checkpoint that ComfyUI runs right after (it reuses the loaded weights without moving
       them) finds its layers on the CPU: a pre-hook on the diffusion model puts them beside the input at its first
       call, once.
@@ -261,7 +261,7 @@ def return_hook(follower: QuantizedModules):
 
 def on_device(module) -> torch.device | None:
     """The device of `module`'s first tensor (a layer moves as a whole). Read from the tensor dicts: `state_dict()`
-    per layer cost ~2 ms per load for SDXL's 722 layers, at every sampling run."""
+    per layer, over a model's hundreds of layers, showed at every sampling run."""
     for layer in module.modules():
         for tensors in (layer._parameters, layer._buffers):
             for tensor in tensors.values():

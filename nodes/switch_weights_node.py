@@ -55,7 +55,7 @@ _UNLOADED_BASE_MODEL = {"model_loaded_weight_memory": 0, "lowvram_patch_counter"
 def mark_unloaded(switched) -> None:
     """The switched model's weights are fresh tensors on the offload device, with no patch applied, but the copies
     of a loaded model say "loaded". Left so, ComfyUI counts the switched model as already on the GPU: it neither
-    unloads other models to make room (an SDXL run went out of memory on an 80 GB H100 after six switches) nor
+    unloads other models to make room (an SDXL run went out of memory after a few switches) nor
     applies LoRA patches to layers marked as patched."""
     base = switched.model
     if hasattr(base, "model_loaded_weight_memory"):

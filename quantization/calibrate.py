@@ -207,9 +207,9 @@ def _stored_in_int8(decision: LayerDecision, candidate: Candidate, sample: Layer
 
 
 # Below a tensor-core tile of rows an 8-bit GEMM streams the same 8-bit weight as the weight-only kernel and computes
-# mostly padding: its edge is at most the kernels' bandwidth, while int8 with a scale per output channel keeps ~10x
-# less error than e4m3 with one per tensor. (Flux's modulation linears, one row a call, measured up to 1.1x faster as
-# fp8 GEMMs, and the model call's error grew from 1.66 to 1.88 %.)
+# mostly padding: its edge is at most the kernels' bandwidth, while int8 with a scale per output channel keeps far
+# less error than e4m3 with one per tensor. (Flux's modulation linears, one row a call, measured barely faster as
+# fp8 GEMMs, and the model call's error grew.)
 GEMM_MIN_ROWS = 16
 
 

@@ -205,9 +205,9 @@ def fp8_linear(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bi
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
     """The GEMM of `fp8_linear` on an already quantized input: the scaling, the bias and the output cast happen
-    inside it. Off the GPU, the same products summed in float32 by a float GEMM: torch's CPU fp8 GEMM took 17 s for
-    512 x 1024 x 1024 on the 2-core test machine (~30 MFLOP/s), which made the CPU tests of the fp8 paths take hours;
-    fp8 serves no CPU user, and the GPU tests run `torch._scaled_mm` itself."""
+    inside it. Off the GPU, the same products summed in float32 by a float GEMM: torch's CPU fp8 GEMM runs so slowly
+    that the CPU tests of the fp8 paths took hours; fp8 serves no CPU user, and the GPU tests run `torch._scaled_mm`
+    itself."""
     if not xq.is_cuda:
         y = (xq.float() @ w_fp8.float().t()) * (x_scale.float() * w_scale.float()).reshape(())
         return (y if bias is None else y + bias.float()).to(out_dtype)

@@ -1,5 +1,5 @@
 """int4 weights, fp8 compute: 4-bit integers with a scale per group of 128 input channels (half the bytes of an 8-bit
-layer: what lets a Flux-class model fit an 8-12 GB card whole, or stream half as much), turned into an e4m3 weight by one
+layer: what lets a Flux-class model fit a small card whole, or stream half as much), turned into an e4m3 weight by one
 elementwise pass right before the fp8 GEMM (`kernels.dequantize_int4_fp8`), activations as in the fp8 format (a static
 per-tensor scale from calibration). The GEMM is fp8's `torch._scaled_mm`, so it runs where fp8 does (compute capability
 8.9+); the CPU runs the same arithmetic for tests. The pass costs one write and read of the e4m3 weight per call: under

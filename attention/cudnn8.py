@@ -3,8 +3,8 @@ torch ships). Its optional dependencies (cutlass-dsl, tvm-ffi) are not needed fo
 `pip install --no-deps nvidia-cudnn-frontend`.
 
 On Hopper cuDNN's fp8 graph takes one scale per tensor and writes its output in fp8, so its error per call is a few
-percent (bench/EXPERIMENTS.md): the chooser uses it only where the user's error bound allows. One cuDNN graph is built per shape
-and kept.
+percent (bench/EXPERIMENTS.md): the chooser uses it only where the user's error bound allows. One cuDNN graph is
+built per shape and kept.
 
 Scales: each tensor's scale is carried from the call before at that shape (on that stream) while it fits: the cast
 reads Q, K and V once, casting with the carried scale and taking their maxima as it goes; where a maximum shows the
@@ -12,8 +12,8 @@ carried scale would clip (more than `HEADROOM` x the maximum it came from) or wa
 tensor's own maximum), a second pass casts that tensor again at its own maximum, which is then carried. Taking the
 maxima before casting reads Q, K and V twice at every call, which measured slower at Flux's shape
 (bench/EXPERIMENTS.md). e4m3 keeps its 3-bit mantissa from 2^-6 to 448, so a scale `WINDOW` times too large loses
-precision only on the tensor's smallest values. The output's scale follows from V's, since each output row is a convex combination of V's rows. All of it runs
-on the GPU (no host sync), so CUDA graphs replay it.
+precision only on the tensor's smallest values. The output's scale follows from V's, since each output row is a
+convex combination of V's rows. All of it runs on the GPU (no host sync), so CUDA graphs replay it.
 
 Around the graph, three Triton launches instead of ~30 torch ops (whose launches made the backend host-bound): the
 casts with their maxima, the second pass (which returns at once where it has nothing to do), and the output's

@@ -154,11 +154,11 @@ class ValuesRead:
 
     Cost: a UNet's frame reads thousands of them. Read through their whole guard sources (chains of `_modules[...]`)
     they made SD1.5 on a fast GPU markedly slower per image (host-bound). So the submodules and Python modules they
-    start from
-    (anchors) are looked up once per model and module tree (again when another model calls, or a submodule or Parameter
-    was replaced anywhere: weights_watch) and held weakly; each call reads the values from their anchors.
+    start from (anchors) are looked up once per model and module tree (again when another model calls, or a submodule
+    or Parameter was replaced anywhere: weights_watch) and held weakly; each call reads the values from their anchors.
     The types of the submodules themselves (most of SD1.5's entries) change only with the tree, so they are read only
-    when the anchors are looked up again (reading them all at each call showed in bench/host_timers.py). Not seen, as with the anchors: a module's `__class__` reassigned in place."""
+    when the anchors are looked up again (reading them all at each call showed in bench/host_timers.py). Not seen, as
+    with the anchors: a module's `__class__` reassigned in place."""
 
     def __init__(self, entries, compiled=None):
         """`compiled`: `.compiled` of a ValuesRead of the same entries (saved with a frame), so that a restart neither

@@ -80,6 +80,7 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
 def _conv_weights_channels_last(module: nn.Module) -> None:
     """Inductor runs a conv-heavy graph channels-last and, since weights are graph inputs (so that switched or patched
     weights need no recompile), copies every NCHW conv weight into that layout on every call (its own TODO in
-    torch/_inductor/kernel/conv.py). Converting them once, in place, saves that traffic at every UNet call. diffusers' torch.compile guide does the same. switch_weights_ copies into these tensors, keeping it.
+    torch/_inductor/kernel/conv.py). Converting them once, in place, saves that traffic at every UNet call. diffusers'
+    torch.compile guide does the same. switch_weights_ copies into these tensors, keeping it.
     2-D convolutions only: Wan's patch embedding and video VAE are 3-D, which `module.to(channels_last)` refuses."""
     conv_weights_channels_last_(module, nn.Conv2d)

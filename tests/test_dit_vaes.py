@@ -56,8 +56,8 @@ def test_tiled_decode_runs_through_the_compiled_decode(nodes, vae, family):
 
 
 def test_wan_video_vae_runs_eager_with_channels_last_convolutions(nodes, comfy, caplog):
-    """Wan's causal video VAE decoded slower compiled on an H200; Compile VAE gives its 3-D convolutions the
-    channels-last layout instead (1.12x there), compiles nothing, and says so in the log."""
+    """Wan's causal video VAE decoded slower compiled; Compile VAE gives its 3-D convolutions the
+    channels-last layout instead (faster there), compiles nothing, and says so in the log."""
     from overdrive.runner.inprocess import build_family_vae
     vae = build_family_vae(comfy, "wan22")
     latent = latent_for("wan22")

@@ -1,6 +1,9 @@
 """One side CUDA stream per device for the whole process, where Overdrive runs GEMMs off the current stream (CUDA-graph
 capture, timing a kernel). cuBLAS keeps a workspace for every stream it has run on until the process ends: a new
-stream per compiled model or per timed layer kept that memory on the card after each model was unloaded."""
+stream per compiled model or per timed layer kept that memory on the card after each model was unloaded.
+
+Also the two states of the GPU that Overdrive's fallbacks tell apart from a fault of the code that ran: a CUDA graph
+being recorded, and the card out of memory at that moment."""
 import torch
 
 _streams: dict = {}
@@ -28,3 +31,8 @@ def capturing() -> bool:
     """Whether the current stream is recording a CUDA graph: a failure there (out of memory for the graph's pool) says
     nothing about the code that ran, so a fallback that would give up that code lets it through to the recorder."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the card running out of memory (torch's error, or a kernel library's that says so)."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from ..cuda_streams import replace_side_stream, side_stream
+from ..cuda_streams import out_of_memory, replace_side_stream, side_stream
 from ..interrupts import raise_if_interrupt
 
 log = logging.getLogger("overdrive.compiler")
@@ -181,7 +181,7 @@ class BlockGraphs:
             except Exception as error:  # noqa: BLE001 - a block that cannot be recorded runs as before
                 raise_if_interrupt(error)
                 why = f"{type(error).__name__}: {str(error)[:200]}"
-                if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+                if out_of_memory(error):
                     # No more recordings for this model: each next block would fail the same way, at the cost of a
                     # warm-up and a failed capture, and its graph would hold memory the model's calls need.
                     self._stopped = why

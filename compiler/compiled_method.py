@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from ..cuda_streams import capturing
+from ..cuda_streams import capturing, out_of_memory
 from ..interrupts import raise_if_interrupt
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
@@ -13,6 +13,7 @@ from .regions import install_regions, uninstall_regions
 from .shared_graph import shared_graph
 
 log = logging.getLogger("overdrive.compiler")
+OUT_OF_MEMORY_LIMIT = 3  # compiled calls out of memory in a row before an architecture runs eager for good
 
 
 def mark_shape_generic(args, kwargs) -> None:
@@ -135,24 +136,41 @@ class CompiledMethod:
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
             for value, items in saved:
                 value[:] = items
-            raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
-            if capturing():
-                raise  # the recorder (block_graphs) runs this block without a graph
-            graph.failure = reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-            if self.options.regional:
-                # Regions are newer compiler machinery than whole-graph compilation: try that before giving up.
-                log.warning("Overdrive: compiling %s.%s with regions failed (%s); compiling it as one graph instead.",
-                            graph.description, self.method, reason)
-                return self._without_regions(*args, **kwargs)
-            log.warning("Overdrive: the compiled %s.%s failed, so it runs eager from now on (your generation "
-                        "continues, only slower). Reason: %s", graph.description, self.method, reason)
-            return self.eager(*args, **kwargs)
+            return self._after_failure(error, args, kwargs)
+        graph.out_of_memory_in_a_row = 0
         graph.shapes_seen.add(signature)
         if not graph.shapes_sealed:
             graph.specialised_shapes.add(signature)
         if self.options.static_shapes == "first":
             graph.seal_shapes()
         return out
+
+    def _after_failure(self, error: Exception, args, kwargs):
+        """This call's result after its compiled code failed, and what the failure means for later calls: out of
+        memory is the card's state at that moment (another model, a larger batch), so the compiled code is kept for
+        the next call unless it runs out again OUT_OF_MEMORY_LIMIT times in a row; any other failure is the code's,
+        and the architecture runs eager from then on."""
+        graph = self.graph
+        raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
+        if capturing():
+            raise error  # the recorder (block_graphs) runs this block without a graph
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        if out_of_memory(error):
+            graph.out_of_memory_in_a_row += 1
+            if graph.out_of_memory_in_a_row < OUT_OF_MEMORY_LIMIT:
+                torch.cuda.empty_cache()
+                log.warning("Overdrive: the compiled %s.%s ran out of GPU memory; this call runs eager, the compiled "
+                            "code stays for the next (%s)", graph.description, self.method, reason)
+                return self.eager(*args, **kwargs)
+        graph.failure = reason
+        if self.options.regional:
+            # Regions are newer compiler machinery than whole-graph compilation: try that before giving up.
+            log.warning("Overdrive: compiling %s.%s with regions failed (%s); compiling it as one graph instead.",
+                        graph.description, self.method, reason)
+            return self._without_regions(*args, **kwargs)
+        log.warning("Overdrive: the compiled %s.%s failed, so it runs eager from now on (your generation continues, "
+                    "only slower). Reason: %s", graph.description, self.method, reason)
+        return self.eager(*args, **kwargs)
 
 
 def compile_module(module: torch.nn.Module, options: CompileOptions | None = None, method: str = "forward",

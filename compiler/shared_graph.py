@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from ..cuda_streams import capturing
+from ..cuda_streams import capturing, out_of_memory
 from ..interrupts import raise_if_interrupt
 from . import precompiled
 from .activations import FastActivations
@@ -93,6 +93,7 @@ class SharedGraph:
         self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
         self.specialised_shapes: set = set()  # the shapes seen before sealing: they get precompiled frames
         self.failure: str | None = None  # set once compiling or running compiled code failed
+        self.out_of_memory_in_a_row = 0  # compiled calls that ran out of memory since the last one that ran
         self.disk_keys_loaded: set = set()
         self.disk_keys: dict = {}  # device -> disk cache key
         kwargs = {"dynamic": options.torch_dynamic(), "fullgraph": options.fullgraph, "backend": options.backend}
@@ -194,8 +195,8 @@ class SharedGraph:
                     return frame(module, self.method, args, kwargs)
             except Exception as error:  # noqa: BLE001 - torch.compile's path (with guards) takes this call and the rest
                 raise_if_interrupt(error)
-                if capturing():
-                    raise  # the recorder (block_graphs) runs this block without a graph, through this frame
+                if capturing() or out_of_memory(error):
+                    raise  # the recorder (block_graphs) runs it without a graph; the caller, eager for this call
                 if attempt == 1 and isinstance(error, AttributeError) and precompiled.flatten_weight_subclasses(module):
                     continue  # weights made since tracing, whose inner tensors' attributes a flatten sets
                 self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]

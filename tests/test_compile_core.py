@@ -114,6 +114,37 @@ def test_a_failure_while_a_cuda_graph_records_is_left_to_the_recorder_and_the_co
     assert compiled.graph.graphs_compiled >= 1
 
 
+def test_out_of_memory_runs_that_call_eager_and_keeps_the_compiled_code_until_it_repeats(monkeypatch, caplog):
+    """The card out of memory in a compiled call is its state at that moment (another model loaded, a larger batch):
+    that call runs eager and the next ones compiled again; only OUT_OF_MEMORY_LIMIT in a row make the architecture
+    run eager for good, as any other failure does at once."""
+    from overdrive.compiler import compiled_method
+    module = seeded_block(0)
+    x = torch.randn(1, 8, 6, 6)
+    expected = module(x)
+    compiled = compile_module(module, CompileOptions(mode="default", regional=False))  # (regions: one more step)
+    assert torch.allclose(module(x), expected, atol=1e-5)  # compiled once, for real
+    real_call, calls = compiled.graph.call, []
+
+    def short_card(*args, **kwargs):
+        calls.append("compiled")
+        if len(calls) in failing:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real_call(*args, **kwargs)
+    monkeypatch.setattr(compiled.graph, "call", short_card)
+    failing = {1, 3}  # apart: each costs that call only
+    with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
+        outputs = [module(x) for _ in range(4)]
+    assert all(torch.allclose(out, expected, atol=1e-5) for out in outputs)
+    assert compiled.graph.failure is None and len(calls) == 4
+    assert caplog.text.count("ran out of GPU memory; this call runs eager") == 2
+    calls.clear()
+    failing = set(range(1, compiled_method.OUT_OF_MEMORY_LIMIT + 1))  # in a row: eager from then on
+    outputs = [module(x) for _ in range(compiled_method.OUT_OF_MEMORY_LIMIT + 2)]
+    assert all(torch.allclose(out, expected, atol=1e-5) for out in outputs)
+    assert compiled.graph.failure is not None and len(calls) == compiled_method.OUT_OF_MEMORY_LIMIT
+
+
 def test_bad_options_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="choose one of"):
         CompileOptions(mode="fastest")

@@ -46,4 +46,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if dtype != torch.bfloat16:  # the wheel has no fp16 kernels
         q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
     out = torch.ops.fa3_fwd._flash_attn_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0]
-    return out if out.dtype == dtype else out.to(dtype)
+    return out.to(dtype)  # itself where already bf16

@@ -116,8 +116,9 @@ def latest(reports) -> str:
         eager = next((row for row in report["results"] if row.get("variant") == "eager" and "s_per_image" in row), None)
         for row in report["results"]:
             newest[(*group, row["variant"])] = (row, eager, report["file"])
-    lines = ["| model | GPU | ComfyUI | dynamic VRAM | card | variant | s/image | × eager | peak VRAM GiB | call error | "
-             "`bench/results/` |", "|---" * 11 + "|"]
+    header = ("model", "GPU", "ComfyUI", "dynamic VRAM", "card", "variant", "s/image", "× eager", "peak VRAM GiB",
+              "call error", "`bench/results/`")
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for (*group, variant), (row, eager, file) in sorted(newest.items(), key=lambda item: item[0]):
         seconds = row.get("s_per_image")
         ratio = f"{eager['s_per_image'] / seconds:.2f}×" if eager is not None and seconds else "—"

@@ -129,7 +129,6 @@ class BlockGraphs:
         self._weights: dict = {}      # path -> _BlockWeights
         self._filled: dict = {}       # id(static input) -> the argument copied into it in this model call
         self._pool = None
-        self._stream = None
         self._warned: set = set()
         self._stopped = None  # why recording stopped for this model (a recording failed), until release()
         self.replays = 0
@@ -142,7 +141,7 @@ class BlockGraphs:
 
     def release(self) -> None:
         """Drop every recording (and with the last one, the pool's memory)."""
-        if self._stream is not None:
+        if self._recordings:
             torch.cuda.current_stream().synchronize()  # no replay still running over the buffers
         self._recordings.clear()
         self._calls.clear()
@@ -240,11 +239,9 @@ class BlockGraphs:
         static_args, static_kwargs = _rebuilt(args, tensors_in_order), _rebuilt(kwargs, tensors_in_order)
         streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = side_stream(current.device)
         if self._pool is None:  # also after release(): the model's graphs share one pool again
             self._pool = torch.cuda.graph_pool_handle()
-        stream = self._stream
+        stream = side_stream(current.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             copies = iter([s.clone() for s in statics])  # the warm-up runs on copies: blocks change inputs in place
@@ -263,7 +260,6 @@ class BlockGraphs:
             except BaseException:
                 end_failed_capture(graph, current.device, self._pool)
                 replace_side_stream(current.device)
-                self._stream = None
                 raise
             graph.capture_end()
             # Which other inputs the graph changes in place (inference tensors keep no version counter): replayed
@@ -289,7 +285,6 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) 
     except Exception:  # noqa: BLE001
         pass
     try:
-        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
-                                         pool)
+        torch._C._cuda_endAllocateToPool(device.index, pool)  # a stream's device: always indexed
     except Exception:  # noqa: BLE001 - capture_end already ended it
         pass

@@ -9,8 +9,8 @@ def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
     """ComfyUI's `sinusoidal_embedding_1d` with its frequency exponents made on the position's device. ComfyUI's makes
     them on the CPU and copies them over at every model call: a copy from pageable memory, which waits until the GPU
     has drained, so the GPU then idles while the host runs the model's preamble (one such wait a call,
-    bench/EXPERIMENTS.md). The same operations on the same values (integers below 2**24 are exact in float32): the output
-    equals ComfyUI's bit for bit."""
+    bench/EXPERIMENTS.md). The same operations on the same values (integers below 2**24 are exact in float32): the
+    output equals ComfyUI's bit for bit."""
     assert dim % 2 == 0, f"an even embedding width is needed, got {dim}"  # as ComfyUI's asserts
     half = dim // 2
     position = position.float()

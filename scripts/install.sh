@@ -88,8 +88,8 @@ if ! "$py" -c "import torchaudio" 2>/dev/null; then
 fi
 
 # 4. On a Hopper or newer NVIDIA GPU: NVIDIA's cuDNN frontend, for the 8-bit attention's cuDNN fp8 backend (chosen by
-#    default on Flux, Qwen-Image, Wan 2.2 and Z-Image, bench/EXPERIMENTS.md). Without its declared dependencies (CUTLASS's
-#    DSL, TVM FFI: hundreds of MB this graph does not use); without it that backend is simply not offered.
+#    default on Flux, Qwen-Image, Wan 2.2 and Z-Image, bench/EXPERIMENTS.md). Without its declared dependencies
+#    (CUTLASS's DSL, TVM FFI: hundreds of MB this graph does not use); without it that backend is simply not offered.
 hopper='import sys, torch; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)))'
 if "$py" -c "$hopper" 2>/dev/null && ! "$py" -c "import cudnn" 2>/dev/null; then
   pip_install --no-deps "nvidia-cudnn-frontend==${CUDNN_FRONTEND_VERSION:-1.32.0}" ||

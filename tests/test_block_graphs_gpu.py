@@ -176,6 +176,13 @@ def run_chain(blocks, graphs, x, side, scale=1.0):
     return x.clone()
 
 
+def assert_chain_matches_plain_calls(blocks, graphs, calls: int) -> None:
+    """`calls` runs of the chain through `graphs`, each equal to the blocks called plainly."""
+    x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")
+    for _ in range(calls):
+        assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+
+
 def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apart(nodes, base, family, sample):
     """Quantize Model in fp8 (every layer) on the GPU: Flux's and Qwen-Image's MLPs run fc1 + tanh-GELU + fc2's cast
     as cuBLASLt's fused kernel, eager and in the replayed blocks; per model call the replay matches the fused model
@@ -239,10 +246,8 @@ def test_toy_chain_of_new_output_blocks_matches_plain_calls_for_changing_inputs(
 def test_a_block_that_cannot_be_recorded_runs_as_before_with_a_warning(caplog):
     blocks = [NewOutputBlock(0).cuda(), SyncingBlock(1).cuda()]
     graphs = BlockGraphs()
-    x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")
     with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
-        for _ in range(4):
-            assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+        assert_chain_matches_plain_calls(blocks, graphs, calls=4)
     assert graphs.recorded == 1
     assert "block blocks.1 (and any other for the same reason) runs without a CUDA graph" in caplog.text
 
@@ -313,14 +318,10 @@ def test_a_recording_out_of_memory_stops_recording_for_the_model_and_leaves_the_
     recording to mempool_id", and the warm-ups' memory stayed there)."""
     blocks = [PoolHungryBlock(0).cuda(), NewOutputBlock(1).cuda()]
     graphs = BlockGraphs()
-    x, side = torch.randn(8, 64, device="cuda"), torch.zeros(64, device="cuda")
     with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
-        for _ in range(4):
-            assert torch.allclose(run_chain(blocks, graphs, x, side), run_chain(blocks, None, x, side), atol=1e-6)
+        assert_chain_matches_plain_calls(blocks, graphs, calls=4)
     assert graphs.recorded == 0 and "out of memory" in caplog.text.lower()
     assert "already recording" not in caplog.text
-    others = [NewOutputBlock(seed).cuda() for seed in range(2)]
     fresh = BlockGraphs()
-    for _ in range(3):
-        assert torch.allclose(run_chain(others, fresh, x, side), run_chain(others, None, x, side), atol=1e-6)
+    assert_chain_matches_plain_calls([NewOutputBlock(seed).cuda() for seed in range(2)], fresh, calls=3)
     assert fresh.recorded == 2 and fresh.replays == 2

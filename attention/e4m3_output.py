@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from ..cuda_streams import capturing, out_of_memory
 from ..quantization.kernels import EPS, FP8_DTYPE, FP8_MAX
 from . import cudnn8
 from .choice import CHOOSER, AttentionConfig, sdpa
@@ -82,6 +83,10 @@ def attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
         try:
             return cudnn8.attention_e4m3(q, k, v)
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
+            if capturing():
+                raise  # the recorder runs the block without a graph (attention/op.py)
+            if out_of_memory(error):
+                return _quantized_sdpa(q, k, v)  # the card's state at this call: cuDNN's graph stays for the next
             _failed_shapes.add(shape)
             log.warning("Overdrive attention: cuDNN's fp8 graph failed at %s (%s: %s); SDPA runs there, its output "
                         "cast to e4m3 for the compiled block", shape, type(error).__name__,

@@ -5,6 +5,7 @@ except where cuDNN's fp8 graph hands its e4m3 output to the graph (`attend`, e4m
 """
 import torch
 
+from ..cuda_streams import capturing, out_of_memory
 from . import e4m3_output
 from .choice import BACKENDS, CHOOSER, AttentionConfig, sdpa
 
@@ -18,7 +19,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, max_
         try:
             return BACKENDS[backend].run(q, k, v)
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
-            CHOOSER.failed(q, k, v, config, backend, error)
+            if capturing():
+                raise  # SDPA inside an invalidated capture fails too: the recorder runs the block without a graph
+            if not out_of_memory(error):  # the card's state at this call, not the backend's fault: kept for the next
+                CHOOSER.failed(q, k, v, config, backend, error)
     return sdpa(q, k, v)
 
 

@@ -33,12 +33,15 @@ import logging
 
 import torch
 
-from ..cuda_streams import out_of_memory, replace_side_stream, side_stream
+from ..cuda_streams import give_back_cache_if_short, out_of_memory, replace_side_stream, side_stream
 from ..interrupts import raise_if_interrupt
 
 log = logging.getLogger("overdrive.compiler")
 
 RECORD_AT_CALL = 2  # the first call compiles and chooses; the second records
+# Failed recordings after which a model records no more: the rest of its blocks would most likely fail alike, each at
+# the cost of a warm-up and a capture (out of memory stops it at the first).
+FAILED_RECORDINGS_LIMIT = 2
 # Set (True) on a block whose weights are copied in at each of its calls, by whatever streams them
 # (nodes/quantized_streaming.py): their addresses are the allocator's of the moment, so it runs without a graph.
 WEIGHTS_COPIED_IN = "overdrive_weights_copied_in"
@@ -131,6 +134,7 @@ class BlockGraphs:
         self._pool = None
         self._warned: set = set()
         self._stopped = None  # why recording stopped for this model (a recording failed), until release()
+        self._failed = 0      # recordings that failed, until release()
         self.replays = 0
         self.recorded = 0
 
@@ -148,6 +152,7 @@ class BlockGraphs:
         self._filled.clear()
         self._pool = None
         self._stopped = None
+        self._failed = 0
 
     def describe(self) -> str:
         return f"{len(self._recordings)} block CUDA graphs recorded ({self.replays} replays)"
@@ -180,9 +185,10 @@ class BlockGraphs:
             except Exception as error:  # noqa: BLE001 - a block that cannot be recorded runs as before
                 raise_if_interrupt(error)
                 why = f"{type(error).__name__}: {str(error)[:200]}"
-                if out_of_memory(error):
-                    # No more recordings for this model: each next block would fail the same way, at the cost of a
-                    # warm-up and a failed capture, and its graph would hold memory the model's calls need.
+                self._failed += 1
+                if out_of_memory(error) or self._failed >= FAILED_RECORDINGS_LIMIT:
+                    # No more recordings for this model: each next block would fail the same way, and a graph would
+                    # hold memory the model's calls need.
                     self._stopped = why
                     torch.cuda.empty_cache()
         if why is not None:
@@ -245,7 +251,11 @@ class BlockGraphs:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             copies = iter([s.clone() for s in statics])  # the warm-up runs on copies: blocks change inputs in place
+            in_use = torch.cuda.memory_allocated(current.device)
             run(*_rebuilt(args, copies), **_rebuilt(kwargs, copies))
+            del copies
+            # the warm-up's working memory, at most: the capture allocates as much again, in the pool
+            give_back_cache_if_short(current.device, torch.cuda.max_memory_allocated(current.device) - in_use)
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
@@ -260,6 +270,7 @@ class BlockGraphs:
             except BaseException:
                 end_failed_capture(graph, current.device, self._pool)
                 replace_side_stream(current.device)
+                self._pool = None  # recordings made before keep theirs; the next one starts a new pool
                 raise
             graph.capture_end()
             # Which other inputs the graph changes in place (inference tensors keep no version counter): replayed
@@ -276,15 +287,22 @@ class BlockGraphs:
 
 
 def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
-    """End a recording that failed, and the allocator's routing of this stream's allocations into `pool`: where the
-    capture was invalidated, capture_end can raise before the allocator hears of it: every later recording failed
-    with "beginAllocateToPool: already recording to mempool_id" while what the warm-ups allocated stayed in the pool
-    (a short card then ran out of memory with most of its memory reserved and unused)."""
-    try:  # its own error says less than the one that broke the recording
-        graph.capture_end()
-    except Exception:  # noqa: BLE001
-        pass
+    """End a recording that failed and undo what torch's capture_end leaves undone when the capture was invalidated
+    (it raises first; bench/capture_failure_probe.py): the allocator's routing of the stream into `pool`, the failed
+    capture's hold on that pool (what it allocated there stayed reserved: a short card then ran out of memory with
+    gigabytes reserved and unused), and the default CUDA generator's capture mode (every later random draw on the GPU
+    failed: "Offset increment outside graph capture"). The pool itself takes no capture again ("already recording to
+    mempool_id"): the caller records later blocks into a new one."""
     try:
-        torch._C._cuda_endAllocateToPool(device.index, pool)  # a stream's device: always indexed
-    except Exception:  # noqa: BLE001 - capture_end already ended it
+        graph.capture_end()
+        return  # a valid capture that the block's own code failed after: the graph gives its pool back when dropped
+    except Exception:  # noqa: BLE001 - its own error says less than the one that broke the recording
         pass
+    index = device.index  # a stream's device: always indexed
+    generator = torch.cuda.default_generators[index]
+    for undo in (lambda: torch._C._cuda_endAllocateToPool(index, pool), lambda: torch._C._cuda_releasePool(index, pool),
+                 lambda: generator.graphsafe_set_state(generator.clone_state())):  # a fresh state, same seed and offset
+        try:
+            undo()
+        except Exception as error:  # noqa: BLE001 - each undoes what torch may already have undone
+            log.debug("Overdrive: after a failed capture: %s", error)

@@ -3,6 +3,8 @@ import torch
 
 import comfy.model_management
 
+from ..cuda_streams import allocator_limit_bytes
+
 # Room kept free beside a model's weights for one uncompiled model call's activations, at least (ComfyUI's minimum
 # inference memory less its reserve, which the budget already leaves out); a sampling's own estimate raises it.
 ACTIVATIONS_BYTES = int(0.8 * 2**30)
@@ -12,9 +14,8 @@ def gpu_budget_bytes(device) -> int:
     """The card's memory less ComfyUI's reserve (--reserve-vram), capped by torch's per-process memory fraction where
     one is set (an emulated card sets both: the lower is the card)."""
     budget = comfy.model_management.get_total_memory(device) - comfy.model_management.EXTRA_RESERVED_VRAM
-    fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction_of is not None and getattr(device, "type", None) == "cuda":
-        budget = min(budget, fraction_of(device) * torch.cuda.get_device_properties(device).total_memory)
+    if getattr(device, "type", None) == "cuda":
+        budget = min(budget, allocator_limit_bytes(device))
     return int(budget)
 
 

@@ -183,6 +183,25 @@ def test_custom_op_runs_sdpa_off_the_gpu_and_compiles_with_its_fake():
     torch.testing.assert_close(compiled(q, k, v), expected.reshape(2, 50, -1))
 
 
+def test_a_backend_that_runs_out_of_memory_is_kept_and_one_that_fails_otherwise_gives_way_to_sdpa(monkeypatch):
+    """The op's fallback: out of memory is the card's state at that call, so SDPA runs that call and the chosen backend
+    stays for the next; any other failure hands the shape to SDPA for good. (Real backends need a GPU: stand-ins that
+    raise as a backend would.)"""
+    from overdrive.attention.choice import BACKENDS, CHOOSER, Backend
+    q, k, v = qkv((1, 2, 40, 64))
+    config = AttentionConfig("auto", 0.05)
+    key = CHOOSER._key(q, k, config)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    for error, kept in ((torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 276.00 MiB."), True),
+                        (RuntimeError("an unsupported layout"), False)):
+        def fail(q, k, v, error=error):
+            raise error
+        monkeypatch.setitem(BACKENDS, "stand_in", Backend(lambda q, k, v: None, fail, exact=True))
+        monkeypatch.setitem(CHOOSER.choices, key, "stand_in")
+        torch.testing.assert_close(torch.ops.overdrive.attention(q, k, v, "auto", 0.05), expected)
+        assert (CHOOSER.choices[key] == "stand_in") is kept
+
+
 @pytest.fixture()
 def chosen_cudnn_fp8():
     """The chooser's record that cuDNN's fp8 graph won at a shape (the CPU cannot measure it), removed after."""

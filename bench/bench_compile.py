@@ -27,7 +27,7 @@ from overdrive.builtin_models import dit
 from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.families import registered as dit_families
 from overdrive.latents import latent_parts
-from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy
+from overdrive.harness.inprocess import build_dit_model, build_model, conditioning, import_comfy
 from report import (add_speedups, compile_phases, copy_rates, environment, finish, profile_run, sync_sources,
                     write_report)
 
@@ -97,7 +97,7 @@ def add_stream_estimate(row: dict, model_calls: int) -> None:
 def bench_vae(comfy, run_node, latent, repeats, arch):
     """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights). A DiT
     family decodes with its own VAE (Flux's 16-channel autoencoder, Wan's causal video VAE), at full size."""
-    from overdrive.runner.inprocess import build_family_vae, build_vae
+    from overdrive.harness.inprocess import build_family_vae, build_vae
     vae = build_family_vae(comfy, arch) if arch in dit.FAMILIES else build_vae(comfy)
     rows, reference = [], None
     for variant in ("vae-eager", "vae-overdrive"):
@@ -207,7 +207,7 @@ def main():
     parser.add_argument("--cache-end", type=float, default=1.0, help="end_percent of the step cache variants")
     parser.add_argument("--warm-cache", action="store_true", help="leave Inductor/Overdrive disk caches on")
     parser.add_argument("--budget-gib", type=float, help="emulate a card of this many GiB (ComfyUI's reserve and torch's "
-                        "memory fraction, runner/inprocess.py reserve_beyond_budget); the copy rates go beside the figures")
+                        "memory fraction, harness/inprocess.py reserve_beyond_budget); the copy rates go beside the figures")
     parser.add_argument("--dynamic-vram", choices=["on", "off"], default="on",
                         help="ComfyUI's dynamic VRAM (its default on NVIDIA GPUs; off: --disable-dynamic-vram). With "
                              "it on the model is loaded from a file, as Load Diffusion Model / Load Checkpoint do")

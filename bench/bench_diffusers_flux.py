@@ -7,7 +7,7 @@ Overdrive compile_, + quantize_ fp8, + deepcache_ (the DiT step cache), + attent
   python bench/bench_diffusers_flux.py --tiny --device cpu      # smoke test (the fp8 variants need a Hopper GPU)
 
 The transformer and VAE are diffusers' Flux classes at Flux.1-dev's configuration with fixed-seed random weights
-(runner.inprocess.seeded_init_: fan-in scaled, adaLN layers 10x smaller as in the ComfyUI benchmarks), rebuilt from
+(harness.inprocess.seeded_init_: fan-in scaled, adaLN layers 10x smaller as in the ComfyUI benchmarks), rebuilt from
 the seed for each variant. The text encoders are not called: random T5 (512 x 4096) and CLIP (768) embeddings stand
 in for them. Timed: the pipeline call to the final latent (the VAE decode is not in the loop). Reported per variant:
 s/image (median of --repeats), first run (includes compiling and, for quantize_, not its calibration, reported
@@ -57,7 +57,7 @@ def build_transformer(args):
     from diffusers import FluxTransformer2DModel
 
     from overdrive.builtin_models.dit import MODULATION_GAIN
-    from overdrive.runner.inprocess import seeded_init_
+    from overdrive.harness.inprocess import seeded_init_
     with torch.device(args.device):
         transformer = FluxTransformer2DModel(**(TINY_TRANSFORMER if args.tiny else FLUX_TRANSFORMER))
     transformer = transformer.to(args.dtype).eval().requires_grad_(False)
@@ -68,7 +68,7 @@ def build_transformer(args):
 def build_pipeline(args):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from overdrive.runner.inprocess import seeded_init_
+    from overdrive.harness.inprocess import seeded_init_
     with torch.device(args.device):
         vae = AutoencoderKL(**(TINY_VAE if args.tiny else FLUX_VAE))
     vae = vae.to(args.dtype).eval().requires_grad_(False)
@@ -237,7 +237,7 @@ def main(argv=None):
     report = {"benchmark": "diffusers-flux", "pipeline": "FluxPipeline", "settings": settings,
               "environment": dict(environment(), diffusers=diffusers.__version__, torchao=torchao_version),
               "batch": 1, "text_encoders": "skipped: random T5/CLIP embeddings of Flux's shapes",
-              "weights": "fixed-seed random (runner.inprocess.seeded_init_), Flux.1-dev config values",
+              "weights": "fixed-seed random (harness.inprocess.seeded_init_), Flux.1-dev config values",
               "peer": "diffusers: transformer.compile_repeated_blocks(fullgraph=True); torchao "
                       "Float8DynamicActivationFloat8WeightConfig(PerRow); FirstBlockCacheConfig(threshold)",
               "results": []}

@@ -23,7 +23,7 @@ def phase(args):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, loaded, precompiled, with timings
     from overdrive.builtin_models import dit
-    from overdrive.runner.inprocess import build_dit_model, build_model, conditioning, import_comfy, save_unet_checkpoint
+    from overdrive.harness.inprocess import build_dit_model, build_model, conditioning, import_comfy, save_unet_checkpoint
     comfy = import_comfy(cpu=not torch.cuda.is_available())
     import comfy.sample
     import folder_paths

@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from overdrive.runner.inprocess import import_comfy
+from overdrive.harness.inprocess import import_comfy
 
 comfy = import_comfy(cpu=False, dynamic_vram=True)
 import comfy.sample  # noqa: E402

@@ -19,7 +19,7 @@ from overdrive.deepcache.runner import relative_error
 from overdrive.families import family_of
 from overdrive.quantization import QuantConfig, apply_modules, plan_quantization, restore_modules
 from overdrive.quantization.candidates import keeping_float
-from overdrive.runner.inprocess import build_dit_model, import_comfy
+from overdrive.harness.inprocess import build_dit_model, import_comfy
 
 
 def capture_calls(comfy, patcher, arch, res, frames, steps):

@@ -12,9 +12,9 @@ import time
 import psutil
 
 from overdrive.builtin_models import ensure_checkpoint
-from overdrive.runner.client import ComfyClient
-from overdrive.runner.server import start_with_models
-from overdrive.runner.workflows import (builtin_dit_files, dit_workflow, load_workflow, prefix_images, set_inputs,
+from overdrive.harness.client import ComfyClient
+from overdrive.harness.server import start_with_models
+from overdrive.harness.workflows import (builtin_dit_files, dit_workflow, load_workflow, prefix_images, set_inputs,
                                         set_latent_size, without_overdrive)
 
 RES, STEPS = 64, 2

@@ -18,7 +18,7 @@ import time
 import torch
 
 from overdrive.builtin_models import dit
-from overdrive.runner.inprocess import build_dit_model, import_comfy
+from overdrive.harness.inprocess import build_dit_model, import_comfy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import environment  # noqa: E402

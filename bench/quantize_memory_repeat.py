@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from overdrive.builtin_models import dit
-from overdrive.runner.inprocess import build_dit_model, import_comfy
+from overdrive.harness.inprocess import build_dit_model, import_comfy
 
 
 def holders(obj, depth=3) -> list:

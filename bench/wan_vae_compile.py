@@ -39,7 +39,7 @@ def main():
     from overdrive.builtin_models import dit
     from overdrive.compiler import CompiledMethod, CompileOptions
     from overdrive.compiler.layouts import conv_weights_channels_last_
-    from overdrive.runner.inprocess import build_family_vae, import_comfy
+    from overdrive.harness.inprocess import build_family_vae, import_comfy
     comfy = import_comfy(cpu=not torch.cuda.is_available())
     vae = build_family_vae(comfy, "wan22")
     model = vae.first_stage_model

@@ -21,7 +21,7 @@ def main(argv=None):
     if args.arch in FAMILIES:
         import torch
 
-        from ..runner.inprocess import import_comfy
+        from ..harness.inprocess import import_comfy
         from .dit import default_directory, ensure_diffusion_model, ensure_vae
         import_comfy(cpu=not torch.cuda.is_available())
         dtype, folder = DTYPES[args.dtype or "bf16"], pathlib.Path(args.out) if args.out else default_directory()

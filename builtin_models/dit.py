@@ -204,7 +204,7 @@ def _import_comfy():
         import comfy.supported_models  # noqa: F401
     except ImportError as e:
         raise RuntimeError("The built-in DiT models are laid out by ComfyUI's own classes: run inside ComfyUI, or "
-                           "put ComfyUI's folder on sys.path (overdrive.runner.inprocess.import_comfy does).") from e
+                           "put ComfyUI's folder on sys.path (overdrive.harness.inprocess.import_comfy does).") from e
     import comfy
     return comfy
 

@@ -11,9 +11,9 @@ import json
 import sys
 import tempfile
 
-from overdrive.runner import ComfyClient, ComfyServer
-from overdrive.runner.workflow_formats import api_to_ui, ui_to_api, ui_twin, without_meta
-from overdrive.runner.workflows import WORKFLOWS
+from overdrive.harness import ComfyClient, ComfyServer
+from overdrive.harness.workflow_formats import api_to_ui, ui_to_api, ui_twin, without_meta
+from overdrive.harness.workflows import WORKFLOWS
 
 
 def in_step(api_path, object_info) -> bool:

@@ -51,7 +51,7 @@ def node_section(node) -> str:
 
 
 def reference() -> str:
-    from overdrive.runner.inprocess import import_comfy
+    from overdrive.harness.inprocess import import_comfy
     import_comfy(cpu=True)
     from overdrive.nodes import NODE_LIST
     return HEAD + "\n" + "\n".join(node_section(node) for node in NODE_LIST)

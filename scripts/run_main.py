@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 
 from overdrive.builtin_models import ensure_checkpoint
-from overdrive.runner import ComfyClient, ComfyServer
-from overdrive.runner.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin_dit_files, dit_workflow, load_workflow,
+from overdrive.harness import ComfyClient, ComfyServer
+from overdrive.harness.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builtin_dit_files, dit_workflow, load_workflow,
                                         model_paths_config, set_inputs, set_latent_size, without_overdrive)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """The real ComfyUI under test, imported in-process (its own modules; no mocks)."""
-from overdrive.runner.inprocess import import_comfy
-from overdrive.runner.server import find_comfyui as comfyui_path  # noqa: F401
+from overdrive.harness.inprocess import import_comfy
+from overdrive.harness.server import find_comfyui as comfyui_path  # noqa: F401
 
 
 def import_comfy_in_process():

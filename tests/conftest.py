@@ -46,7 +46,7 @@ def builtin_checkpoints():
 
 
 def start_server(workdir, checkpoints, env=None, other_files=None):
-    from overdrive.runner.server import start_with_models
+    from overdrive.harness.server import start_with_models
     return start_with_models(workdir, checkpoints, other_files, env)
 
 
@@ -55,7 +55,7 @@ def builtin_dit_files(comfy):
     """The built-in tiny diffusion models and VAEs of the families the CPU suite runs ({folder: {name: path}}), laid
     out by ComfyUI."""
     from overdrive.builtin_models.dit import CPU_SUITE_FAMILIES
-    from overdrive.runner.workflows import builtin_dit_files
+    from overdrive.harness.workflows import builtin_dit_files
     return builtin_dit_files(CPU_SUITE_FAMILIES)
 
 
@@ -69,7 +69,7 @@ def server(tmp_path_factory, builtin_checkpoints, builtin_dit_files):
 
 @pytest.fixture(scope="session")
 def client(server):
-    from overdrive.runner import ComfyClient
+    from overdrive.harness import ComfyClient
     return ComfyClient(server.url)
 
 
@@ -77,7 +77,7 @@ def client(server):
 def sdxl_checkpoint(server):
     """The built-in tiny SDXL checkpoint (2.4 GB, made on first use), added to the running server's checkpoints."""
     from overdrive.builtin_models import ensure_checkpoint
-    from overdrive.runner.workflows import BUILTIN_NAMES, link_checkpoints
+    from overdrive.harness.workflows import BUILTIN_NAMES, link_checkpoints
 
     link_checkpoints(server.workdir, {BUILTIN_NAMES["sdxl"]: ensure_checkpoint("sdxl", "tiny")})
     return BUILTIN_NAMES["sdxl"]

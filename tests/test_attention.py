@@ -311,7 +311,7 @@ def test_override_is_one_object_per_settings_and_survives_model_clones(comfy_att
 
 
 def test_install_keeps_another_nodes_override_and_sdpa_removes_its_own(comfy, comfy_attention):
-    from overdrive.runner.inprocess import build_model
+    from overdrive.harness.inprocess import build_model
     OverdriveAttention, install_attention = comfy_attention
     patcher = build_model(comfy, "sd15", "tiny", torch.float32, seed=0).clone()
     assert "auto" in install_attention(patcher, AttentionConfig())

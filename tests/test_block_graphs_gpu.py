@@ -25,7 +25,7 @@ def relative_error(a, b):
 
 @pytest.fixture(scope="module")
 def comfy():
-    from overdrive.runner.inprocess import import_comfy
+    from overdrive.harness.inprocess import import_comfy
     return import_comfy(cpu=False)
 
 

@@ -11,8 +11,8 @@ import shutil
 import pytest
 import requests
 
-from overdrive.runner.workflow_formats import without_meta
-from overdrive.runner.workflows import WORKFLOWS, load_workflow, prefix_images
+from overdrive.harness.workflow_formats import without_meta
+from overdrive.harness.workflows import WORKFLOWS, load_workflow, prefix_images
 from test_workflows import cpu_sized
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -1,7 +1,7 @@
 """The DeepCache node on ComfyUI's real ModelPatcher and sampler, in-process on the CPU, and its example workflow
 through a real ComfyUI server.
 
-Stated bound: on the tiny random-weight SD1.5 model (runner.inprocess.build_model), 10 euler steps at 64², interval 3
+Stated bound: on the tiny random-weight SD1.5 model (harness.inprocess.build_model), 10 euler steps at 64², interval 3
 and depth 1 end SAMPLING_RTOL = 0.6 (relative L2) from the eager latent at most (measured 0.29). Random weights carry
 far less step-to-step coherence in their deep features than a trained model, so this is loose; interval 1, and every
 full step, are bit-identical to eager (torch.equal).
@@ -15,8 +15,8 @@ import torch
 
 from overdrive.compiler import CompiledMethod, dynamo_graph_count
 from overdrive.deepcache import DeepCacheConfigError, DeepCacheRunner
-from overdrive.runner.inprocess import conditioning
-from overdrive.runner.workflows import load_workflow, set_inputs
+from overdrive.harness.inprocess import conditioning
+from overdrive.harness.workflows import load_workflow, set_inputs
 # Fixtures: the node classes, the tiny SD1.5 model (seed 0), and its eager latent (through this module's `sample`).
 from test_nodes_inprocess import base, eager_latent, nodes  # noqa: F401
 from test_server import latent_of, small, with_latent_output
@@ -341,7 +341,7 @@ def test_compile_deepcache_workflow_over_http(client, server):
     assert server.log_text().count(planned) == runs + 1 and schedule not in server.log_text()
     assert "ran full in shallow steps" not in server.log_text()
 
-    from overdrive.runner.client import PromptFailed
+    from overdrive.harness.client import PromptFailed
     set_inputs(workflow, "OverdriveDeepCache", cache_depth=5)
     with pytest.raises(PromptFailed, match=r"cache_depth=5 is out of range for this UNet"):
         client.run(workflow)

@@ -25,7 +25,7 @@ def family(request):
 @pytest.fixture(scope="module")
 def vae(comfy, family):
     """Built in memory in float32, as VAELoader builds it from the built-in file (Wan 2.2's would be 2.8 GB on disk)."""
-    from overdrive.runner.inprocess import build_family_vae
+    from overdrive.harness.inprocess import build_family_vae
     return build_family_vae(comfy, family)
 
 
@@ -58,7 +58,7 @@ def test_tiled_decode_runs_through_the_compiled_decode(nodes, vae, family):
 def test_wan_video_vae_runs_eager_with_channels_last_convolutions(nodes, comfy, caplog):
     """Wan's causal video VAE decoded slower compiled; Compile VAE gives its 3-D convolutions the
     channels-last layout instead (faster there), compiles nothing, and says so in the log."""
-    from overdrive.runner.inprocess import build_family_vae
+    from overdrive.harness.inprocess import build_family_vae
     vae = build_family_vae(comfy, "wan22")
     latent = latent_for("wan22")
     expected = vae.decode(latent)

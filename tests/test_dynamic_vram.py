@@ -60,7 +60,7 @@ def test_compile_clone_of_a_classic_model_is_a_plain_clone(comfy, tmp_path):
 
 
 def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower(comfy, monkeypatch):
-    """A 16 GiB card emulated on a 141 GiB GPU sets both (runner/inprocess.py reserve_beyond_budget): the budget is
+    """A 16 GiB card emulated on a 141 GiB GPU sets both (harness/inprocess.py reserve_beyond_budget): the budget is
     16 GiB, not 16 less the 125 reserved. On a real card only the reserve applies. No GPU here, so the card's figures
     are given."""
     import comfy.model_management as mm

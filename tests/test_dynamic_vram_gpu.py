@@ -23,7 +23,7 @@ log = logging.getLogger("overdrive")
 
 @pytest.fixture(scope="module")
 def comfy():
-    from overdrive.runner.inprocess import import_comfy
+    from overdrive.harness.inprocess import import_comfy
     return import_comfy(cpu=False, dynamic_vram=True)
 
 

@@ -25,7 +25,7 @@ FP8_TOLERANCE = 0.1
 
 @pytest.fixture(scope="module")
 def comfy():
-    from overdrive.runner.inprocess import import_comfy
+    from overdrive.harness.inprocess import import_comfy
     return import_comfy(cpu=False)
 
 

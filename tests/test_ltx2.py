@@ -71,7 +71,7 @@ def test_the_video_only_workflow_runs_through_the_server_as_eager_does(client, s
     ComfyUI's HTTP API: Compile Model's final latent is eager's."""
     from test_server import TOLERANCE, latent_of, relative_error, small, with_latent_output
 
-    from overdrive.runner.workflows import dit_workflow, without_overdrive
+    from overdrive.harness.workflows import dit_workflow, without_overdrive
 
     workflow = small(dit_workflow("ltx2"))
     eager = client.run(with_latent_output(without_overdrive(workflow), "ltx2-eager"))

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def comfy():
-    from overdrive.runner.inprocess import import_comfy
+    from overdrive.harness.inprocess import import_comfy
     return import_comfy(cpu=False)
 
 

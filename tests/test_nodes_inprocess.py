@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from overdrive.compiler import CompiledMethod, dynamo_graph_count
-from overdrive.runner.inprocess import build_model, conditioning, save_unet_checkpoint
+from overdrive.harness.inprocess import build_model, conditioning, save_unet_checkpoint
 
 RES = 64  # pixels: an 8x8 latent keeps CPU compiles short
 TOLERANCE = 1e-3  # relative error of compiled vs eager latents (float32 on CPU; measured ~1e-5)
@@ -337,7 +337,7 @@ def test_repeated_switches_do_not_grow_memory(nodes, compiled, checkpoints):
 
 def test_compile_vae_decodes_like_eager(comfy, nodes):
     import comfy.sd
-    from overdrive.runner.inprocess import build_vae
+    from overdrive.harness.inprocess import build_vae
 
     vae = build_vae(comfy, seed=0)
     latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))

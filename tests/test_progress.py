@@ -1,6 +1,6 @@
 """What a user sees while Overdrive compiles: progress messages on the websocket (ComfyUI's progress bar) during
 the compile, and Overdrive's one-line summaries in the server log."""
-from overdrive.runner.workflows import load_workflow, prefix_images, set_inputs
+from overdrive.harness.workflows import load_workflow, prefix_images, set_inputs
 from test_server import STEPS, small
 
 # Options no other test compiles with, so that this prompt really compiles (graphs are shared per server process).

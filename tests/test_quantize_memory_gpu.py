@@ -17,7 +17,7 @@ EVERYTHING = dict(conv_mse_threshold=1e9, linear_mse_threshold=1e9, compute_dens
 
 @pytest.fixture(scope="module")
 def comfy():
-    from overdrive.runner.inprocess import import_comfy
+    from overdrive.harness.inprocess import import_comfy
     return import_comfy(cpu=False)
 
 
@@ -36,7 +36,7 @@ def memory_mode(comfy, request):
 
 def sampler(comfy):
     import comfy.sample
-    from overdrive.runner.inprocess import conditioning
+    from overdrive.harness.inprocess import conditioning
     positive, negative = conditioning("sdxl", RES, RES, seed=1)
     latent = torch.zeros(1, 4, RES // 8, RES // 8)
     noise = comfy.sample.prepare_noise(latent, 7)
@@ -61,7 +61,7 @@ def weights_on_gpu(model) -> int:
 def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, tmp_path, monkeypatch):
     from overdrive.nodes import NODES
     from overdrive.nodes.quantize_patches import followers
-    from overdrive.runner.inprocess import build_model
+    from overdrive.harness.inprocess import build_model
 
     monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))
     run, prompt = sampler(comfy)

@@ -8,8 +8,8 @@ import torch
 
 from overdrive.compiler.block_graphs import _BlockWeights as WeightsOfBlock
 from overdrive.quantization import Int8Linear, QuantConv2d1x1
-from overdrive.runner.inprocess import build_model, conditioning
-from overdrive.runner.workflows import load_workflow, set_inputs, without_overdrive
+from overdrive.harness.inprocess import build_model, conditioning
+from overdrive.harness.workflows import load_workflow, set_inputs, without_overdrive
 
 RES = 64  # pixels: an 8x8 latent keeps CPU sampling and compiling short
 STEPS, CFG = 2, 1.0  # cfg 1: the comparisons measure quantization, not cfg's 7x amplification of a random model

@@ -1,7 +1,7 @@
 """Headless queueing as API users do it: several prompts at once over HTTP, followed on the websocket, with one
 refused at validation and one failing while it runs; every other prompt still runs, in order, to its own image."""
-from overdrive.runner.client import PromptFailed
-from overdrive.runner.workflows import load_workflow, prefix_images, set_inputs, without_overdrive
+from overdrive.harness.client import PromptFailed
+from overdrive.harness.workflows import load_workflow, prefix_images, set_inputs, without_overdrive
 from test_server import STEPS, small
 
 SD15_SEED1 = "overdrive-builtin-sd15-seed1.safetensors"

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from overdrive.runner.workflows import load_workflow, set_inputs, set_latent_size, without_overdrive
+from overdrive.harness.workflows import load_workflow, set_inputs, set_latent_size, without_overdrive
 
 RES, STEPS = 64, 3  # CPU-sized; the same workflow file runs at 512² / 20 steps on a GPU
 TOLERANCE = 1e-3  # relative error of compiled vs eager final latents (float32 CPU; measured ~1e-5)
@@ -25,7 +25,7 @@ def with_latent_output(workflow, prefix):
 
 
 def latent_of(entry, server):
-    from overdrive.runner import ComfyClient
+    from overdrive.harness import ComfyClient
     (path,) = ComfyClient.output_files(entry, server.output_dir, "latents")
     return load_file(str(path))["latent_tensor"]
 
@@ -62,7 +62,7 @@ def test_compiled_workflow_runs_to_an_image_equal_to_eager(client, server):
 
 def test_forced_compile_failure_falls_back_to_eager_with_a_warning(tmp_path, builtin_checkpoints):
     from conftest import start_server
-    from overdrive.runner import ComfyClient
+    from overdrive.harness import ComfyClient
 
     # A real failure: Inductor cannot build its kernels when the C++ compiler is broken (fresh caches, so it must).
     env = {"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
@@ -81,7 +81,7 @@ def test_forced_compile_failure_falls_back_to_eager_with_a_warning(tmp_path, bui
 
 
 def test_bad_input_is_refused_with_a_clear_message(client):
-    from overdrive.runner.client import PromptFailed
+    from overdrive.harness.client import PromptFailed
 
     workflow = small(load_workflow("compile_sd15_api.json"))
     set_inputs(workflow, "OverdriveCompileModel", mode="fastest")

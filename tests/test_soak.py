@@ -1,7 +1,7 @@
 """The fault soak, short: a real ComfyUI server driven over its HTTP API with stops at random points, corrupted and
 deleted cache files, damaged and wrong checkpoints, an invalid setting, prompts queued together and a restart
-(runner/soak.py; the full run is `python -m overdrive.runner.soak --prompts 200 --families --workdir DIR`)."""
-from overdrive.runner.soak import Soak
+(harness/soak.py; the full run is `python -m overdrive.harness.soak --prompts 200 --families --workdir DIR`)."""
+from overdrive.harness.soak import Soak
 
 PROMPTS = 24  # 8 references (one seed), each kind of fault once (9 prompts), then faults drawn at random
 

@@ -5,9 +5,9 @@ import json
 import pytest
 from PIL import Image
 
-from overdrive.runner.workflow_check import workflow_problems
-from overdrive.runner.workflow_formats import api_to_ui, ui_to_api, ui_twin, without_meta
-from overdrive.runner.workflows import BUILTIN_NAMES, WORKFLOWS, load_workflow, prefix_images, set_inputs
+from overdrive.harness.workflow_check import workflow_problems
+from overdrive.harness.workflow_formats import api_to_ui, ui_to_api, ui_twin, without_meta
+from overdrive.harness.workflows import BUILTIN_NAMES, WORKFLOWS, load_workflow, prefix_images, set_inputs
 from test_server import RES, small
 
 API_FILES = sorted(WORKFLOWS.glob("*_api.json"))

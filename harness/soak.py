@@ -5,7 +5,7 @@ files, damaged and wrong checkpoints, an invalid setting, prompts queued togethe
 It checks what users rely on: the server never goes down; every queued prompt ends, as a success, a clear error or
 interrupted, matching what was done to it; and every image equals the image of the same prompt run alone.
 
-    python -m overdrive.runner.soak --prompts 200 --workdir /tmp/soak      (the full run; counts as JSON on stdout)
+    python -m overdrive.harness.soak --prompts 200 --workdir /tmp/soak      (the full run; counts as JSON on stdout)
 """
 import argparse
 import copy

@@ -14,21 +14,14 @@ import dataclasses
 import functools
 import logging
 
-import torch
 
 from .compiler import CompiledMethod
 from .compiler.block_graphs import BlockGraphs
 from .compiler.regions import block_transformer_options
 from .deepcache.block_cache import BlockStepCache
 from .deepcache.runner import DeepCacheUnsupportedError
-from .deepcache.schedule import DeferredFloats, host_floats
 
 log = logging.getLogger("overdrive")
-
-# transformer_options["patches"] entries of Overdrive's own (QuantizeModel's device follower): they never touch what
-# a block computes. Any other patch may read or change block outputs, so its calls run every block.
-OWN_PATCHES = "overdrive_"
-
 
 def block_options(options):
     """Compile options for one block: no Inductor CUDA graph (the blocks' own recordings are BlockwiseForward's,
@@ -38,53 +31,6 @@ def block_options(options):
     without tracing it; a later resolution follows `dynamic`."""
     return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step",
                                fast_activations=True)
-
-
-class ComfySteps:
-    """Which step a ComfyUI model call belongs to, from its transformer_options (BlockwiseForward's default step
-    reader). A call returns a function giving (sigma, run key, branch, why the call cannot be cached or None): the
-    call's sigma is copied to the host without waiting (DeferredFloats), so the host queues the model's first blocks
-    before it waits for the previous step to end; the sampler's sigma list is read once per run."""
-
-    def __init__(self):
-        self._schedule = (None, ())  # (the run's sample_sigmas tensor, its values)
-
-    def __call__(self, args, kwargs):
-        options = kwargs.get("transformer_options") or {}
-        x = args[0] if args else kwargs.get("x")
-        sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
-        if not isinstance(sample_sigmas, torch.Tensor):
-            self._schedule = (None, ())
-        elif sample_sigmas is not self._schedule[0]:
-            self._schedule = (sample_sigmas, tuple(host_floats([sample_sigmas])[0]))
-        pending = DeferredFloats([sigmas]) if isinstance(sigmas, torch.Tensor) else None
-        first = x[0] if isinstance(x, (list, tuple)) and x else x  # LTX-2 gets [video, audio]
-        run_key = (_shapes(x), str(getattr(first, "dtype", "")), str(getattr(first, "device", "")), self._schedule[1])
-        branch = (tuple(options.get("cond_or_uncond") or ()), _shapes(x))
-        structural = None
-        if kwargs.get("control") is not None:
-            structural = "ControlNet residuals are added between blocks"
-        elif (options.get("patches_replace") or {}).get("dit") or any(
-                value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
-            structural = "a node patches this model's blocks"
-
-        def read():
-            step_sigmas = pending.values()[0] if pending is not None else []
-            unsupported = structural
-            if not step_sigmas:
-                unsupported = "the call carries no sigma (transformer_options['sigmas'])"
-            elif len(set(step_sigmas)) > 1:
-                unsupported = "per-sample sigmas differ within the batch"
-            return (max(step_sigmas) if step_sigmas else 0.0), run_key, branch, unsupported
-        return read
-
-
-def _shapes(x) -> tuple:
-    """The shape of a model call's latent, or of each of its parts (LTX-2's video and audio): a run and a branch of the
-    step cache hold one size."""
-    if isinstance(x, (list, tuple)):
-        return tuple(tuple(getattr(part, "shape", ())) for part in x)
-    return tuple(getattr(x, "shape", ()))
 
 
 class BlockwiseForward:
@@ -98,7 +44,8 @@ class BlockwiseForward:
              block by the layers a load swaps into it.
     percent_to_sigma: the cache window's sigmas (ComfyUI: model_sampling.percent_to_sigma).
     read_step: (args, kwargs) of a model call -> a function returning (sigma, run key, branch, why it cannot be cached
-             or None), called when the step cache must decide; default: ComfyUI's transformer_options (`ComfySteps`).
+             or None), called when the step cache must decide; needed with `cache` (the front end's: ComfyUI's
+             nodes/comfy_steps.py, diffusers_api/steps.py).
     step_cache: a BlockStepCache of the same config to carry on (its statistics stay live for whoever holds it).
     """
 
@@ -107,7 +54,9 @@ class BlockwiseForward:
     def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None,
                  read_step=None, step_cache=None):
         self.module, self.family, self.options, self.cache_config = module, family, options, cache
-        self.read_step = read_step or ComfySteps()
+        if cache is not None and read_step is None:
+            raise ValueError("BlockwiseForward: a step cache needs read_step, how a model call tells its step")
+        self.read_step = read_step
         self.blocks = family.blocks(module)
         make = compiled_block or (lambda block, path, opts: CompiledMethod(block, "forward", opts, announce=False))
         if options is not None:

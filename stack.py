@@ -81,7 +81,7 @@ class Host:
         raise NotImplementedError
 
     # (args, kwargs) of a model call -> a function giving (sigma, run key, branch, why not cacheable) when a DiT's
-    # step cache decides; None: ComfyUI's transformer_options (blockwise.ComfySteps).
+    # step cache decides (nodes/comfy_steps.py, diffusers_api/steps.py); a host whose DiTs take a step cache sets it.
     read_step = None
 
 

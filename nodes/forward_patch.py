@@ -13,6 +13,7 @@ from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
 from ..stack import Host, Stack, build, stack_of
 from . import conds_on_device, step_clock
+from .comfy_steps import ComfySteps
 from .progress import comfy_progress
 
 FORWARD = "diffusion_model.forward"
@@ -36,6 +37,7 @@ class ComfyHost(Host):
     def __init__(self, model):
         super().__init__(model.model.diffusion_model)
         self.model = model
+        self.read_step = ComfySteps()
 
     def compiled(self, module, method, options, block_path=""):
         prefix = f"diffusion_model.{block_path}." if block_path else "diffusion_model."

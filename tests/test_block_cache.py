@@ -1,4 +1,5 @@
-"""The DiT step cache's arithmetic on a toy two-stack model (no ComfyUI): what a reused step computes, run and branch
+"""The DiT step cache's arithmetic on a toy two-stack model, its steps read as ComfyUI's nodes read them
+(nodes/comfy_steps.py, from ComfyUI-shaped transformer_options): what a reused step computes, run and branch
 boundaries, the adaptive rule, and bad settings. The families' real models are covered in test_dit_families.py."""
 import pytest
 import torch
@@ -64,12 +65,18 @@ def inputs(seed):
 
 
 @pytest.fixture
-def toy():
+def toy(comfy):  # the step reader is in nodes/, which imports ComfyUI
     return Toy()
 
 
 def cached(toy, **config):
-    return BlockwiseForward(toy, TOY, cache=DeepCacheConfig(**config))
+    from overdrive.nodes.comfy_steps import ComfySteps
+    return BlockwiseForward(toy, TOY, cache=DeepCacheConfig(**config), read_step=ComfySteps())
+
+
+def test_a_step_cache_without_a_step_reader_is_refused(toy):
+    with pytest.raises(ValueError, match="a step cache needs read_step"):
+        BlockwiseForward(toy, TOY, cache=DeepCacheConfig())
 
 
 def test_interval_1_runs_every_block(toy):

@@ -299,10 +299,15 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) 
     except Exception:  # noqa: BLE001 - its own error says less than the one that broke the recording
         pass
     index = device.index  # a stream's device: always indexed
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except Exception as error:  # noqa: BLE001 - capture_end got as far as its own clean-up, the pool's release too
+        log.debug("Overdrive: after a failed capture: %s", error)
+    else:  # capture_end stopped before its clean-up: the capture's hold on the pool is released here, once
+        torch._C._cuda_releasePool(index, pool)
     generator = torch.cuda.default_generators[index]
-    for undo in (lambda: torch._C._cuda_endAllocateToPool(index, pool), lambda: torch._C._cuda_releasePool(index, pool),
-                 lambda: generator.graphsafe_set_state(generator.clone_state())):  # a fresh state, same seed and offset
-        try:
-            undo()
-        except Exception as error:  # noqa: BLE001 - each undoes what torch may already have undone
-            log.debug("Overdrive: after a failed capture: %s", error)
+    try:
+        generator.graphsafe_set_state(generator.clone_state())  # a fresh state (not capturing), same seed and offset
+    except Exception as error:  # noqa: BLE001 - the recording's own error is the one to report
+        log.warning("Overdrive: after a failed CUDA-graph capture the GPU's random generator could not be reset "
+                    "(%s: %s); random draws on the GPU may fail until a restart", type(error).__name__, error)

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import logging
 
-
 from .compiler import CompiledMethod
 from .compiler.block_graphs import BlockGraphs
 from .compiler.regions import block_transformer_options
@@ -22,6 +21,7 @@ from .deepcache.block_cache import BlockStepCache
 from .deepcache.runner import DeepCacheUnsupportedError
 
 log = logging.getLogger("overdrive")
+
 
 def block_options(options):
     """Compile options for one block: no Inductor CUDA graph (the blocks' own recordings are BlockwiseForward's,

@@ -3,7 +3,7 @@ capture, timing a kernel). cuBLAS keeps a workspace for every stream it has run 
 stream per compiled model or per timed layer kept that memory on the card after each model was unloaded.
 
 Also the two states of the GPU that Overdrive's fallbacks tell apart from a fault of the code that ran: a CUDA graph
-being recorded, and the card out of memory at that moment."""
+being recorded, and the card out of memory at that moment; and the room the allocator has left on the card."""
 import torch
 
 _streams: dict = {}

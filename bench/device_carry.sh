@@ -11,9 +11,10 @@
 #   whl_cudnn (nvidia-cudnn-frontend alone, 11 MiB): the cuDNN fp8 attention backend beside a ComfyUI run
 #   whl_fa3 (fa3-fwd, FlashAttention-3's forward, 27 MiB): the attention chooser's 16-bit Hopper kernel
 #   whl_kitchen.tar.xz, whl_fa3.tar.xz, whl_cudnn.tar.xz, whl_av.tar.xz: the same wheels unpacked and xz-compressed
-#                  (21, 9, 6 and 24 MiB); device_env.sh unpacks them. Overdrive's V3 nodes import ComfyUI's comfy_api,
-#                  which imports PyAV, so every ComfyUI run carries whl_av.tar.xz; with the archive, whl, whl_kitchen
-#                  and the repository that leaves room for one of whl_fa3 / whl_cudnn under the 64 MiB of a call
+#                  (21, 9, 6 and 19 MiB; PyAV's modules without their debug information); device_env.sh unpacks
+#                  them. Overdrive's V3 nodes import ComfyUI's comfy_api, which imports PyAV, so every ComfyUI run
+#                  carries whl_av.tar.xz; with the archive, whl, whl_kitchen and the repository, both whl_fa3 and
+#                  whl_cudnn fit under the 64 MiB of a call
 #   gpu_attention.sh: whl_attention (nvidia-cudnn-frontend, sageattention 1.0.6; 11 MiB), whl
 #   gpu_dit_suite.sh diffusers-flux: whl_diffusers (diffusers, torchao; 9.3 MiB), no ComfyUI
 set -euo pipefail
@@ -49,6 +50,9 @@ download whl_diffusers diffusers==0.42.1 torchao==0.18.0 importlib_metadata zipp
 download whl_fa3 fa3-fwd==0.0.3
 for folder in whl_kitchen whl_fa3 whl_cudnn whl_av; do  # zip's deflate leaves CUDA binaries twice xz's size
   unpacked=$(mktemp -d) && for wheel in .devcarry/$folder/*.whl; do unzip -q -o "$wheel" -d "$unpacked"; done
+  # PyAV's 49 extension modules ship their debug information (25 of its 31 MiB): without it every carried wheel
+  # travels together in one call
+  [ "$folder" = whl_av ] && find "$unpacked/av" -name "*.so" -exec strip --strip-debug {} +
   tar -cf - -C "$unpacked" . | xz -9 -T0 > ".devcarry/$folder.tar.xz" && rm -rf "$unpacked"
 done
 du -sh .devcarry/*

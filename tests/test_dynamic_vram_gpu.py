@@ -213,7 +213,8 @@ def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, files, sa
     assert dynamo_graph_count() == graphs and torch.isfinite(out).all()
 
 
-def test_switch_diffusion_model_on_a_dynamic_vram_model(nodes, base, files, sample):
+def test_switch_diffusion_model_on_a_dynamic_vram_model_that_has_run(nodes, base, files, sample):
+    sample(base)  # its layers now hold views of the virtual buffer their last call read (comfy/ops.py's _v_weight)
     switched = nodes["OverdriveSwitchDiffusionModel"].execute(base, unet_name=files[1].name)[0]
     assert switched.is_dynamic() and switched.model is not base.model
     out, _ = sample(switched)

@@ -115,8 +115,10 @@ def structural_copy(module: torch.nn.Module, replacements: dict, loader_state: t
     nothing of the old weights is copied). Instance-level forwarders (compiled methods shadowing the class's own)
     are not copied; other callables the model keeps as attributes (LTX-Video's frequency-grid function) are part of
     the model and are. `loader_state`: names of attributes a host's loader keeps on each submodule about its own loads
-    (handles to pinned host memory, say); they belong to `module`'s load and are left out of the copy."""
+    (handles to pinned host memory, say); they belong to `module`'s load and are left out of the copy (a module that
+    `replacements` gives is shared, not copied, and keeps its own)."""
     memo = dict(replacements)
+    shared = {id(value) for value in replacements.values()}
     for sub in module.modules():
         for name in loader_state:
             if name in sub.__dict__:
@@ -129,8 +131,9 @@ def structural_copy(module: torch.nn.Module, replacements: dict, loader_state: t
     for attr in [a for a, v in twin.__dict__.items() if v is None and callable(getattr(module, a, None))]:
         del twin.__dict__[attr]
     for sub in twin.modules():
-        for name in loader_state:
-            sub.__dict__.pop(name, None)
+        if id(sub) not in shared:
+            for name in loader_state:
+                sub.__dict__.pop(name, None)
     return twin
 
 

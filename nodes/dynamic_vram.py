@@ -27,16 +27,6 @@ WORKSPACE_FRACTION = 0.25
 WORKSPACE_MIN_BYTES = int(1.5 * 2**30)
 
 
-# What dynamic VRAM keeps about a model's loads: on its BaseModel (per model), and on each layer (handles to pinned host
-# buffers and to the model's virtual GPU buffer, weight fetchers, and after a run the views of that buffer its last
-# call read: comfy/ops.py's _v_weight, _v_bias, _prefetch). A copy of a model made for another checkpoint (Switch
-# Weights) must not share or duplicate them: a duplicated host-buffer handle is freed twice, which aborts, and a view of
-# the virtual buffer may be unmapped by then (copying it fails with "CUDA error: invalid argument").
-MODEL_LOADER_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
-LAYER_LOADER_STATE = ("_v", "_v_block", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pin_state", "_pins",
-                      "weight_lowvram_function", "bias_lowvram_function")
-
-
 def is_dynamic(model) -> bool:
     return bool(getattr(model, "is_dynamic", lambda: False)())
 

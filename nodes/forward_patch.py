@@ -12,7 +12,7 @@ from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
 from ..stack import Host, Stack, build, stack_of
-from . import conds_on_device, step_clock
+from . import conds_on_device, step_clock, traceable_ops
 from .comfy_steps import ComfySteps
 from .progress import comfy_progress
 
@@ -68,6 +68,8 @@ def install(model, stack: Stack):
     """`stack` built over `model`'s diffusion model and installed as its forward patch, with its sampling's conds on
     the GPU (conds_on_device) and, under DeepCache, a step clock in each sampling run (step_clock); returns the
     forward."""
+    if stack.compile is not None:
+        traceable_ops.install()
     forward = build(stack, ComfyHost(model))
     if forward is None:
         model.object_patches.pop(FORWARD, None)

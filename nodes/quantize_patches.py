@@ -7,7 +7,6 @@
 - The quantized layers follow the model between devices (QuantizedModules), and the float layers they replace
   leave the GPU while they run.
 """
-import copy
 import hashlib
 import logging
 import uuid
@@ -25,7 +24,8 @@ from ..quantization.cache import tensor_hash
 from ..quantization.kernels import fp8_gemm_gelu_runs_as
 from ..quantization.linear_layers import dequantized, float_weight
 from ..quantization.modules import requantize
-from .load_state import forget_load_state
+from ..compiler.switch_weights import structural_copy
+from .load_state import LAYER_LOADER_STATE, forget_load_state
 from .quantized_streaming import StreamedBlocks, place, tensor_bytes
 
 log = logging.getLogger("overdrive.quantization")
@@ -423,10 +423,9 @@ def float_view(patcher):
                  if key.startswith(PREFIX) and isinstance(module, torch.nn.Module)}
     if not originals:
         return current
-    memo = {id(current.get_submodule(name)): original for name, original in originals.items()}
-    memo.update({id(t): t for t in current.state_dict(keep_vars=True).values()})
-    memo.update({id(v): v for v in current.__dict__.values() if callable(v) and not isinstance(v, torch.nn.Module)})
-    view = copy.deepcopy(current, memo)
+    shared = {id(current.get_submodule(name)): original for name, original in originals.items()}
+    shared.update({id(t): t for t in current.state_dict(keep_vars=True).values()})
+    view = structural_copy(current, shared, LAYER_LOADER_STATE)  # the loader's handles and views stay with `current`
     for module in view.modules():  # the fused MLPs' own classes too (a compiled graph is keyed by the classes)
         gelu_fusion.restore_class(module)
     return view

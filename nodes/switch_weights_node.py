@@ -12,8 +12,7 @@ from ..compiler import twin_with_weights
 from ..compiler.switch_weights import (SWITCH_LOCK, check_compatible, module_keys, read_safetensors_subset,
                                        reference_tensors, unreadable)
 from . import checkpoint_formats
-from .dynamic_vram import LAYER_LOADER_STATE, MODEL_LOADER_STATE
-from .load_state import forget_load_state
+from .load_state import LAYER_LOADER_STATE, MODEL_LOADER_STATE, forget_load_state
 from .forward_patch import rebuild
 from .quantize_patches import float_view, requantize_onto
 from .schema import node_schema

@@ -174,3 +174,26 @@ def test_weights_stored_in_fp8_without_a_scale_are_reported_and_read_in_16_bits(
     weight = float_weight(tree[0])
     assert weight.dtype == torch.bfloat16 and torch.equal(weight.float(), tree[0].weight.float())
     assert float_weight(tree[1]) is tree[1].weight
+
+
+def test_an_int8_feed_forward_traced_by_torch_compile_computes_comfyuis_values(comfy, models_folder):
+    """Wan's feed-forward calls comfy.ops.linear_input_act, whose fused INT8 quantizer (comfy-kitchen) Dynamo cannot
+    trace on the GPU (it reads the CUDA stream's handle); while tracing, Overdrive's replacement runs the layer on the
+    activation's output. Traced whole, it computes ComfyUI's values on the int8 convrot file's layers."""
+    import comfy.ops
+    import comfy.sd
+    from comfy.quant_ops import QuantizedTensor
+    from overdrive.nodes import traceable_ops
+
+    tree = comfy.sd.load_diffusion_model(str(ensure_quantized_diffusion_model("wan22", "tiny", 0, models_folder,
+                                                                              "int8_convrot"))).model.diffusion_model
+    ffn = tree.blocks[0].ffn
+    assert isinstance(ffn[2].weight, QuantizedTensor) and ffn[2].weight._layout_cls == "TensorWiseINT8Layout"
+    x = torch.randn(1, 16, ffn[0].in_features)
+    expected = ffn(x)  # ComfyUI's own function, eager
+    traceable_ops.install()
+    traceable_ops.install()  # idempotent: one wrapper over ComfyUI's function
+    assert comfy.ops.linear_input_act.overdrive_replaces.__module__ == "comfy.ops"
+    traced = torch.compile(ffn, fullgraph=True, backend="eager")(x)
+    assert torch.allclose(traced, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ffn(x), expected)  # eager calls keep ComfyUI's path

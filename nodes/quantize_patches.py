@@ -424,7 +424,10 @@ def float_view(patcher):
     if not originals:
         return current
     shared = {id(current.get_submodule(name)): original for name, original in originals.items()}
-    shared.update({id(t): t for t in current.state_dict(keep_vars=True).values()})
+    # every tensor: the parameters themselves too, since ComfyUI's quantized layers give their state dict the stored
+    # parts of a QuantizedTensor weight instead (whose wrapper cannot be deep-copied)
+    tensors = (*current.parameters(), *current.buffers(), *current.state_dict(keep_vars=True).values())
+    shared.update({id(t): t for t in tensors})
     view = structural_copy(current, shared, LAYER_LOADER_STATE)  # the loader's handles and views stay with `current`
     for module in view.modules():  # the fused MLPs' own classes too (a compiled graph is keyed by the classes)
         gelu_fusion.restore_class(module)

@@ -197,3 +197,28 @@ def test_an_int8_feed_forward_traced_by_torch_compile_computes_comfyuis_values(c
     traced = torch.compile(ffn, fullgraph=True, backend="eager")(x)
     assert torch.allclose(traced, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(ffn(x), expected)  # eager calls keep ComfyUI's path
+
+
+def test_switch_diffusion_model_after_quantize_and_compile_model_on_an_int8_wan_file(comfy, nodes, models_folder):
+    """The int8 file's layers that stay ComfyUI's give their state dict a QuantizedTensor weight's stored parts, not the
+    weight, whose wrapper cannot be deep-copied: the float view Switch Diffusion Model reads shares their parameters.
+    The switched model computes the other file's values without recompiling."""
+    import comfy.sd
+    from overdrive.compiler import dynamo_graph_count
+    from test_dit_families import FRAMES, RES, conditioning, empty_latent, sampler
+
+    family = "wan22"
+    files = [ensure_quantized_diffusion_model(family, "tiny", seed, models_folder, "int8_convrot") for seed in (0, 1)]
+    run = sampler(family)
+    loaded = comfy.sd.load_diffusion_model(str(files[0]))
+    run(loaded)
+    quantized = nodes["OverdriveQuantizeModel"].execute(
+        loaded, format="fp8_e4m3", calibration_steps=1, positive=conditioning(family, 1),
+        negative=conditioning(family, 2), latent={"samples": empty_latent(family, RES, RES, FRAMES)})[0]
+    both = nodes["OverdriveCompileModel"].execute(quantized)[0]
+    run(both)
+    graphs = dynamo_graph_count()
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(both, unet_name=files[1].name)[0]
+    _, calls = run(switched)
+    assert dynamo_graph_count() == graphs
+    assert_calls_match(calls, run(comfy.sd.load_diffusion_model(str(files[1])))[1], QUANTIZED_TOLERANCE)

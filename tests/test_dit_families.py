@@ -90,6 +90,12 @@ def record_calls(model):
 
 @pytest.fixture(scope="module")
 def sample(comfy, family):
+    return sampler(family)
+
+
+def sampler(family):
+    """run(model, res) -> (the sampled latent, the model calls recorded), on `family`'s fixed conditioning and
+    noise."""
     import comfy.sample
 
     positive, negative = conditioning(family, 1), conditioning(family, 2)

@@ -19,12 +19,12 @@ import comfy.sampler_helpers
 import comfy.utils
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
+from ..compiler.switch_weights import structural_copy
 from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
 from ..quantization.kernels import fp8_gemm_gelu_runs_as
 from ..quantization.linear_layers import dequantized, float_weight
 from ..quantization.modules import requantize
-from ..compiler.switch_weights import structural_copy
 from .load_state import LAYER_LOADER_STATE, forget_load_state
 from .quantized_streaming import StreamedBlocks, place, tensor_bytes
 

@@ -3,7 +3,8 @@
 # + fp8 / + step cache side by side in one process per family, with dynamic VRAM on (ComfyUI's default on NVIDIA) or
 # off, the model loaded from a file through ComfyUI's loader.
 # Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen.tar.xz,
-# whl_av.tar.xz (ComfyUI's V3 API, which the nodes use, imports PyAV) and whl_fa3.tar.xz carried (bench/device_carry.sh):
+# whl_av.tar.xz (ComfyUI's V3 API, which the nodes use, imports PyAV), whl_fa3.tar.xz and whl_cudnn.tar.xz (the attention
+# chooser's FlashAttention-3 and cuDNN fp8 backends, as install.sh gives a Hopper machine) carried (bench/device_carry.sh):
 #   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off |
 #     qwen-on | qwen-off (Qwen-Image 1328²) | wan22_14b-on | wan22_14b-off (a Wan 2.2 A14B expert, 480p) |
 #     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8

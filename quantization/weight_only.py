@@ -10,23 +10,17 @@ error than fp8 e4m3 with one per tensor, at the same size, and needs no special 
 """
 from __future__ import annotations
 
-import torch
-
 from . import kernels
-from .gemm import QuantizedGemm
+from .formats.int8 import Int8Linear
 
 FORMAT = "int8_weight_only"
 
 
-class Int8WeightOnlyLinear(QuantizedGemm):
-    """Linear with an int8 weight (a float32 scale per output channel) and float inputs, outputs and bias."""
+class Int8WeightOnlyLinear(Int8Linear):
+    """int8's storage (an int8 weight, a float32 scale per output channel) with float inputs, outputs and bias: the
+    product runs in the model's precision instead of an int8 GEMM."""
 
     format = FORMAT
-    storage_dtype = torch.int8
-    per_channel_scales = True
-
-    def quantize_weight(self, weight):
-        return kernels.quantize_weight_int8(weight)
 
     def gemm(self, x2d, out_dtype):
         return kernels.weight_only_linear(x2d, self.weight_q, self.weight_scale, self.bias, out_dtype)

@@ -11,9 +11,8 @@ import torch
 _TEST_CACHE = None if "OVERDRIVE_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="overdrive-test-cache-")
 if _TEST_CACHE:
     os.environ["OVERDRIVE_CACHE_DIR"] = _TEST_CACHE
-# Two cores on CI, shared by pytest-xdist's workers (-n 2): keep torch from oversubscribing them.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("OVERDRIVE_TEST_THREADS", max(1, min(2, (os.cpu_count() or 2) // _WORKERS)))))
+# Two cores on CI: keep torch from oversubscribing them.
+torch.set_num_threads(int(os.environ.get("OVERDRIVE_TEST_THREADS", "2")))
 
 from comfy_env import import_comfy_in_process  # noqa: E402
 

@@ -14,9 +14,9 @@ import dataclasses
 import functools
 import logging
 
+from . import call_options
 from .compiler import CompiledMethod
 from .compiler.block_graphs import BlockGraphs
-from .compiler.regions import block_transformer_options
 from .deepcache.block_cache import BlockStepCache
 from .deepcache.runner import DeepCacheUnsupportedError
 
@@ -119,7 +119,8 @@ class BlockwiseForward:
     def _seal_shapes_at_a_later_step(self, kwargs):
         """Blocks specialise every shape of the first sampling step (block_options); at the first call of a later step
         (another sigma tensor: ComfyUI gives one to every call of a step) their graphs take the `dynamic` policy."""
-        sigmas = (kwargs.get("transformer_options") or {}).get("sigmas")
+        described = call_options.current()
+        sigmas = described.step_sigmas(described.of(kwargs))
         if self._first_step_sigmas is None:
             self._first_step_sigmas = sigmas
         elif sigmas is not self._first_step_sigmas:
@@ -141,17 +142,18 @@ class BlockwiseForward:
         compiled = self.compiled.get(path)
         if compiled is None:
             return type(block).forward(block, *args, **kwargs)
-        shared = block_transformer_options(kwargs.get("transformer_options"))
+        described = call_options.current()
+        options = described.of(kwargs)
+        shared = described.shared(options)
         if shared is None:
             # Another node's attention override or block patch reads per-block options: such calls run eager, exact.
             self._warn_once("a node patches this model's attention or blocks; those block calls run uncompiled")
             return type(block).forward(block, *args, **kwargs)
-        # Blocks only read transformer_options for such patches; its per-block entries (block_index) would make
-        # every block's graph different. Overdrive's own attention override is passed alone.
-        options = kwargs.get("transformer_options") or {}
-        kwargs = {k: v for k, v in kwargs.items() if k != "transformer_options"}
-        if shared or stack.options:
-            kwargs["transformer_options"] = {**shared, **{k: options[k] for k in stack.options if k in options}}
+        # Blocks only read their options for such patches; per-block entries (ComfyUI's block_index) would make every
+        # block's graph different. What a shared block may see (Overdrive's own attention override) is passed alone.
+        kwargs = described.without(kwargs)
+        if described.keyword and (shared or stack.options):
+            kwargs[described.keyword] = {**shared, **{k: options[k] for k in stack.options if k in options}}
         if self.graphs is not None:
             return self.graphs.call(path, block, stack, compiled, args, kwargs)
         return compiled(*args, **kwargs)

@@ -38,6 +38,7 @@ import weakref
 
 import torch
 
+from .. import call_options
 from ..weights_watch import weights_generation
 from ..storage import discard, read_framed, write_framed
 from .traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
@@ -47,15 +48,6 @@ log = logging.getLogger("overdrive.compiler")
 
 def supported() -> bool:
     return hasattr(torch._dynamo.config, "enable_aot_compile")
-
-
-# ComfyUI copies a ModelPatcher's callbacks into transformer_options under this key while it samples. They run when
-# the model loads, detaches or is cleaned up (QuantizeModel's device follower, Compile Model's frame release), never in
-# the forward: not part of what a frame depends on.
-LIFECYCLE_CALLBACKS = "callbacks"
-# Its wrappers too; a diffusion model's forward runs only the "diffusion_model" ones (WrappersMP.DIFFUSION_MODEL), the
-# sampler the others around it (sampler_sample: Overdrive's conds_on_device): those are no part of what a frame reads.
-WRAPPERS, FORWARD_WRAPPERS = "wrappers", "diffusion_model"
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,14 +88,15 @@ def _describe(value, parts: list) -> bool:
         return all(_describe(getattr(value, field.name), parts) for field in dataclasses.fields(value))
     elif isinstance(value, dict):
         parts.append(("dict", len(value)))
+        inert = call_options.current().inert  # entries of the front end's options that no forward reads
         for key, item in value.items():
             if not isinstance(key, (str, int)):
                 return False
             parts.append(("K", key))
-            if key == LIFECYCLE_CALLBACKS:
-                continue
-            if key == WRAPPERS and isinstance(item, dict):
-                item = {kind: wrappers for kind, wrappers in item.items() if kind == FORWARD_WRAPPERS}
+            if key in inert:
+                if inert[key] is None:
+                    continue
+                item = inert[key](item)
             if not _describe(item, parts):
                 return False
     elif _slot_names(type(value)):

@@ -6,10 +6,10 @@ forward is instead called through `torch.compiler.nested_compile_region`: Dynamo
 identical block graphs become one subgraph that AOTAutograd and Inductor compile once and the outer graph calls
 (still one graph, one CUDA graph per step). Outside torch.compile the region is a plain call.
 
-ComfyUI's blocks take `transformer_options`, whose per-block entries ("block", "block_index") would make every
-block's traced graph different. Blocks only read them to look up patches, so a block whose options hold no patch it
-would apply runs in the region without them (or with Overdrive's own attention override alone); a block that has
-such a patch (IP-Adapter's attention patches, another node's attention override) runs inline with its options,
+A front end's blocks may take per-call options (ComfyUI's `transformer_options`), whose per-block entries would make
+every block's traced graph different. Blocks only read them to look up patches, so a block is given in the region
+what the front end's description says a shared block may see (call_options.py); a call whose options hold a patch
+it would apply (IP-Adapter's attention patches, another node's attention override) runs inline with its options,
 exactly as without regions.
 """
 import inspect
@@ -17,29 +17,10 @@ import types
 
 import torch
 
+from .. import call_options
+
 # Classes whose instances are repeated, structurally identical blocks: ComfyUI's and diffusers' transformer blocks.
 REPEATED_BLOCK_CLASSES = frozenset({"BasicTransformerBlock"})
-
-# ComfyUI transformer_options entries that change what a BasicTransformerBlock computes.
-BLOCK_PATCHES = ("attn1_patch", "attn1_output_patch", "middle_patch", "attn2_patch", "attn2_output_patch")
-BLOCK_REPLACES = ("attn1", "attn2")
-ATTENTION_OVERRIDE = "optimized_attention_override"
-
-
-def block_transformer_options(options):
-    """What a compiled block is given of ComfyUI's transformer_options: {} (nothing), {override} when the only thing
-    that applies is Overdrive's own attention (the same object for every block, so blocks still share one graph),
-    or None when a patch or another node's attention override needs the block to see all of them."""
-    if not options:
-        return {}
-    patches = options.get("patches") or {}
-    replaces = options.get("patches_replace") or {}
-    if any(patches.get(key) for key in BLOCK_PATCHES) or any(replaces.get(key) for key in BLOCK_REPLACES):
-        return None
-    override = options.get(ATTENTION_OVERRIDE)
-    if override is None:
-        return {}
-    return {ATTENTION_OVERRIDE: override} if getattr(override, "overdrive_attention", False) else None
 
 
 _nested_region = torch.compiler.nested_compile_region  # a seam for tests that make regions fail
@@ -47,7 +28,7 @@ _forwards_by_class: dict = {}
 
 
 def region_forwards(cls) -> tuple:
-    """(forward, ComfyUI forward) to install on blocks of `cls`, made once per class.
+    """(forward, forward that takes the front end's options) to install on blocks of `cls`, made once per class.
 
     They are bound to each block as methods: Dynamo then sees the block under its own path in the model, which
     torch >= 2.12's region reuse needs to swap in each block's parameters (reached through a helper object's attribute
@@ -66,14 +47,18 @@ def region_forwards(cls) -> tuple:
         def region_forward(self, *args, **kwargs):
             return region(self, *args, **kwargs)
 
-        def comfy_region_forward(self, x, context=None, transformer_options=None):
-            shared = block_transformer_options(transformer_options)
+        def options_region_forward(self, *args, **kwargs):
+            options = call_options.current()
+            shared = options.shared(kwargs.get(options.keyword))
             if shared is None:
-                return run_block(self, x, context, transformer_options)
-            return region(self, x, context, shared) if shared else region(self, x, context)
+                return run_block(self, *args, **kwargs)
+            kwargs = options.without(kwargs)
+            if shared:
+                kwargs[options.keyword] = shared
+            return region(self, *args, **kwargs)
 
-        region_forward.overdrive_region = comfy_region_forward.overdrive_region = True
-        made = _forwards_by_class[cls] = (region_forward, comfy_region_forward)
+        region_forward.overdrive_region = options_region_forward.overdrive_region = True
+        made = _forwards_by_class[cls] = (region_forward, options_region_forward)
     return made
 
 
@@ -93,9 +78,10 @@ def install_regions(module: torch.nn.Module) -> int:
     for block in blocks:
         if not has_region(block):
             # ComfyUI's blocks take forward(x, context=None, transformer_options={}); diffusers' take no options.
-            takes_options = "transformer_options" in inspect.signature(type(block).forward).parameters
-            plain, comfy = region_forwards(type(block))
-            block.forward = types.MethodType(comfy if takes_options else plain, block)
+            keyword = call_options.current().keyword
+            takes_options = keyword is not None and keyword in inspect.signature(type(block).forward).parameters
+            plain, with_options = region_forwards(type(block))
+            block.forward = types.MethodType(with_options if takes_options else plain, block)
     return len(blocks)
 
 

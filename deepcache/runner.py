@@ -5,6 +5,7 @@ from collections import Counter
 
 import torch
 
+from .. import call_options
 from .cache import FeatureCache
 from .clock import StepClockCheck
 from .config import DeepCacheConfig, DeepCacheConfigError
@@ -205,11 +206,12 @@ class DeepCacheRunner:
         if not self.config.verify or kind in self._verified:
             return self.full_path(*info.path_args, **info.path_kwargs)
         # First full call of this kind: the eager mirror must reproduce the model's own eager forward. Both run on
-        # copies of transformer_options, so the caller's dict (and a compiled path's guards) see one ordinary call.
+        # copies of the call's options, so the caller's dict (and a compiled path's guards) see one ordinary call.
         reference = self.paths.reference_forward(args, kwargs)
         mirror_kwargs = dict(info.path_kwargs)
-        if isinstance(mirror_kwargs.get("transformer_options"), dict):
-            mirror_kwargs["transformer_options"] = dict(mirror_kwargs["transformer_options"])
+        keyword = call_options.current().keyword
+        if isinstance(mirror_kwargs.get(keyword), dict):
+            mirror_kwargs[keyword] = dict(mirror_kwargs[keyword])
         eager = self.full_path == self.paths.full_forward
         mirrored, feature = self.paths.full_forward(*info.path_args, **mirror_kwargs)
         error = relative_error(mirrored, reference) if mirrored.shape == reference.shape else float("inf")
@@ -231,10 +233,8 @@ class DeepCacheRunner:
     @staticmethod
     def _kind(info: CallInfo) -> tuple:
         """What makes two calls exercise different code in the mirror: active patches, extra inputs, dtype."""
+        described = call_options.current()
         kwargs = info.path_kwargs
-        options = kwargs.get("transformer_options") or {}
-        patches = tuple(sorted(k for k, v in (options.get("patches") or {}).items() if v))
-        replace = tuple(sorted(k for k, v in (options.get("patches_replace") or {}).items() if v))
-        extra = tuple(sorted(k for k, v in kwargs.items() if k != "transformer_options" and v is not None))
+        extra = tuple(sorted(k for k, v in described.without(kwargs).items() if v is not None))
         x = info.path_args[0] if info.path_args else None
-        return patches, replace, extra, str(getattr(x, "dtype", None))
+        return described.patches(described.of(kwargs)), extra, str(getattr(x, "dtype", None))

@@ -35,6 +35,7 @@ def import_comfy(cpu: bool, dynamic_vram: bool = False, budget_gib: float | None
         enable_dynamic_vram()
     if fraction is not None:  # after comfy-aimdo has started, which must come before anything else on the GPU
         torch.cuda.set_per_process_memory_fraction(fraction)
+    from .. import nodes  # noqa: F401 - Overdrive's ComfyUI glue, as ComfyUI loads it from custom_nodes
     return sys.modules["comfy"]
 
 

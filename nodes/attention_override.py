@@ -5,7 +5,7 @@ import torch
 
 from ..attention.choice import AttentionConfig, OnePerConfig, bound
 from ..attention.op import attend, fits
-from ..compiler.regions import ATTENTION_OVERRIDE
+from .comfy_call_options import ATTENTION_OVERRIDE
 
 
 EXACT = AttentionConfig("exact")

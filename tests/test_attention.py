@@ -16,7 +16,8 @@ import torch
 from overdrive.attention import op  # noqa: F401 - registers torch.ops.overdrive.attention
 from overdrive.attention import reference as ref
 from overdrive.attention.choice import AttentionConfig, AttentionConfigError, Measurement, considered, pick
-from overdrive.compiler.regions import ATTENTION_OVERRIDE, block_transformer_options
+
+ATTENTION_OVERRIDE = "optimized_attention_override"  # the transformer_options entry ComfyUI reads
 
 
 def qkv(shape, seed=0, k_offset=0.0):
@@ -332,6 +333,7 @@ def test_install_keeps_another_nodes_override_and_sdpa_removes_its_own(comfy, co
 
 
 def test_compiled_blocks_get_overdrives_override_alone(comfy_attention):
+    from overdrive.nodes.comfy_call_options import shared_block_options as block_transformer_options
     OverdriveAttention, _ = comfy_attention
     own = OverdriveAttention(AttentionConfig())
     assert block_transformer_options({"block_index": 3}) == {}

@@ -181,8 +181,23 @@ def bf16_attention_output():
     return lambda: setattr(e4m3_output, "applies", original)
 
 
+def without_fa3():
+    """Until the returned function is called, the attention chooser has no FlashAttention-3 backend (bf16 or fp8), as
+    on a machine without fa3-fwd: the A/B of issue 57's end-to-end targets in one process. Its per-shape choices are
+    forgotten on both edges, so neither run reuses the other's."""
+    from overdrive.attention import choice
+    removed = {name: choice.BACKENDS.pop(name) for name in ("fa3_bf16", "fa3_fp8")}
+    choice.CHOOSER.choices.clear()
+
+    def restore():
+        choice.BACKENDS.update(removed)
+        choice.CHOOSER.choices.clear()
+    return restore
+
+
 # variant parts that change code for one run
-SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "bf16-attention-output": bf16_attention_output}
+SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "bf16-attention-output": bf16_attention_output,
+            "no-fa3": without_fa3}
 
 
 def main():
@@ -287,7 +302,8 @@ def main():
         where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
         tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
         `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`).
-        'bf16-attention-output': cuDNN's fp8 attention writes its own 16-bit output (`bf16_attention_output`). 'eager'
+        'bf16-attention-output': cuDNN's fp8 attention writes its own 16-bit output (`bf16_attention_output`).
+        'no-fa3': the attention chooser without FlashAttention-3 (`without_fa3`). 'eager'
         alone is the baseline."""
         parts = variant.split("+")
         adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold

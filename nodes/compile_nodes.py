@@ -18,7 +18,7 @@ from .cache_folder import comfy_cache_dir
 from .dynamic_vram import WORKSPACE_MIN_BYTES, compile_clone, is_dynamic
 from .forward_patch import FORWARD, install, installed_stack
 from .progress import comfy_progress
-from .schema import node_schema
+from .schema import node_schema, patched_copy_input
 
 log = logging.getLogger("overdrive")
 DEFAULTS = CompileOptions()  # the nodes' defaults are the core's
@@ -56,6 +56,18 @@ FAST_ATTENTION_TOOLTIP = (
     "Quantize Model's attention setting, where set, takes precedence. Off: ComfyUI's own attention."
 )
 
+COMPILE_MODEL_DESCRIPTION = (
+    "Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step: a UNet as one graph, "
+    "a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, each distinct block once. Graphs are shared by "
+    "every checkpoint of the same architecture. Before or after DeepCache, its full and shallow steps are compiled. If "
+    "compiling fails, sampling continues on the normal (eager) path with a warning in the log."
+)
+COMPILE_VAE_DESCRIPTION = (
+    "Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal path with a "
+    "warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not compiled (it decoded slower compiled): "
+    "its 3-D convolutions switch to the channels-last layout instead."
+)
+
 PRECOMPILE_TOOLTIP = (
     "Save each compiled call whole (a UNet's first resolution, each distinct DiT block), so that after a restart it "
     "loads in seconds instead of being traced again. The saved code skips PyTorch's own checks; Overdrive makes the "
@@ -88,15 +100,9 @@ class OverdriveCompileModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return node_schema(
-            "OverdriveCompileModel", "Compile Model (Overdrive)",
-            ("Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step: a UNet as "
-             "one graph, a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, each distinct block once. Graphs"
-             " are shared by every checkpoint of the same architecture. Before or after DeepCache, its full and shallow"
-             " steps are compiled. If compiling fails, sampling continues on the normal (eager) path with a warning in "
-             "the log."),
+            "OverdriveCompileModel", "Compile Model (Overdrive)", COMPILE_MODEL_DESCRIPTION,
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model to compile. It is not modified; a patched copy "
-                                                "is returned."),
+                patched_copy_input(io.Model, "model", "diffusion model", "compile"),
                 *compile_settings(),
                 io.Boolean.Input("regional", default=DEFAULTS.regional, tooltip=REGIONAL_TOOLTIP, optional=True),
                 io.Boolean.Input("precompile", default=DEFAULTS.precompile, tooltip=PRECOMPILE_TOOLTIP,
@@ -135,14 +141,10 @@ class OverdriveCompileVAE(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return node_schema(
-            "OverdriveCompileVAE", "Compile VAE (Overdrive)",
-            ("Compiles the VAE's decoder (and optionally encoder) with torch.compile. Falls back to the normal path "
-             "with a warning if compiling fails. Wan's video VAE (also Qwen-Image's) is not compiled (it decoded slower"
-             " compiled): its 3-D convolutions switch to the channels-last layout instead."),
+            "OverdriveCompileVAE", "Compile VAE (Overdrive)", COMPILE_VAE_DESCRIPTION,
             inputs=[
-                io.Vae.Input("vae", tooltip="The VAE to compile. It is not modified; a patched copy is returned. Wan's "
-                                            "video VAE is returned itself, its convolution weights in the "
-                                            "channels-last layout (same values)."),
+                patched_copy_input(io.Vae, "vae", "VAE", "compile", "Wan's video VAE is returned itself, its "
+                                   "convolution weights in the channels-last layout (same values)."),
                 *compile_settings(),
                 io.Boolean.Input("compile_encoder", default=COMPILE_ENCODER,
                                  tooltip="Also compile encode (img2img, inpainting). Costs one more compile the "

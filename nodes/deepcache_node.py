@@ -8,11 +8,19 @@ from ..deepcache.config import MODES
 from ..families import family_of
 from ..stack import Stack
 from .forward_patch import foreign_forward, install, installed_stack
-from .schema import node_schema
+from .schema import node_schema, patched_copy_input
 
 log = logging.getLogger("overdrive")
 DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
 
+DESCRIPTION = (
+    "DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks run and the rest is "
+    "reused from the last full step, for a small change in detail. Full steps are exact. UNets (SD1.5, SD2, SDXL) "
+    "reuse their deep features; DiTs (Flux, Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks,"
+    " on a fixed schedule or adaptively (a step is reused while the first blocks' output barely changed). Works with "
+    "Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. ControlNet and block patches make "
+    "their steps run the whole model. The log shows each run's full / reused steps."
+)
 INTERVAL_TOOLTIP = (
     "fixed mode: run the whole model every this many sampling steps; the steps in between reuse its deep features "
     "(UNets) or the residual of its later blocks (DiTs) and run only the first blocks. 3 is DeepCache's setting; "
@@ -41,17 +49,9 @@ class OverdriveDeepCache(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return node_schema(
-            "OverdriveDeepCache", "DeepCache (Overdrive)",
-            ("DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks run and the "
-             "rest is reused from the last full step, for a small change in detail. Full steps are exact. UNets (SD1.5,"
-             " SD2, SDXL) reuse their deep features; DiTs (Flux, Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of"
-             " their later blocks, on a fixed schedule or adaptively (a step is reused while the first blocks' output "
-             "barely changed). Works with Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. "
-             "ControlNet and block patches make their steps run the whole model. The log shows each run's full / reused"
-             " steps."),
+            "OverdriveDeepCache", "DeepCache (Overdrive)", DESCRIPTION,
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model to accelerate. It is not modified; a patched "
-                                                "copy is returned."),
+                patched_copy_input(io.Model, "model", "diffusion model", "accelerate"),
                 io.Int.Input("cache_interval", default=DEFAULTS.cache_interval, min=1, max=10,
                              tooltip=INTERVAL_TOOLTIP),
                 io.Int.Input("cache_depth", default=DEFAULTS.cache_depth, min=1, max=12, tooltip=DEPTH_TOOLTIP),

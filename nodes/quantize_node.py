@@ -18,15 +18,14 @@ from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
 from .quantize_patches import bake_weight_patches, install_quantized, patches_digest
-from .schema import node_schema
+from .schema import node_schema, patched_copy_input
 
 log = logging.getLogger("overdrive")
 DEFAULTS = QuantConfig()
 ATTENTION_DEFAULTS = AttentionConfig()
 
 TOOLTIPS = {
-    "model": "The diffusion model to quantize. It is not modified; a patched copy is returned. Apply LoRAs before "
-             "this node: they are baked into the quantized weights.",
+    "model": "Apply LoRAs before this node: they are baked into the quantized weights.",
     "bits": "Bits per weight. 8: int8 or fp8 tensor-core kernels. 4: int4 weights (half the VRAM of 8 bits, for "
             "cards that cannot hold the model in 8 bits) computed in fp8, on GPUs with fp8; a layer whose 4-bit error "
             "is above its threshold gets the 8-bit decision instead (raise the thresholds for more 4-bit layers).",
@@ -147,7 +146,7 @@ class OverdriveQuantizeModel(io.ComfyNode):
              " decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before this node. If "
              "quantizing fails, the model runs unquantized with a warning in the log."),
             inputs=[
-                io.Model.Input("model", tooltip=TOOLTIPS["model"]),
+                patched_copy_input(io.Model, "model", "diffusion model", "quantize", TOOLTIPS["model"]),
                 io.Int.Input("bits", default=DEFAULTS.bits, min=min(bit_widths()), max=max(bit_widths()),
                              step=4, tooltip=TOOLTIPS["bits"]),
                 io.Combo.Input("format", options=list(format_names()), default=DEFAULTS.format,

@@ -69,20 +69,25 @@ def family(request):
 
 
 @pytest.fixture(scope="module")
-def files(family, models_folder):
-    """Seeds 0 and 1 of the family: one architecture, two sets of weights. Seed 1 is this module's alone and goes
-    when the family's tests end (Z-Image's is 2 GB)."""
-    other = models_folder / diffusion_model_name(family, "tiny", 1)
-    made_here = not other.exists()
-    yield [ensure_diffusion_model(family, "tiny", seed, models_folder) for seed in (0, 1)]
-    if made_here:
-        other.unlink(missing_ok=True)
+def first_file(family, models_folder):
+    return ensure_diffusion_model(family, "tiny", 0, models_folder)
 
 
 @pytest.fixture(scope="module")
-def base(comfy, files):
+def second_file(family, models_folder):
+    """Seed 1 of the family: the same architecture, other weights. This module's alone: made when a test that runs
+    asks for it, gone when the family's tests end (Z-Image's is 2 GB)."""
+    path = models_folder / diffusion_model_name(family, "tiny", 1)
+    made_here = not path.exists()
+    yield ensure_diffusion_model(family, "tiny", 1, models_folder)
+    if made_here:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def base(comfy, first_file):
     import comfy.sd
-    return comfy.sd.load_diffusion_model(str(files[0]))
+    return comfy.sd.load_diffusion_model(str(first_file))
 
 
 def record_calls(model):
@@ -234,16 +239,16 @@ def per_call_tolerance():
 
 
 def test_switch_diffusion_model_swaps_in_another_file_of_the_family_without_recompiling(composition, comfy, nodes,
-                                                                                      compiled, files, sample,
+                                                                                      compiled, second_file, sample,
                                                                                       per_call_tolerance):
     import comfy.sd
 
     sample(compiled)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=second_file.name)[0]
     out, calls = sample(switched)
     assert dynamo_graph_count() == graphs
-    _, expected = sample(comfy.sd.load_diffusion_model(str(files[1])))
+    _, expected = sample(comfy.sd.load_diffusion_model(str(second_file)))
     assert_calls_match(calls, expected, per_call_tolerance)
     assert relative_error(out, sample(compiled)[0]) > 1e-3  # other weights, another result
 
@@ -340,7 +345,7 @@ GELU_MLP_FAMILIES = {"flux", "chroma", "qwen_image", "wan22", "sd35", "ltxv", "l
 
 
 def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apart(composition, nodes, base, family,
-                                                                                 files, sample):
+                                                                                 second_file, sample):
     """Quantize Model in fp8: each MLP whose two projections are static fp8 layers runs fc1, tanh-GELU and fc2's
     input cast as one op (cuBLASLt's epilogue on the GPU; here torch's fp8 GEMM and GELU in float32), its activation
     module passing the e4m3 result through. Per model call it matches the same 8-bit layers run apart, and compiled
@@ -390,7 +395,7 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
     comfy.model_management.load_models_gpu([quantized])
     assert any(type(module).__name__.endswith("UnlessFused") for module in base.model.diffusion_model.modules())
     assert gelu_mlps(base.model.diffusion_model) == mlps
-    switched = nodes["OverdriveSwitchDiffusionModel"].execute(quantized, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(quantized, unet_name=second_file.name)[0]
     relinked = [layer for layer in quantized_modules(switched).values() if getattr(layer, "gelu_dtype", None)]
     assert len(relinked) == len(linked) and not set(map(id, relinked)) & set(map(id, linked))
     assert all(cls.__name__.count("UnlessFused") + cls.__name__.count("InOrder") == 1
@@ -401,7 +406,8 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
                                         dynamo_graph_count() - before)
 
 
-def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, nodes, family, files, compiled, sample):
+def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, nodes, family, compiled, sample,
+                                                                        request):
     """Wan 2.2 A14B's workflow: a high-noise and a low-noise model of one architecture, each through Compile Model and
     DeepCache, sampled by two KSamplerAdvanced over the two parts of one schedule. The second expert compiles
     nothing, and its first step is a full step of its own weights: nothing of the first expert's cache is reused."""
@@ -411,7 +417,7 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
     if family != "wan22":
         pytest.skip("two experts of one schedule: Wan 2.2 A14B's layout")
     steps, split = 4, 1
-    low_base = comfy.sd.load_diffusion_model(str(files[1]))
+    low_base = comfy.sd.load_diffusion_model(str(request.getfixturevalue("second_file")))
     positive, negative = conditioning(family, 1), conditioning(family, 2)
     latent = empty_latent(family, RES, RES, FRAMES)
     noise = comfy.sample.prepare_noise(latent, 7)
@@ -464,7 +470,8 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
     assert torch.equal(run(), expected)
 
 
-def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(comfy, nodes, family, files, sample):
+def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(comfy, nodes, family, first_file,
+                                                                                sample, request):
     """Load Diffusion Model's `weight_dtype` fp8_e4m3fn (how Flux is commonly run; here on SD3.5: weights stored in 8
     bits, each layer cast to the compute dtype as it runs): Compile Model and the step cache match that model eager per
     call; Switch Diffusion Model puts a bf16 file's weights in at the running model's fp8, as loading that file with fp8
@@ -476,7 +483,7 @@ def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(
 
     def load_fp8(path):
         return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
-    fp8 = load_fp8(files[0])
+    fp8, second_file = load_fp8(first_file), request.getfixturevalue("second_file")
     assert {t.dtype for t in fp8.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
     _, eager_calls = sample(fp8.clone())
     compiled = nodes["OverdriveCompileModel"].execute(fp8)[0]
@@ -484,9 +491,9 @@ def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(
     cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
     assert_calls_match(sample(cached)[1][:1], eager_calls[:1], PER_CALL_TOLERANCE)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=second_file.name)[0]
     assert {t.dtype for t in switched.model.diffusion_model.state_dict().values()} == {torch.float8_e4m3fn}
-    assert_calls_match(sample(switched)[1], sample(load_fp8(files[1]))[1], PER_CALL_TOLERANCE)
+    assert_calls_match(sample(switched)[1], sample(load_fp8(second_file))[1], PER_CALL_TOLERANCE)
     assert dynamo_graph_count() == graphs
     report, quantized = quantize_every_layer(nodes, fp8, family)
     assert report is not None and report.quantized

@@ -47,6 +47,8 @@ def test_compile_vae_decodes_the_family_vae_like_eager(nodes, vae, family):
 
 
 def test_tiled_decode_runs_through_the_compiled_decode(nodes, vae, family):
+    if family != "flux":
+        pytest.skip("ComfyUI's tiling around a compiled decode is the same for every VAE: Flux's covers it")
     latent = latent_for(family)
     tiles = dict(tile_x=6, tile_y=6, overlap=2)
     expected = vae.decode_tiled(latent, **tiles)

@@ -14,8 +14,8 @@ from overdrive.compiler import dynamo_graph_count
 # The CPU suite's fixtures (files of seeds 0 and 1, the loaded model, its sampler at 64 px, eager's calls, the compiled
 # model) and its Switch Diffusion Model test, here for Flux.2 on the GPU through this module's `comfy`, `family` and
 # `per_call_tolerance`.
-from test_dit_families import (assert_calls_match, base, compiled, distinct_blocks, eager, files,  # noqa: F401
-                               models_folder, nodes, quantize_every_layer, relative_error, sample,
+from test_dit_families import (assert_calls_match, base, compiled, distinct_blocks, eager, first_file,  # noqa: F401
+                               second_file, models_folder, nodes, quantize_every_layer, relative_error, sample,
                                test_switch_diffusion_model_swaps_in_another_file_of_the_family_without_recompiling)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,6 +32,11 @@ def comfy():
 @pytest.fixture(scope="module")
 def family():
     return "flux2"
+
+
+@pytest.fixture(scope="module")
+def composition():
+    """The CPU suite runs its compositions on a few families; here they run on Flux.2."""
 
 
 @pytest.fixture(scope="module")

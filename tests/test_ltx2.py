@@ -10,7 +10,7 @@ import torch
 
 # The DiT families' fixtures (the built-in files, the loaded model, its sampler, eager's calls) and helpers, here for
 # LTX-2 through this module's `family`.
-from test_dit_families import (QUANTIZED_TOLERANCE, assert_calls_match, base, eager, files,  # noqa: F401
+from test_dit_families import (QUANTIZED_TOLERANCE, assert_calls_match, base, eager, first_file,  # noqa: F401
                                models_folder, nodes, sample)
 
 from overdrive.builtin_models.dit import conditioning, empty_latent

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 # The CPU modules' fixtures and tests, here on the GPU through this module's `comfy`, `family` and `per_call_tolerance`.
-from test_dit_families import (base, compiled, eager, files, models_folder, nodes, sample,  # noqa: F401
+from test_dit_families import (base, compiled, composition, eager, first_file, models_folder, nodes,  # noqa: F401
+                               sample, second_file,
                                test_compile_model_compiles_each_distinct_block_once_and_matches_eager_per_call,
                                test_step_cache_on_the_compiled_model_compiles_no_more_and_matches_it_eager,
                                test_switch_diffusion_model_swaps_in_another_file_of_the_family_without_recompiling)

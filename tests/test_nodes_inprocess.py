@@ -325,7 +325,7 @@ def test_repeated_switches_do_not_grow_memory(nodes, compiled, checkpoints):
 
     switcher = nodes["OverdriveSwitchWeights"]
     live, rss = [], []
-    for i in range(12):  # a leak of one set of weights per switch would show eight times over after the fourth
+    for i in range(8):  # a leak of one set of weights per switch would show four times over after the fourth
         out = switcher.execute(compiled, f"sd15-seed{1 + i % 2}.safetensors")[0]
         del out
         live.append(live_tensor_bytes())

@@ -5,7 +5,7 @@
 # Usage on the GPU machine, from the repository root, with .devcarry/ComfyUI-0.33.0.tar.gz, whl, whl_kitchen.tar.xz,
 # whl_av.tar.xz (ComfyUI's V3 API, which the nodes use, imports PyAV), whl_fa3.tar.xz and whl_cudnn.tar.xz (the attention
 # chooser's FlashAttention-3 and cuDNN fp8 backends, as install.sh gives a Hopper machine) carried (bench/device_carry.sh):
-#   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | wan22-on | wan22-off |
+#   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | sdxl-on | sdxl-off | wan22-on | wan22-off |
 #     wan22_720p-on | wan22_720p-off (Wan 2.2 5B 1280x704x121; TAG: a suffix of the result's name) |
 #     qwen-on | qwen-off (Qwen-Image 1328²) | wan22_14b-on | wan22_14b-off (a Wan 2.2 A14B expert, 480p) |
 #     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8
@@ -30,6 +30,7 @@ case "$part" in
                   grep "::"); do
       python3 -m pytest "$test" -q -p no:cacheprovider >> "$out/tests.log" 2>&1; echo "$test rc $?"
     done ;;
+  sdxl-on|sdxl-off) run sdxl_1024 "${part#sdxl-}" --arch sdxl --res 1024 --steps 20 --repeats 3 ;;
   flux-on|flux-off) run flux_1024 "${part#flux-}" --arch flux --res 1024 --steps 20 --repeats 2 ;;
   wan22-on|wan22-off) run wan22_480p "${part#wan22-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 \
                         --repeats 2 ;;

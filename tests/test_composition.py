@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from test_dit_families import (PER_CALL_TOLERANCE, assert_calls_match, base, eager, files,  # noqa: F401
+from test_dit_families import (PER_CALL_TOLERANCE, assert_calls_match, base, eager, first_file,  # noqa: F401
                                models_folder, nodes, relative_error, sample)
 
 SCALE = 0.5  # what the other extension's wrapper does to each model output: visible in every call

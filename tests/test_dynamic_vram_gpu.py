@@ -12,7 +12,8 @@ import torch
 from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.compiler import dynamo_graph_count
 from test_dit_families import (FRAMES, RES, assert_calls_match, base, compiled, conditioning,  # noqa: F401
-                               eager, empty_latent, files, models_folder, nodes, quantize_every_layer, sample)
+                               eager, empty_latent, first_file, models_folder, nodes, quantize_every_layer,
+                               sample, second_file)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PER_CALL_TOLERANCE = 2e-2  # compiled vs eager in bf16
@@ -205,17 +206,17 @@ def test_a_long_mix_of_prompts_leaves_no_model_and_no_memory_behind(comfy, nodes
     assert not [line for line in log.lines if "memory leak" in line.lower()], log.lines
 
 
-def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, files, sample):
+def test_switch_diffusion_model_on_the_compiled_model(nodes, compiled, second_file, sample):
     sample(compiled)
     graphs = dynamo_graph_count()
-    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=second_file.name)[0]
     out, _ = sample(switched)
     assert dynamo_graph_count() == graphs and torch.isfinite(out).all()
 
 
-def test_switch_diffusion_model_on_a_dynamic_vram_model_that_has_run(nodes, base, files, sample):
+def test_switch_diffusion_model_on_a_dynamic_vram_model_that_has_run(nodes, base, second_file, sample):
     sample(base)  # its layers now hold views of the virtual buffer their last call read (comfy/ops.py's _v_weight)
-    switched = nodes["OverdriveSwitchDiffusionModel"].execute(base, unet_name=files[1].name)[0]
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(base, unet_name=second_file.name)[0]
     assert switched.is_dynamic() and switched.model is not base.model
     out, _ = sample(switched)
     assert torch.isfinite(out).all()

@@ -175,6 +175,52 @@ def test_precompile_runs_a_saved_frame_and_leaves_patched_calls_to_torch_compile
     assert relative_error(patched, eager_latent) > 1e-3  # the patch mattered, and was not skipped
 
 
+@pytest.fixture(scope="module")
+def controlnet(comfy, base, tmp_path_factory):
+    """A ControlNet of the tiny SD1.5 UNet's shape with fixed-seed weights (its zero convolutions too, so its residuals
+    are not zero), saved in the original layout and loaded by ComfyUI as its ControlNet loader loads a file."""
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.ops
+    from safetensors.torch import save_file
+
+    config = {k: v for k, v in base.model.model_config.unet_config.items() if k not in ("out_channels", "dtype")}
+    net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, dtype=torch.float32,
+                                     device="cpu", **config)
+    generator = torch.Generator().manual_seed(5)
+    weights = {f"control_model.{k}": torch.randn(v.shape, generator=generator) * 0.05
+               for k, v in net.state_dict().items()}
+    path = tmp_path_factory.mktemp("controlnet") / "tiny-sd15-controlnet.safetensors"
+    save_file(weights, str(path))
+    return comfy.controlnet.load_controlnet(str(path))
+
+
+def test_a_controlnet_guides_the_compiled_model_and_the_step_cache_as_it_guides_eager(comfy, nodes, base, compiled,
+                                                                                      controlnet, eager_latent,
+                                                                                      caplog):
+    """ControlNet Apply (Advanced) on the prompt: Compile Model samples what eager samples with the same control; the
+    step cache runs each step that carries ControlNet residuals in full, and says so."""
+    import comfy.sample
+    from nodes import ControlNetApplyAdvanced
+
+    hint = torch.rand(1, RES, RES, 3, generator=torch.Generator().manual_seed(6))  # the control image, pixels
+    positive, negative = ControlNetApplyAdvanced().apply_controlnet(*conditioning("sd15", RES, RES, seed=1), controlnet,
+                                                                   hint, 1.0, 0.0, 1.0)
+    latent = torch.zeros(1, 4, RES // 8, RES // 8)
+
+    def sample_controlled(model):
+        return comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 2, 7.0, "euler", "normal", positive,
+                                   negative, latent, seed=7, disable_pbar=True)
+    expected = sample_controlled(base.clone())
+    assert relative_error(expected, eager_latent) > 1e-3  # the control changed the image
+    assert relative_error(sample_controlled(compiled), expected) < TOLERANCE
+    cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
+    with caplog.at_level(logging.INFO, logger="overdrive"):
+        out = sample_controlled(cached)
+    assert "ControlNet" in caplog.text, caplog.text[-2000:]
+    assert relative_error(out, expected) < TOLERANCE  # no step reused
+
+
 def test_unloading_a_precompiled_model_releases_its_frames_which_load_again_from_disk(comfy, nodes, base, sample,
                                                                                       eager_latent, caplog):
     model = nodes["OverdriveCompileModel"].execute(base, cuda_graphs=False, precompile=True)[0]

@@ -195,6 +195,23 @@ def without_fa3():
     return restore
 
 
+def attention_choices(before: dict) -> list:
+    """The attention chooser's measurements made since `before` (a snapshot of CHOOSER.reports): at each shape, on the
+    model's own inputs, every backend's time and error against SDPA and the one chosen. A shape measured again (its
+    choices forgotten, `without_fa3`) counts as new."""
+    from overdrive.attention.choice import CHOOSER
+    rows = []
+    for (q, k, dtype, device, config), made in CHOOSER.reports.items():
+        if before.get((q, k, dtype, device, config)) is made:
+            continue
+        sdpa_ms, measurements, choice = made
+        rows.append({"q": list(q), "k": list(k), "dtype": dtype, "mode": config.mode, "max_error": config.max_error,
+                     "sdpa_ms": round(sdpa_ms, 4), "choice": choice,
+                     "backends": {m.backend: {"failed": m.failed[:200]} if m.failed is not None else
+                                  {"ms": round(m.ms, 4), "rel_err": round(m.rel_err, 5)} for m in measurements}})
+    return rows
+
+
 # variant parts that change code for one run
 SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "bf16-attention-output": bf16_attention_output,
             "no-fa3": without_fa3}
@@ -229,6 +246,9 @@ def main():
     parser.add_argument("--from-file", action="store_true", help="load the model from a built-in file (written "
                         "first under --models-dir) through ComfyUI's loader, also with dynamic VRAM off")
     parser.add_argument("--models-dir", default="/tmp/overdrive-bench-models")
+    parser.add_argument("--comfy-attention", choices=["sage", "ck"], help="ComfyUI's own attention for the whole "
+                        "process (--use-sage-attention, --use-ck-attention): the peers of Overdrive's chooser; every "
+                        "variant then runs on it where Overdrive's attention is not installed")
     parser.add_argument("--vae", action="store_true", help="also time VAE decode: eager vs CompileVAE")
     parser.add_argument("--out", default=None)
     parser.add_argument("--verbose", action="store_true", help="ComfyUI's own log too (model loads and unloads)")
@@ -247,8 +267,10 @@ def main():
     logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, quantized and why, beside the figures
     cuda = torch.cuda.is_available()
     dynamic_vram = cuda and args.dynamic_vram == "on"
-    comfy = import_comfy(cpu=not cuda, dynamic_vram=dynamic_vram, budget_gib=args.budget_gib)
+    comfy = import_comfy(cpu=not cuda, dynamic_vram=dynamic_vram, budget_gib=args.budget_gib,
+                         attention=args.comfy_attention)
     import comfy.sample
+    from overdrive.attention.choice import CHOOSER
     from overdrive.compiler import dynamo_graph_count
     if args.host_timers:  # before any model is built: callbacks keep the bound methods of install time
         from host_timers import HostTimers
@@ -454,6 +476,7 @@ def main():
         restores = [switch() for part, switch in SWITCHES.items() if part in variant.split("+")]
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        measured_before = dict(CHOOSER.reports)
         patcher = make(variant)
         nodes_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # Quantize Model's calibration
         graphs_before = dynamo_graph_count()
@@ -517,6 +540,7 @@ def main():
         if step_cache and args.arch in dit.FAMILIES:
             row["per_call_rel_err"] = per_step_errors(patcher)
             row.update(step_cache_stats(patcher))
+        row["attention_choices"] = attention_choices(measured_before)
         results.append(row)
         print(json.dumps(row), flush=True)
         write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured

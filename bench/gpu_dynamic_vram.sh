@@ -6,16 +6,20 @@
 # whl_av.tar.xz (ComfyUI's V3 API, which the nodes use, imports PyAV), whl_fa3.tar.xz and whl_cudnn.tar.xz (the attention
 # chooser's FlashAttention-3 and cuDNN fp8 backends, as install.sh gives a Hopper machine) carried (bench/device_carry.sh):
 #   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | sdxl-on | sdxl-off | wan22-on | wan22-off |
-#     wan22_720p-on | wan22_720p-off (Wan 2.2 5B 1280x704x121; TAG: a suffix of the result's name) |
+#     wan22_720p-on | wan22_720p-off (Wan 2.2 5B 1280x704x121) |
 #     qwen-on | qwen-off (Qwen-Image 1328²) | wan22_14b-on | wan22_14b-off (a Wan 2.2 A14B expert, 480p) |
 #     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8
 #     path (Flux.2 at a quarter of its blocks: its 32 B parameters take longer to write than a device call lasts)
+# ComfyUI's own attention as the peer of Overdrive's chooser, for every variant of a run: BENCH_ARGS="--comfy-attention
+# ck" (comfy-kitchen, carried with whl_kitchen) or "--comfy-attention sage" (carry whl_attention, which holds
+# sageattention and cuDNN's frontend, instead of whl_cudnn); TAG=_sage names the result apart. Each result row lists
+# the chooser's measurements on the model's own inputs (`attention_choices`).
 set -uo pipefail
 part="$1"; out="${2:-bench/results}"; day=$(date +%F)
 source bench/device_env.sh
 variants="${VARIANTS:-eager,builtin,overdrive,overdrive+fp8+attn,overdrive+fp8+attn+deepcache4+window0.1-0.95}"
-run() {  # name, dynamic on|off, then bench_compile.py arguments
-  local name="$1" dynamic="$2"; shift 2
+run() {  # name, dynamic on|off, then bench_compile.py arguments; TAG: a suffix of the result's name
+  local name="$1${TAG:-}" dynamic="$2"; shift 2
   local budget=${BUDGET_GIB:+_budget-${BUDGET_GIB}gib}  # BUDGET_GIB=16: a 16 GiB card emulated (--budget-gib)
   python3 bench/bench_compile.py "$@" --dynamic-vram "$dynamic" --variants "$variants" ${BENCH_ARGS:-} \
     ${BUDGET_GIB:+--budget-gib "$BUDGET_GIB"} --out "$out/${day}_${gpu}_comfy033_dynamic-${dynamic}${budget}_${name}.json" \
@@ -37,7 +41,7 @@ case "$part" in
   wan22_14b-on|wan22_14b-off) run wan22_14b_480p "${part#wan22_14b-}" --arch wan22_14b --res 480 --width 832 \
                                 --frames 33 --steps 20 --repeats 2 ;;
   wan22_720p-on|wan22_720p-off)  # issue 57's end-to-end shape (Wan 2.2 5B, 1280x704, 121 frames; 10 steps to fit a call)
-    run "wan22_720p_121f${TAG:-}" "${part#wan22_720p-}" --arch wan22 --res 704 --width 1280 --frames 121 --steps 10 \
+    run wan22_720p_121f "${part#wan22_720p-}" --arch wan22 --res 704 --width 1280 --frames 121 --steps 10 \
       --repeats 1 ;;
   qwen-on|qwen-off) run qwen_image_1328 "${part#qwen-}" --arch qwen_image --res 1328 --steps 20 --repeats 2 ;;
   wan22-fp8_scaled-on|wan22-fp8_scaled-off)

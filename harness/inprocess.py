@@ -12,10 +12,11 @@ EXTRA_CONFIG = {"sd15": {}, "sdxl": dict(num_classes="sequential", num_head_chan
 CONTEXT_DIM = {arch: FULL[arch]["context_dim"] for arch in FULL}
 
 
-def import_comfy(cpu: bool, dynamic_vram: bool = False, budget_gib: float | None = None):
+def import_comfy(cpu: bool, dynamic_vram: bool = False, budget_gib: float | None = None, attention: str | None = None):
     """ComfyUI's modules in this process, set up as `main.py --cpu` (`cpu`) or on the GPU; `dynamic_vram`: with dynamic
     VRAM as main.py turns it on by default on NVIDIA GPUs (else as with --disable-dynamic-vram); `budget_gib`: a card
-    of that many GiB emulated on a larger one (`reserve_beyond_budget`)."""
+    of that many GiB emulated on a larger one (`reserve_beyond_budget`); `attention` "sage" or "ck": ComfyUI's
+    --use-sage-attention or --use-ck-attention (set before its attention module picks its function)."""
     from .server import find_comfyui
     path = str(find_comfyui())
     if path not in sys.path:
@@ -26,6 +27,8 @@ def import_comfy(cpu: bool, dynamic_vram: bool = False, budget_gib: float | None
     args.cpu = cpu
     args.use_pytorch_cross_attention = cpu or args.use_pytorch_cross_attention
     args.disable_dynamic_vram = not dynamic_vram
+    if attention is not None:
+        setattr(args, f"use_{attention}_attention", True)
     if dynamic_vram:  # before ComfyUI's model management touches the GPU, as in main.py
         import comfy_aimdo.control
         comfy_aimdo.control.init(simple_vram_headroom=None if args.reserve_vram is None

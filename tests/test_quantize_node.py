@@ -507,24 +507,31 @@ def test_quantize_then_compile_runs_the_int8_layers_through_torch_compile(quanti
     assert relative_error(out, float_latent) < TOLERANCE
 
 
-def test_quantized_calls_are_reproducible_and_compiled_matches_eager_per_call(comfy, quantized, prompt, base):
+def first_call_output(model, sample):
+    """The output of a sampled run's first model call: the same input (the seed's noise, the first sigma) for every
+    model, through the calls ComfyUI makes."""
+    outputs = []
+
+    def wrapper(apply_model, args):
+        out = apply_model(args["input"], args["timestep"], **args["c"])
+        outputs.append(out.clone())
+        return out
+    recorded = model.clone()
+    recorded.set_model_unet_function_wrapper(wrapper)
+    sample(recorded)
+    return outputs[0]
+
+
+def test_quantized_calls_are_reproducible_and_compiled_matches_eager_per_call(quantized, base, sample):
     """The same input gives the same output every time, eager or compiled, whatever ran in between. Compiled int8 is
     as close to the float model as eager int8: compiled float math (~1e-6 off eager) flips the rounding of a few
     activations, so the two int8 paths differ by about the quantization noise itself (one call: 1.7-2.1 %, against
     2.5 % int8 vs float)."""
     from overdrive.nodes import NODES
     patched = quantized["model"]
-    compiled = NODES["OverdriveCompileModel"].execute(patched)[0]
-    x = torch.randn(2, 4, RES // 8, RES // 8, generator=torch.Generator().manual_seed(3))
-    sigma = torch.tensor([1.0, 1.0])
-    context = torch.cat([prompt["positive"][0][0], prompt["negative"][0][0]])
-    outputs = []
-    for model in (patched, compiled, base.clone(), patched, compiled):
-        comfy.model_management.load_models_gpu([model])
-        with torch.inference_mode():
-            outputs.append(model.model.apply_model(x, sigma, c_crossattn=context))
-        model.cleanup()
-    eager, fast, reference, eager_again, fast_again = outputs
+    compiled = NODES["OverdriveCompileModel"].execute(patched, mode="default", cuda_graphs=True, dynamic="auto")[0]
+    eager, fast, reference, eager_again, fast_again = (first_call_output(model, sample) for model in
+                                                       (patched, compiled, base.clone(), patched, compiled))
     assert torch.equal(eager, eager_again) and torch.equal(fast, fast_again)
     noise = relative_error(eager, reference)
     assert noise < PER_CALL_TOLERANCE and relative_error(fast, reference) < PER_CALL_TOLERANCE

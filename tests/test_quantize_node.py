@@ -10,6 +10,7 @@ from overdrive.compiler.block_graphs import _BlockWeights as WeightsOfBlock
 from overdrive.quantization import Int8Linear, QuantConv2d1x1
 from overdrive.harness.inprocess import build_model, conditioning
 from overdrive.harness.workflows import load_workflow, set_inputs, without_overdrive
+from test_dit_families import record_calls  # the per-call recorder the DiT family tests use
 
 RES = 64  # pixels: an 8x8 latent keeps CPU sampling and compiling short
 STEPS, CFG = 2, 1.0  # cfg 1: the comparisons measure quantization, not cfg's 7x amplification of a random model
@@ -510,16 +511,9 @@ def test_quantize_then_compile_runs_the_int8_layers_through_torch_compile(quanti
 def first_call_output(model, sample):
     """The output of a sampled run's first model call: the same input (the seed's noise, the first sigma) for every
     model, through the calls ComfyUI makes."""
-    outputs = []
-
-    def wrapper(apply_model, args):
-        out = apply_model(args["input"], args["timestep"], **args["c"])
-        outputs.append(out.clone())
-        return out
-    recorded = model.clone()
-    recorded.set_model_unet_function_wrapper(wrapper)
+    recorded, calls = record_calls(model)
     sample(recorded)
-    return outputs[0]
+    return calls[0][2]
 
 
 def test_quantized_calls_are_reproducible_and_compiled_matches_eager_per_call(quantized, base, sample):

@@ -15,6 +15,7 @@
 #                  them. Overdrive's V3 nodes import ComfyUI's comfy_api, which imports PyAV, so every ComfyUI run
 #                  carries whl_av.tar.xz; with the archive, whl, whl_kitchen and the repository, both whl_fa3 and
 #                  whl_cudnn fit under the 64 MiB of a call
+#   whl_sage (sageattention 1.0.6, Triton kernels, 20 KiB): ComfyUI's --use-sage-attention peer (gpu_fa3_ab.sh)
 #   gpu_attention.sh: whl_attention (nvidia-cudnn-frontend, sageattention 1.0.6; 11 MiB), whl
 #   gpu_dit_suite.sh diffusers-flux: whl_diffusers (diffusers, torchao; 9.3 MiB), no ComfyUI
 set -euo pipefail
@@ -45,7 +46,8 @@ if [ "$version" != "0.7.0" ]; then  # repacked without its ROCm library, at zip'
 fi
 download whl_av av==18.1.0
 download whl_attention nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6
-mkdir -p .devcarry/whl_cudnn && cp .devcarry/whl_attention/nvidia_cudnn_frontend-* .devcarry/whl_cudnn/
+mkdir -p .devcarry/whl_cudnn .devcarry/whl_sage && cp .devcarry/whl_attention/nvidia_cudnn_frontend-* .devcarry/whl_cudnn/
+cp .devcarry/whl_attention/sageattention-* .devcarry/whl_sage/
 download whl_diffusers diffusers==0.42.1 torchao==0.18.0 importlib_metadata zipp
 download whl_fa3 fa3-fwd==0.0.3
 for folder in whl_kitchen whl_fa3 whl_cudnn whl_av; do  # zip's deflate leaves CUDA binaries twice xz's size

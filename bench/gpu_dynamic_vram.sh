@@ -7,7 +7,7 @@
 # chooser's FlashAttention-3 and cuDNN fp8 backends, as install.sh gives a Hopper machine) carried (bench/device_carry.sh):
 #   bash bench/gpu_dynamic_vram.sh PART "$OUT"    PART: tests | flux-on | flux-off | sdxl-on | sdxl-off | wan22-on | wan22-off |
 #     wan22_720p-on | wan22_720p-off (Wan 2.2 5B 1280x704x121) |
-#     qwen-on | qwen-off (Qwen-Image 1328²) | wan22_14b-on | wan22_14b-off (a Wan 2.2 A14B expert, 480p) |
+#     qwen-on | qwen-off (Qwen-Image 1328²) | ltx2-on | ltx2-off (LTX-2 768x512x97, with audio) | wan22_14b-on | wan22_14b-off (a Wan 2.2 A14B expert, 480p) |
 #     wan22-fp8_scaled-on | flux2-fp8_mixed-on (-off): a file stored in that fp8 layout, whose eager is ComfyUI's own fp8
 #     path (Flux.2 at a quarter of its blocks: its 32 B parameters take longer to write than a device call lasts)
 # ComfyUI's own attention as the peer of Overdrive's chooser, for every variant of a run: BENCH_ARGS="--comfy-attention
@@ -43,6 +43,8 @@ case "$part" in
   wan22_720p-on|wan22_720p-off)  # issue 57's end-to-end shape (Wan 2.2 5B, 1280x704, 121 frames; 10 steps to fit a call)
     run wan22_720p_121f "${part#wan22_720p-}" --arch wan22 --res 704 --width 1280 --frames 121 --steps 10 \
       --repeats 1 ;;
+  ltx2-on|ltx2-off) run ltx2_768x512_97f "${part#ltx2-}" --arch ltx2 --res 512 --width 768 --frames 97 --steps 20 \
+                      --repeats 1 ;;  # with audio
   qwen-on|qwen-off) run qwen_image_1328 "${part#qwen-}" --arch qwen_image --res 1328 --steps 20 --repeats 2 ;;
   wan22-fp8_scaled-on|wan22-fp8_scaled-off)
     run wan22_480p_fp8_scaled "${part##*-}" --arch wan22 --res 480 --width 832 --frames 33 --steps 20 --repeats 2 \

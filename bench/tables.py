@@ -120,8 +120,10 @@ def latest(reports) -> str:
                  settings.get("dynamic_vram", "—"),
                  f"{budget:g} GiB" if budget else "whole")
         eager = next((row for row in report["results"] if row.get("variant") == "eager" and "s_per_image" in row), None)
+        # a run on ComfyUI's own sage or comfy-kitchen attention (--comfy-attention) is a peer of its own
+        peer = f" ({settings['comfy_attention']} attention)" if settings.get("comfy_attention") else ""
         for row in report["results"]:
-            newest[(*group, row["variant"])] = (row, eager, report["file"])
+            newest[(*group, row["variant"] + peer)] = (row, eager, report["file"])
     header = ("model", "GPU", "ComfyUI", "dynamic VRAM", "card", "variant", "s/image", "× eager", "peak VRAM GiB",
               "call error", "`bench/results/`")
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
@@ -132,7 +134,7 @@ def latest(reports) -> str:
         lines.append(" | ".join([
             f"| {group[0]}", *group[1:], f"`{variant}`", f"{seconds:.3f}" if seconds else "failed", ratio,
             f"{row['peak_vram_gib']:.1f}" if row.get("peak_vram_gib") is not None else "—",
-            f"{error:.1e}" if error and variant != "eager" else "—", f"`{file}` |"]))
+            f"{error:.1e}" if error and not variant.startswith("eager") else "—", f"`{file}` |"]))
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ POSITIONS = {f"{row}-{column}": (x, y) for row, y in (("top", 0.3), ("middle", 0
 BACKGROUNDS = {"on-dark": (0.08, 0.09, 0.12), "on-light": (0.80, 0.78, 0.72)}
 MOTIONS = {"still": (0.0, 0.0), "moving-left": (-1.0, 0.0), "moving-right": (1.0, 0.0), "moving-up": (0.0, -1.0),
            "moving-down": (0.0, 1.0)}
+TOKENS = 8  # text tokens the reference models read: a token per word (at most 7), then padding
 TRAVEL = 0.25  # how far a moving shape goes over a clip, a fraction of the image side
 # The attributes in prompt order, each with its words.
 ATTRIBUTES = {"size": tuple(SIZES), "colour": tuple(COLOURS), "shape": SHAPES, "texture": TEXTURES,
@@ -113,8 +114,9 @@ def word_vector(word: str, width: int) -> torch.Tensor:
 
 
 def embed(prompt: str, width: int, tokens: int, video: bool = False) -> torch.Tensor:
-    """(1, tokens, width): a token per attribute of the prompt's scene in prompt order, then zeros (padding)."""
-    words = parse(prompt).prompt(video).split()
+    """(1, tokens, width): a token per attribute of the prompt's scene in prompt order, then zeros (padding). The
+    empty prompt is all zeros: the unconditional input the models were trained with for classifier-free guidance."""
+    words = parse(prompt).prompt(video).split() if prompt.strip() else []
     if tokens < len(words):
         raise SceneError(f"{tokens} tokens cannot hold the {len(words)} words of a scene")
     out = torch.zeros(1, tokens, width)

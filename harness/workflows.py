@@ -14,7 +14,7 @@ BUILTIN_DIT_NAMES = {family: (f"overdrive-builtin-{family}.safetensors", f"overd
                      for family in DIT_FAMILIES}
 MODEL_FOLDERS = ("checkpoints", "diffusion_models", "vae")
 LATENT_NODES = ("EmptyLatentImage", "EmptySD3LatentImage", "Wan22ImageToVideoLatent",  # the examples' empty latents
-                "EmptyLTXVLatentVideo", "EmptyFlux2LatentImage")
+                "EmptyLTXVLatentVideo", "EmptyFlux2LatentImage", "EmptyHunyuanLatentVideo")
 
 
 # The DiT families without a workflow file of their own run another's graph with their own diffusion model, VAE,

@@ -1,0 +1,286 @@
+"""Trains the reference models with learned weights on procedural scenes (builtin_models/scenes.py): first a VAE of
+the Wan 2.1 layout at its smallest width, then a WAN21_T2V diffusion model at the tiny width on that VAE's latents, the
+prompt one fixed vector per word. The same seed and steps give the same weights on the same machine and software.
+
+  python -m overdrive.builtin_models.training --out DIR [--seed 0] [--vae-steps N] [--dit-steps N]
+
+Both files are written as ComfyUI's loaders read them (Load VAE, Load Diffusion Model), in fp16, with the loss curves
+and timings in DIR/training.json. Written again every --save-every steps, so a run cut short keeps what it learned.
+The models run through ComfyUI's own classes: ComfyUI must be importable (scripts/install.sh, or COMFYUI_PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import scenes
+from .dit import FAMILIES, TINY_VAE, VAES, build_model
+
+FAMILY = "wan22_14b"  # WAN21_T2V (Wan 2.1 / 2.2 A14B's layout) with the Wan 2.1 VAE: one model for images and clips
+SIDE, FRAMES = 128, 9  # pixels per side; frames of a training clip (two latent frames after the first)
+TOKENS = scenes.TOKENS
+CFG_DROP = 0.1  # share of training prompts replaced by the empty prompt (zeros), for classifier-free guidance
+NOISE_IN_LATENT = 0.05  # the decoder learns to read slightly wrong latents, as a sampler leaves them
+VAE_FILE, DIT_FILE, REPORT_FILE = "scenes_vae_wan21.safetensors", "scenes_wan21_t2v.safetensors", "training.json"
+FOLDER = pathlib.Path(__file__).with_name("learned")  # where the trained files ship
+
+
+def text_width() -> int:
+    return FAMILIES[FAMILY].cond["width"]
+
+
+def latent_format():
+    import comfy.latent_formats
+    return comfy.latent_formats.Wan21()
+
+
+def prompt_context(prompts: list, video: bool) -> torch.Tensor:
+    """(batch, TOKENS, width): the scenes' word vectors; an empty prompt is all zeros (the unconditional input)."""
+    return torch.cat([scenes.embed(p, text_width(), TOKENS, video) for p in prompts])
+
+
+def scene_pool(count: int, video: bool, generator: torch.Generator) -> list:
+    """Every still scene (count 0), or `count` random scenes (clips when `video`)."""
+    if count == 0 and not video:
+        import itertools
+        names = [name for name in scenes.ATTRIBUTES if name != "motion"]
+        return [scenes.Scene(**dict(zip(names, words)))
+                for words in itertools.product(*(scenes.ATTRIBUTES[name] for name in names))]
+    return [scenes.random_scene(generator, video=video) for _ in range(count)]
+
+
+def render_pool(pool: list, frames: int, side: int) -> torch.Tensor:
+    """(n, 3, frames, side, side) in fp16: the pixels a VAE encodes."""
+    return torch.stack([scenes.render(s, side, frames).reshape(3, frames, side, side) for s in pool]).half()
+
+
+def trainable(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Fan-in initialised (ComfyUI's layers skip initialisation), RMS-norm scales at 1, every parameter trained
+    (ComfyUI builds its models for inference: requires_grad off)."""
+    from ..harness.inprocess import seeded_init_
+    with torch.no_grad():
+        seeded_init_(module, seed)
+        for name, p in module.named_parameters():
+            if name.endswith("gamma"):  # Wan's VAE keeps its norms' scales as (channels, 1, 1[, 1])
+                p.fill_(1.0)
+    return module.requires_grad_(True)
+
+
+def build_vae(seed: int, device) -> torch.nn.Module:
+    import comfy.ldm.wan.vae
+    kind, config = VAES["wan21"]
+    with torch.device(device):
+        return trainable(comfy.ldm.wan.vae.WanVAE(**{**config, **TINY_VAE["wan21"]}), seed)
+
+
+def build_dit(seed: int, device) -> torch.nn.Module:
+    """ComfyUI's WAN21 model at the tiny width, fan-in initialised, its output head at zero (it starts by predicting
+    no velocity: the first steps do not fight a random output)."""
+    model = build_model(FAMILY, "tiny", torch.float32, device)
+    trainable(model.diffusion_model, seed)
+    with torch.no_grad():
+        model.diffusion_model.head.head.weight.zero_()
+        model.diffusion_model.head.head.bias.zero_()
+    return model
+
+
+def batches(generator: torch.Generator, images: torch.Tensor, clips: torch.Tensor, image_batch: int,
+            clip_batch: int, step: int):
+    """Image batches on even steps, clip batches on odd ones: (indices, which pool)."""
+    pool, size = (images, image_batch) if step % 2 == 0 or len(clips) == 0 else (clips, clip_batch)
+    return torch.randint(len(pool), (size,), generator=generator), pool
+
+
+def latent_moments_loss(latent: torch.Tensor) -> torch.Tensor:
+    """How far each channel of the normalised latent is from zero mean and unit spread: keeps the latents in the
+    range ComfyUI's Wan 2.1 latent format and the sampler's noise assume."""
+    dims = [0, *range(2, latent.ndim)]
+    return (latent.mean(dims) ** 2 + (latent.std(dims) - 1) ** 2).mean()
+
+
+def cosine_lr(optimizer, step: int, steps: int, peak: float, warmup: int = 100) -> None:
+    lr = peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / max(steps, 1), 1.0)))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def train_vae(vae, images, clips, steps, seed, args, log, save):
+    fmt = latent_format()
+    generator, noise = torch.Generator().manual_seed(seed), torch.Generator(images.device).manual_seed(seed)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    for step in range(steps):
+        indices, pool = batches(generator, images, clips, args.image_batch, args.clip_batch, step)
+        pixels = pool[indices.to(pool.device)].float()
+        latent = fmt.process_in(vae.encode(pixels))
+        noisy = latent + NOISE_IN_LATENT * torch.randn(latent.shape, generator=noise, device=latent.device)
+        decoded = vae.decode(fmt.process_out(noisy))
+        reconstruction = F.mse_loss(decoded, pixels) + 0.5 * F.l1_loss(decoded, pixels)
+        loss = reconstruction + 0.01 * latent_moments_loss(latent)
+        cosine_lr(optimizer, step, steps, args.vae_lr)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        log("vae", step, steps, reconstruction=reconstruction.item(), loss=loss.item())
+        save(step, steps)
+
+
+@torch.no_grad()
+def encode_pool(vae, pixels: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    fmt = latent_format()
+    return torch.cat([fmt.process_in(vae.encode(pixels[i:i + batch].float())) for i in range(0, len(pixels), batch)])
+
+
+def sigmas(batch: int, shift: float, generator: torch.Generator, device) -> torch.Tensor:
+    """Half from the shifted schedule ComfyUI samples WAN21 with (most steps at high noise), half uniform, so the
+    low-noise steps that draw the details are trained too."""
+    u = torch.rand(batch, generator=generator)
+    shifted = shift * u / (1 + (shift - 1) * u)
+    return torch.where(torch.rand(batch, generator=generator) < 0.5, shifted, u).clamp(1e-3, 1.0).to(device)
+
+
+def train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts, steps, seed, args, log, save):
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.Generator(image_latents.device).manual_seed(seed)
+    shift = float(model.model_sampling.shift)
+    parameters = [p for p in model.diffusion_model.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=args.dit_lr, weight_decay=0.01)
+    for step in range(steps):
+        indices, pool = batches(generator, image_latents, clip_latents, args.image_batch, args.clip_batch, step)
+        contexts = image_contexts if pool is image_latents else clip_contexts
+        x0, context = pool[indices.to(pool.device)], contexts[indices].to(pool.device)
+        dropped = torch.rand(len(indices), generator=generator) < CFG_DROP
+        context = torch.where(dropped[:, None, None].to(context.device), torch.zeros_like(context), context)
+        sigma = sigmas(len(indices), shift, generator, x0.device)
+        epsilon = torch.randn(x0.shape, generator=noise, device=x0.device)
+        s = sigma.view(-1, *[1] * (x0.ndim - 1))
+        noisy = (1 - s) * x0 + s * epsilon
+        denoised = model.apply_model(noisy, sigma, c_crossattn=context)
+        velocity = (noisy - denoised) / s  # ComfyUI's flow models predict eps - x0: denoised = x - sigma * v
+        loss = F.mse_loss(velocity, epsilon - x0)
+        cosine_lr(optimizer, step, steps, args.dit_lr)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        log("dit", step, steps, loss=loss.item())
+        save(step, steps)
+
+
+def write_fp16(module: torch.nn.Module, path: pathlib.Path, metadata: dict) -> None:
+    from safetensors.torch import save_file
+    state = {key: t.detach().to("cpu", torch.float16).contiguous() for key, t in module.state_dict().items()}
+    tmp = path.with_suffix(".tmp")
+    save_file(state, str(tmp), metadata={key: str(value) for key, value in metadata.items()})
+    tmp.replace(path)
+
+
+class Recorder:
+    """Loss curves (a point every `every` steps, the mean since the last), timings, and the files written."""
+
+    def __init__(self, out: pathlib.Path, settings: dict, every: int):
+        self.out, self.every, self.started = out, every, time.perf_counter()
+        self.report = {"settings": settings, "curves": {}, "seconds": {}}
+        self.sums = {}
+
+    def log(self, stage: str, step: int, steps: int, **values) -> None:
+        sums = self.sums.setdefault(stage, {})
+        for name, value in values.items():
+            sums[name] = sums.get(name, 0.0) + value
+        if (step + 1) % self.every == 0 or step + 1 == steps:
+            count = (step % self.every) + 1
+            point = {"step": step + 1, **{name: total / count for name, total in sums.items()}}
+            self.report["curves"].setdefault(stage, []).append(point)
+            self.sums[stage] = {}
+            print(f"{stage} {step + 1}/{steps} " + " ".join(f"{k} {v:.5f}" for k, v in point.items() if k != "step")
+                  + f" ({time.perf_counter() - self.started:.0f} s)", flush=True)
+
+    def stage_done(self, stage: str, seconds: float) -> None:
+        self.report["seconds"][stage] = round(seconds, 1)
+        self.write()
+
+    def write(self) -> None:
+        (self.out / REPORT_FILE).write_text(json.dumps(self.report, indent=1) + "\n")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for the two model files and training.json")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--side", type=int, default=SIDE, help="pixels per side (a multiple of 16)")
+    parser.add_argument("--frames", type=int, default=FRAMES, help="frames of a training clip (4k + 1)")
+    parser.add_argument("--clips", type=int, default=1024, help="random clips in the training pool")
+    parser.add_argument("--images", type=int, default=0, help="random still scenes in the pool; 0: every one")
+    parser.add_argument("--vae-steps", type=int, default=2000)
+    parser.add_argument("--dit-steps", type=int, default=6000)
+    parser.add_argument("--image-batch", type=int, default=32)
+    parser.add_argument("--clip-batch", type=int, default=8)
+    parser.add_argument("--vae-lr", type=float, default=1e-3)
+    parser.add_argument("--dit-lr", type=float, default=5e-4)
+    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--save-every", type=int, default=1000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode, before CUDA starts
+    from ..harness.inprocess import import_comfy
+    comfy = import_comfy(cpu=args.device == "cpu")
+    comfy.model_management.in_training = True  # ComfyUI's differentiable paths (its fused RoPE op has no backward)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False  # same seed, same weights
+    torch.use_deterministic_algorithms(True, warn_only=True)  # and a warning naming any op that cannot promise it
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(out, {k: v for k, v in vars(args).items() if k != "out"}, args.log_every)
+    generator = torch.Generator().manual_seed(args.seed)
+    started = time.perf_counter()
+    still, moving = scene_pool(args.images, False, generator), scene_pool(args.clips, True, generator)
+    images = render_pool(still, 1, args.side).to(args.device)
+    clips = render_pool(moving, args.frames, args.side).to(args.device) if moving else images[:0]
+    recorder.stage_done("render", time.perf_counter() - started)
+    metadata = {"overdrive_learned": "scenes", "seed": args.seed, "side": args.side, "tokens": TOKENS}
+
+    vae = build_vae(args.seed, args.device)
+    vae_path = out / VAE_FILE
+
+    def save_vae(step, steps):
+        if (step + 1) % args.save_every == 0 or step + 1 == steps:
+            write_fp16(vae, vae_path, {**metadata, "steps": step + 1})
+    started = time.perf_counter()
+    train_vae(vae, images, clips, args.vae_steps, args.seed, args, recorder.log, save_vae)
+    recorder.stage_done("vae", time.perf_counter() - started)
+
+    vae.half().float()  # the DiT learns the latents of the fp16 file, as ComfyUI will encode them
+    image_latents, clip_latents = encode_pool(vae, images), encode_pool(vae, clips)
+    del images, clips
+    image_contexts = prompt_context([s.prompt() for s in still], video=False)
+    clip_contexts = prompt_context([s.prompt(video=True) for s in moving], video=True) if moving else image_contexts[:0]
+    model = build_dit(args.seed, args.device)
+    dit_path = out / DIT_FILE
+
+    def save_dit(step, steps):
+        if (step + 1) % args.save_every == 0 or step + 1 == steps:
+            write_fp16(model.diffusion_model, dit_path, {**metadata, "steps": step + 1})
+            recorder.write()
+    started = time.perf_counter()
+    train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts, args.dit_steps, args.seed, args,
+              recorder.log, save_dit)
+    recorder.stage_done("dit", time.perf_counter() - started)
+    recorder.report["environment"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
+                                      if args.device != "cpu" else "cpu"}
+    recorder.write()
+    return recorder.report
+
+
+if __name__ == "__main__":
+    main()

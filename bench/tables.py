@@ -138,6 +138,29 @@ def latest(reports) -> str:
     return "\n".join(lines)
 
 
+def fidelity(reports) -> str:
+    """Per accelerator on the reference model with learned weights (bench_fidelity.py): its image against eager's at
+    the same prompt and seed, over every prompt of the newest run on each machine."""
+    newest = {}
+    for report in reports:
+        newest[report["environment"].get("gpu", "CPU")] = report
+    header = ("machine", "variant", "PSNR dB mean / median / min", "SSIM", "final-latent error", "steps full / reused",
+              "s/image", "`bench/results/`")
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for machine, report in sorted(newest.items()):
+        eager = next(row for row in report["results"] if row["variant"] == "eager")
+        for row in report["results"][1:]:
+            if "failed" in row:
+                cells = ["failed: " + row["failed"][:60], "—", "—", "—", "—"]
+            else:
+                full = row.get("steps_full_reused")
+                cells = [f"{row['psnr_mean']:.1f} / {row['psnr_median']:.1f} / {row['psnr_min']:.1f}",
+                         f"{row['ssim_mean']:.3f}", f"{row['latent_rel_err_mean']:.3f}",
+                         f"{full[0]} / {full[1]}" if full else "—", cell(row, eager)]
+            lines.append(" | ".join([f"| {machine}", f"`{row['variant']}`", *cells, f"`{report['file']}` |"]))
+    return "\n".join(lines)
+
+
 TABLES = {
     "models": (models, ("2026-11-29_h200_comfy033_dynamic-off_flux_1024_fast_attention.json",
                         "2026-11-29_h200_comfy033_dynamic-on_flux_1024_same_run.json",
@@ -149,6 +172,7 @@ TABLES = {
                           "*_budget-12gib_flux_1024_no_prefetch.json", "*_budget-12gib_flux_1024_fp8_compiled.json",
                           "*_budget-*gib_wan22_14b_480p.json", "*_budget-*gib_qwen_image_1328.json")),
     "latest": (latest, ("*.json",)),
+    "fidelity": (fidelity, ("*_fidelity_scenes.json",)),
 }
 
 

@@ -61,8 +61,12 @@ def builtin_dit_files(comfy):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, builtin_checkpoints, builtin_dit_files):
-    """A real ComfyUI server on loopback with Overdrive in custom_nodes, the built-in checkpoints and DiT files."""
-    srv = start_server(tmp_path_factory.mktemp("comfyui"), builtin_checkpoints, other_files=builtin_dit_files)
+    """A real ComfyUI server on loopback with Overdrive in custom_nodes, the built-in checkpoints and DiT files, and the
+    reference models with learned weights."""
+    from overdrive.builtin_models import learned
+    files = {folder: {**builtin_dit_files.get(folder, {}), **learned.files().get(folder, {})}  # + the learned ones
+             for folder in {*builtin_dit_files, *learned.files()}}
+    srv = start_server(tmp_path_factory.mktemp("comfyui"), builtin_checkpoints, other_files=files)
     yield srv
     srv.stop()
 

@@ -1,0 +1,88 @@
+"""Batch (CFG) parallelism over worker processes (parallel/), on the CPU with gloo as CI runs it: a call split over
+2 and 3 processes equals the call in one, a ComfyUI model's call too, and a worker that fails or dies fails the call
+with a clear error and leaves no process behind."""
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from overdrive.parallel.batch_split import chunk_ranges, join, split_call
+from overdrive.parallel.workers import WorkerDied, WorkerPool
+
+
+class SeededNet:
+    """A factory every process builds the same weights from (what a worker gets: something it can unpickle)."""
+
+    def __call__(self, device):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(device)
+
+        def call(x, timestep, context=None, options=None):
+            scale = 2.0 if options and options.get("double") else 1.0
+            return net(x * timestep[:, None] + context.mean(1)) * scale
+        return call
+
+
+class DiesWhenCalled(SeededNet):
+    def __call__(self, device):
+        def call(*args, **kwargs):
+            os._exit(3)  # a crash no exception handler sees
+        return call
+
+
+class FailsToLoad(SeededNet):
+    def __call__(self, device):
+        raise FileNotFoundError("no such model file: missing.safetensors")
+
+
+def a_call(batch=4, chunks=2):
+    generator = torch.Generator().manual_seed(1)
+    x, timestep = torch.randn(batch, 8, generator=generator), torch.rand(batch, generator=generator)
+    kwargs = {"context": torch.randn(batch, 5, 8, generator=generator),
+              "options": {"double": True, "cond_or_uncond": [1, 0][:chunks] if chunks <= 2 else list(range(chunks))}}
+    return x, timestep, kwargs
+
+
+def test_parts_follow_the_chunks_and_join_back():
+    assert chunk_ranges(2, 2) == [(0, 1), (1, 2)] and chunk_ranges(3, 2) == [(0, 2), (2, 3)]
+    with pytest.raises(ValueError, match="at most one part per chunk"):
+        chunk_ranges(2, 3)
+    x, timestep, kwargs = a_call(batch=4, chunks=2)
+    parts = split_call(x, timestep, kwargs, chunks=2, parts=2)
+    assert [p[0].shape[0] for p in parts] == [2, 2]
+    assert [p[2]["options"]["cond_or_uncond"] for p in parts] == [[1], [0]]
+    assert all(p[2]["options"]["double"] for p in parts)
+    assert torch.equal(join([p[0] for p in parts]), x)
+    with pytest.raises(ValueError, match="equal chunks"):
+        split_call(torch.zeros(3, 8), timestep[:3], {}, chunks=2, parts=2)
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_call_split_over_processes_equals_the_call_in_one(processes):
+    model = SeededNet()(torch.device("cpu"))
+    x, timestep, kwargs = a_call(batch=6, chunks=3)
+    expected = model(x, timestep, **kwargs)
+    pool = WorkerPool(SeededNet(), processes, cuda=False).start()
+    try:
+        for _ in range(2):  # the workers keep their model between calls
+            out = join(pool.run(split_call(x, timestep, kwargs, chunks=3, parts=processes), model))
+            assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+    finally:
+        pool.close()
+    assert not pool.alive() and not multiprocessing.active_children()
+
+
+def test_a_worker_that_fails_to_load_names_why_and_leaves_no_process():
+    with pytest.raises(WorkerDied, match="missing.safetensors"):
+        WorkerPool(FailsToLoad(), 2, cuda=False).start()
+    assert not multiprocessing.active_children()
+
+
+def test_a_worker_that_dies_mid_call_fails_the_call_and_leaves_no_process():
+    pool = WorkerPool(DiesWhenCalled(), 2, cuda=False).start()
+    x, timestep, kwargs = a_call()
+    with pytest.raises(WorkerDied, match="worker 1 ended \\(exit code 3\\)"):
+        pool.run(split_call(x, timestep, kwargs, chunks=2, parts=2), SeededNet()(torch.device("cpu")))
+    assert not pool.alive() and not multiprocessing.active_children()
+    pool.close()  # twice is harmless

@@ -6,13 +6,14 @@ from .comfy_call_options import COMFY_CALL_OPTIONS
 from .builtin_conditioning import OverdriveBuiltinConditioning
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
+from .parallel_model import OverdriveParallelModel
 from .quantize_node import OverdriveQuantizeModel
 from .switch_weights_node import OverdriveSwitchDiffusionModel, OverdriveSwitchWeights
 
 describe(COMFY_CALL_OPTIONS)  # the core routes ComfyUI's transformer_options by this description
 
 NODE_LIST = [OverdriveCompileModel, OverdriveCompileVAE, OverdriveSwitchWeights, OverdriveSwitchDiffusionModel,
-             OverdriveDeepCache, OverdriveQuantizeModel, OverdriveBuiltinConditioning]
+             OverdriveDeepCache, OverdriveQuantizeModel, OverdriveBuiltinConditioning, OverdriveParallelModel]
 # node id -> class, as ComfyUI registers them: each class is named after its node id (test_server checks the ids), so
 # importing the nodes builds no schema (the switch nodes' schemas list the model folders).
 NODES = {node.__name__: node for node in NODE_LIST}

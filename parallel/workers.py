@@ -8,11 +8,14 @@ instead of hanging it. `close` stops every worker; none outlives the pool.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import socket
+import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
 READY_TIMEOUT_S = 600.0  # a worker loads its copy of the model before it is ready
+GROUP_TIMEOUT_S = 120.0  # the group's own limit on a transfer or joining: a backstop, the pipes notice deaths first
 POLL_S = 0.05
 
 
@@ -41,11 +45,15 @@ class Placement:
         return torch.device("cuda", rank) if self.cuda else torch.device("cpu")
 
 
+class _TensorSlot:
+    """Where a tensor was in a packed call (it travels apart)."""
+
+
 def _pack(tree) -> tuple:
     """(header, tensors): the tensors of a nested call travel by torch.distributed, the rest in the header."""
     leaves, spec = pytree.tree_flatten(tree)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    plain = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    plain = [_TensorSlot() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     meta = [(tuple(t.shape), t.dtype) for t in tensors]
     return (spec, plain, meta), [t.contiguous() for t in tensors]
 
@@ -53,7 +61,7 @@ def _pack(tree) -> tuple:
 def _unpack(header, tensors: list):
     spec, plain, _ = header
     it = iter(tensors)
-    return pytree.tree_unflatten([next(it) if leaf is None else leaf for leaf in plain], spec)
+    return pytree.tree_unflatten([next(it) if isinstance(leaf, _TensorSlot) else leaf for leaf in plain], spec)
 
 
 def _receive(header, src: int, device) -> list:
@@ -80,12 +88,25 @@ def _join_group(placement: Placement, rank: int, port: int) -> None:
     if placement.cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group(placement.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=placement.world_size, timeout=datetime.timedelta(seconds=READY_TIMEOUT_S))
+                            world_size=placement.world_size, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Spawned processes import their parent's main module to unpickle what it defines; a worker needs nothing from
+    it, and ComfyUI's main.py (or a script without a main guard) would run again in every worker."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _worker_main(rank: int, placement: Placement, port: int, factory, connection) -> None:
     """A worker: its copy of the model, then one call after another until told to stop (or its parent goes)."""
     try:
+        connection.send(("joining", None))
         _join_group(placement, rank, port)
         device = placement.device(rank)
         model = factory(device)
@@ -139,11 +160,14 @@ class WorkerPool:
             parent, child = context.Pipe()
             process = context.Process(target=_worker_main, args=(rank, self.placement, port, self.factory, child),
                                       daemon=True, name=f"overdrive-worker-{rank}")
-            process.start()
+            with _main_module_hidden():
+                process.start()
             child.close()
             self.processes.append(process)
             self.connections.append(parent)
         try:
+            for rank in range(1, self.placement.world_size):  # each has unpickled its model's factory: it runs
+                self._expect(rank, "joining", READY_TIMEOUT_S)
             _join_group(self.placement, 0, port)
             for rank in range(1, self.placement.world_size):
                 self._expect(rank, "ready", READY_TIMEOUT_S)
@@ -179,8 +203,9 @@ class WorkerPool:
         return payload
 
     def run(self, parts: list, local) -> list:
-        """Each part's output: parts[0] by `local` here, parts[r] by worker r. Parts are (x, timestep, kwargs)."""
-        if len(parts) != self.placement.world_size:
+        """Each part's output: parts[0] by `local` here, parts[r] by worker r (workers beyond the parts wait). Parts
+        are (x, timestep, kwargs)."""
+        if not 1 <= len(parts) <= self.placement.world_size:
             raise ValueError(f"{len(parts)} parts for {self.placement.world_size} processes")
         try:
             for rank, part in enumerate(parts[1:], start=1):
@@ -190,7 +215,7 @@ class WorkerPool:
                 _send(tensors, rank, self.device)
             x, timestep, kwargs = parts[0]
             outputs = [local(x, timestep, **kwargs)]
-            for rank in range(1, self.placement.world_size):
+            for rank in range(1, len(parts)):
                 header = self._expect(rank, "done")
                 outputs.append(_unpack(header, _receive(header, rank, self.device)))
             return outputs

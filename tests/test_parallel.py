@@ -86,3 +86,51 @@ def test_a_worker_that_dies_mid_call_fails_the_call_and_leaves_no_process():
         pool.run(split_call(x, timestep, kwargs, chunks=2, parts=2), SeededNet()(torch.device("cpu")))
     assert not pool.alive() and not multiprocessing.active_children()
     pool.close()  # twice is harmless
+
+
+def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_files):
+    """Wan 2.2's tiny file as Load Diffusion Model loads it, sampled with CFG: its passes split over two processes
+    (the second reloads the file), per model call equal to the model in this process alone."""
+    import comfy.sd
+
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from test_dit_families import assert_calls_match, record_calls
+
+    path = builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]
+    model = comfy.sd.load_diffusion_model(str(path))
+    positive, negative = conditioning("wan22", 1), conditioning("wan22", 2)
+    latent = empty_latent("wan22", 64, 64, frames=5)
+
+    def sample(patcher):
+        import comfy.sample
+        recorded, calls = record_calls(patcher)
+        noise = comfy.sample.prepare_noise(latent, 0)
+        out = comfy.sample.sample(recorded, noise, 3, 5.0, "euler", "simple", positive, negative, latent, seed=0,
+                                  disable_pbar=True)
+        return out, calls
+
+    expected, expected_calls = sample(model)
+    try:
+        out, calls = sample(parallelize(model, 2, cuda=False))
+        assert POOLS.pool is not None and POOLS.pool.alive()
+    finally:
+        POOLS.close()
+    assert_calls_match(calls, expected_calls, 1e-5)
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+    assert not multiprocessing.active_children()
+
+
+def test_the_node_runs_on_one_gpu_with_a_warning_where_the_gpus_are_missing_and_names_bad_input(comfy, caplog):
+    import comfy.model_patcher
+
+    from overdrive.nodes.parallel_model import KEY, OverdriveParallelModel, parallelize
+    model = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="overdrive"):
+        out = OverdriveParallelModel.execute(model, gpus=max(2, torch.cuda.device_count() + 1))[0]
+    assert out is not model and KEY not in str(out.wrappers) and "runs on one GPU" in caplog.text
+    with pytest.raises(ValueError, match="unknown mode 'ring'"):
+        OverdriveParallelModel.execute(model, gpus=2, mode="ring")
+    with pytest.raises(ValueError, match="loaded from a file"):
+        parallelize(model, 2, cuda=False)  # built in memory: nothing for the workers to load

@@ -1,0 +1,148 @@
+"""Parallel Model: one generation over several GPUs of this machine. Each sampling step's conditional and
+unconditional passes (ComfyUI batches them into one model call) run on different GPUs: this process runs the first
+part through the model as it is, worker processes (parallel/workers.py) run the others on their own copies, reloaded
+the way ComfyUI loaded the model (its `cached_patcher_init`), and the outputs are joined.
+
+Where a call cannot be split (one chunk, as with CFG 1; a ControlNet; other nodes' patches in the model) it runs
+here alone, and the log says why once. The workers stay up for later prompts with the same model file; a worker
+that dies fails that prompt with a clear error, and the next prompt starts fresh ones.
+"""
+import logging
+
+import torch
+
+from comfy.patcher_extension import WrappersMP
+from comfy_api.latest import io
+
+from ..harness.comfy_worker import ComfyReload
+from ..parallel.batch_split import join, split_call
+from ..parallel.workers import WorkerPool
+from .schema import node_schema, patched_copy_input
+
+log = logging.getLogger("overdrive")
+KEY = "overdrive_parallel"
+GPUS, MODES = 2, ("auto", "cfg")
+PLAIN = (torch.Tensor, int, float, str, bool, type(None), torch.dtype)
+
+
+def plain(value):
+    """What of a call's options can travel to another process: data (tensors, numbers, strings and containers of
+    them); functions, patches and wrappers stay here."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if _is_plain(v)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
+def _is_plain(value) -> bool:
+    if isinstance(value, dict):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, PLAIN)
+
+
+class Pools:
+    """The one worker pool of this process (a process belongs to one torch.distributed group), kept for the model
+    file it was started for."""
+
+    def __init__(self):
+        self.pool, self.key = None, None
+
+    def get(self, init: tuple, processes: int, cuda: bool) -> WorkerPool:
+        key = (repr(init), processes, cuda)
+        if self.pool is not None and (self.key != key or not self.pool.alive()):
+            self.close()
+        if self.pool is None:
+            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once)",
+                     processes - 1)
+            self.pool, self.key = WorkerPool(ComfyReload(init), processes, cuda).start(), key
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.pool, self.key = None, None
+
+
+POOLS = Pools()
+
+
+def why_not_split(x, control, transformer_options) -> str | None:
+    chunks = len(transformer_options.get("cond_or_uncond") or ())
+    if chunks < 2:
+        return "the call has one pass (CFG 1, or ComfyUI ran the passes apart)"
+    if x.shape[0] % chunks:
+        return "its batch does not divide into its passes"
+    if control is not None:
+        return "a ControlNet's residuals take part in it"
+    return None
+
+
+def parallel_apply_model(processes: int, cuda: bool, init: tuple):
+    """An APPLY_MODEL wrapper that splits each call's passes over `processes` processes."""
+    told = set()
+
+    def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
+        reason = why_not_split(x, control, transformer_options)
+        if reason is not None:
+            if reason not in told:
+                told.add(reason)
+                log.info("Overdrive Parallel Model: a call runs on this GPU alone: %s", reason)
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        chunks = len(transformer_options["cond_or_uncond"])
+        call = {"c_concat": c_concat, "c_crossattn": c_crossattn, "transformer_options": transformer_options, **kwargs}
+        parts = split_call(x, t, call, chunks, min(processes, chunks))
+        remote = [(px, pt, {**pk, "transformer_options": plain(pk["transformer_options"])})
+                  for px, pt, pk in parts[1:]]
+
+        def local(px, pt, transformer_options, **rest):
+            return executor(px, pt, rest.pop("c_concat"), rest.pop("c_crossattn"), None, transformer_options, **rest)
+        return join(POOLS.get(init, processes, cuda).run([parts[0], *remote], local))
+    return wrapper
+
+
+def parallelize(model, processes: int, cuda: bool):
+    """A clone of `model` whose calls split their passes over `processes` processes (GPUs where `cuda`)."""
+    init = getattr(model, "cached_patcher_init", None)
+    if init is None:
+        raise ValueError("Parallel Model needs a model ComfyUI loaded from a file (Load Diffusion Model, Load "
+                         "Checkpoint): its workers load the same file")
+    if model.patches:
+        raise ValueError("Parallel Model does not carry weight patches (LoRA) to its workers yet: put it before "
+                         "the LoRA loaders' model, or leave it out")
+    patched = model.clone()
+    patched.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, parallel_apply_model(processes, cuda, init))
+    return patched
+
+
+DESCRIPTION = ("One generation over several GPUs of this machine: each step's conditional and unconditional passes "
+               "run on different GPUs (CFG parallelism), each GPU holding its own copy of the model, loaded once "
+               "for the prompts that follow. Without the GPUs asked for it runs on one, with a warning.")
+
+
+class OverdriveParallelModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return node_schema(
+            "OverdriveParallelModel", "Parallel Model (Overdrive)", description=DESCRIPTION,
+            inputs=[patched_copy_input(io.Model, "model", "model", "split over the GPUs",
+                                       "Loaded from a file (its workers load the same file), without LoRA patches."),
+                    io.Int.Input("gpus", default=GPUS, min=2, max=16,
+                                 tooltip="How many GPUs of this machine share each generation (one process each)."),
+                    io.Combo.Input("mode", options=list(MODES), default=MODES[0],
+                                   tooltip="auto: what the model and GPU count allow, now CFG parallelism (the "
+                                           "conditional and unconditional passes on different GPUs). cfg: that.")],
+            outputs=[io.Model.Output(tooltip="The model, its sampling steps split over the GPUs.")])
+
+    @classmethod
+    def execute(cls, model, gpus=GPUS, mode=MODES[0]) -> io.NodeOutput:
+        if mode not in MODES:
+            raise ValueError(f"Parallel Model: unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        available = torch.cuda.device_count()
+        if available < gpus:
+            log.warning("Overdrive Parallel Model: %d GPU(s) asked for, %d here: the model runs on one GPU, as it is",
+                        gpus, available)
+            return io.NodeOutput(model.clone())
+        return io.NodeOutput(parallelize(model, gpus, cuda=True))

@@ -11,6 +11,7 @@ The models run through ComfyUI's own classes: ComfyUI must be importable (script
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -234,11 +235,31 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode, before CUDA starts
     from ..harness.inprocess import import_comfy
-    comfy = import_comfy(cpu=args.device == "cpu")
+    with training_settings(import_comfy(cpu=args.device == "cpu")):
+        return train(args)
+
+
+@contextlib.contextmanager
+def training_settings(comfy):
+    """ComfyUI's differentiable paths and torch's deterministic algorithms while training, and everything as it was
+    afterwards (the trainer also runs inside a test process)."""
+    backends = torch.backends
+    saved = (comfy.model_management.in_training, backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32,
+             backends.cudnn.deterministic, backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
     comfy.model_management.in_training = True  # ComfyUI's differentiable paths (its fused RoPE op has no backward)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False  # same seed, same weights
+    backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = True
+    backends.cudnn.deterministic, backends.cudnn.benchmark = True, False  # same seed, same weights
     torch.use_deterministic_algorithms(True, warn_only=True)  # and a warning naming any op that cannot promise it
+    try:
+        yield
+    finally:
+        (comfy.model_management.in_training, backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32,
+         backends.cudnn.deterministic, backends.cudnn.benchmark) = saved[:5]
+        torch.use_deterministic_algorithms(saved[5], warn_only=saved[6])
+
+
+def train(args) -> dict:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     recorder = Recorder(out, {k: v for k, v in vars(args).items() if k != "out"}, args.log_every)

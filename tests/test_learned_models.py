@@ -116,8 +116,12 @@ def test_the_trainer_gives_the_same_weights_for_the_same_seed_and_its_losses_fal
     from overdrive.builtin_models import training
     arguments = ["--side", "32", "--frames", "5", "--images", "16", "--clips", "4", "--vae-steps", "24",
                  "--dit-steps", "24", "--image-batch", "4", "--clip-batch", "2", "--log-every", "8", "--device", "cpu"]
+    deterministic = torch.are_deterministic_algorithms_enabled()
     for run in ("a", "b"):
         training.main(["--out", str(tmp_path / run), *arguments])
+    # what training switches on is off again for the rest of the process
+    assert not comfy.model_management.in_training
+    assert torch.are_deterministic_algorithms_enabled() == deterministic
     for name in (training.VAE_FILE, training.DIT_FILE):
         first, second = load_file(str(tmp_path / "a" / name)), load_file(str(tmp_path / "b" / name))
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), name

@@ -134,3 +134,40 @@ def test_the_node_runs_on_one_gpu_with_a_warning_where_the_gpus_are_missing_and_
         OverdriveParallelModel.execute(model, gpus=2, mode="ring")
     with pytest.raises(ValueError, match="loaded from a file"):
         parallelize(model, 2, cuda=False)  # built in memory: nothing for the workers to load
+
+
+def test_an_interrupted_prompt_leaves_the_workers_ready_for_the_next(comfy, builtin_dit_files):
+    """ComfyUI's interrupt ends sampling between steps: the prompt stops, the workers stay up, and the next prompt
+    samples what it samples uninterrupted."""
+    import comfy.model_management
+    import comfy.sample
+    import comfy.sd
+
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes.parallel_model import POOLS, parallelize
+
+    model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
+    latent = empty_latent("wan22", 64, 64, frames=5)
+
+    def sample(patcher, callback=None):
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 3, 5.0, "euler", "simple",
+                                   conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
+                                   disable_pbar=True, callback=callback)
+
+    def interrupt_at_second_step(step, *args):
+        if step == 1:
+            comfy.model_management.interrupt_current_processing()
+            comfy.model_management.throw_exception_if_processing_interrupted()
+    parallel = parallelize(model, 2, cuda=False)
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            sample(parallel, interrupt_at_second_step)
+        pool = POOLS.pool
+        assert pool is not None and pool.alive()
+        assert torch.allclose(sample(parallel), sample(model), rtol=1e-4, atol=1e-5)
+        assert POOLS.pool is pool  # the same workers: nothing reloaded
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+        POOLS.close()
+    assert not multiprocessing.active_children()

@@ -27,7 +27,7 @@ from overdrive.builtin_models import dit
 from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.families import registered as dit_families
 from overdrive.latents import latent_parts
-from overdrive.harness.inprocess import build_dit_model, build_model, conditioning, import_comfy
+from overdrive.harness.inprocess import build_dit_model, build_model, conditioning, import_comfy, run_node
 from report import (add_speedups, compile_phases, copy_rates, environment, finish, profile_run, sync_sources,
                     write_report)
 
@@ -94,7 +94,7 @@ def add_stream_estimate(row: dict, model_calls: int) -> None:
     row["stream_s_per_image_at_25gb_s"] = round(streamed * 2**30 * model_calls / 25e9, 2)
 
 
-def bench_vae(comfy, run_node, latent, repeats, arch):
+def bench_vae(comfy, latent, repeats, arch):
     """VAE decode of the final latent: ComfyUI's VAE eager vs through OverdriveCompileVAE (same weights). A DiT
     family decodes with its own VAE (Flux's 16-channel autoencoder, Wan's causal video VAE), at full size."""
     from overdrive.harness.inprocess import build_family_vae, build_vae
@@ -299,16 +299,6 @@ def main():
         latent = torch.zeros(1, 4, height // 8, width // 8)
         scheduler, cfg = "normal", args.cfg if args.cfg is not None else 7.0
     noise = comfy.sample.prepare_noise(latent, 42)
-
-    def run_node(name, **inputs):
-        """Run one Overdrive node as ComfyUI would: its declared defaults, overridden by `inputs`."""
-        from overdrive.nodes import NODES
-        cls = NODES[name]
-        declared = cls.INPUT_TYPES()
-        values = {k: spec[1].get("default") for k, spec in declared["required"].items()
-                  if len(spec) > 1 and isinstance(spec[1], dict) and "default" in spec[1]}
-        values.update(inputs)
-        return cls.execute(**values)[0]
 
     compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
                        "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},
@@ -555,7 +545,7 @@ def main():
         for restore in restores:
             restore()
 
-    report["vae_decode"] = bench_vae(comfy, run_node, reference, args.repeats, args.arch) if args.vae else []
+    report["vae_decode"] = bench_vae(comfy, reference, args.repeats, args.arch) if args.vae else []
     add_speedups(results)
     finish(report, results, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
                              ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),

@@ -76,7 +76,7 @@ def trainable(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build_vae(seed: int, device) -> torch.nn.Module:
     import comfy.ldm.wan.vae
-    kind, config = VAES["wan21"]
+    _, config = VAES["wan21"]
     with torch.device(device):
         return trainable(comfy.ldm.wan.vae.WanVAE(**{**config, **TINY_VAE["wan21"]}), seed)
 
@@ -106,10 +106,20 @@ def latent_moments_loss(latent: torch.Tensor) -> torch.Tensor:
     return (latent.mean(dims) ** 2 + (latent.std(dims) - 1) ** 2).mean()
 
 
-def cosine_lr(optimizer, step: int, steps: int, peak: float, warmup: int = 100) -> None:
-    lr = peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / max(steps, 1), 1.0)))
+def due(step: int, steps: int, every: int) -> bool:
+    """Whether step `step` (from 0) of `steps` is a multiple of `every`, or the last."""
+    return (step + 1) % every == 0 or step + 1 == steps
+
+
+def optimize(optimizer, loss: torch.Tensor, step: int, steps: int, peak_lr: float, warmup: int = 100) -> None:
+    """One step at a cosine learning rate after a linear warm-up, gradients clipped to norm 1."""
+    lr = peak_lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / max(steps, 1), 1.0)))
     for group in optimizer.param_groups:
         group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 1.0)
+    optimizer.step()
 
 
 def train_vae(vae, images, clips, steps, seed, args, log, save):
@@ -124,12 +134,8 @@ def train_vae(vae, images, clips, steps, seed, args, log, save):
         decoded = vae.decode(fmt.process_out(noisy))
         reconstruction = F.mse_loss(decoded, pixels) + 0.5 * F.l1_loss(decoded, pixels)
         loss = reconstruction + 0.01 * latent_moments_loss(latent)
-        cosine_lr(optimizer, step, steps, args.vae_lr)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        log("vae", step, steps, reconstruction=reconstruction.item(), loss=loss.item())
+        optimize(optimizer, loss, step, steps, args.vae_lr)
+        log("vae", step, steps, reconstruction=reconstruction.detach(), loss=loss.detach())
         save(step, steps)
 
 
@@ -151,8 +157,7 @@ def train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts,
     generator = torch.Generator().manual_seed(seed)
     noise = torch.Generator(image_latents.device).manual_seed(seed)
     shift = float(model.model_sampling.shift)
-    parameters = [p for p in model.diffusion_model.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=args.dit_lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.diffusion_model.parameters(), lr=args.dit_lr, weight_decay=0.01)
     for step in range(steps):
         indices, pool = batches(generator, image_latents, clip_latents, args.image_batch, args.clip_batch, step)
         contexts = image_contexts if pool is image_latents else clip_contexts
@@ -166,12 +171,8 @@ def train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts,
         denoised = model.apply_model(noisy, sigma, c_crossattn=context)
         velocity = (noisy - denoised) / s  # ComfyUI's flow models predict eps - x0: denoised = x - sigma * v
         loss = F.mse_loss(velocity, epsilon - x0)
-        cosine_lr(optimizer, step, steps, args.dit_lr)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        log("dit", step, steps, loss=loss.item())
+        optimize(optimizer, loss, step, steps, args.dit_lr)
+        log("dit", step, steps, loss=loss.detach())
         save(step, steps)
 
 
@@ -184,7 +185,8 @@ def write_fp16(module: torch.nn.Module, path: pathlib.Path, metadata: dict) -> N
 
 
 class Recorder:
-    """Loss curves (a point every `every` steps, the mean since the last), timings, and the files written."""
+    """Loss curves (a point every `every` steps, the mean since the last), timings, and the files written. Losses are
+    summed on their device and read at each point only: a read every step would make the host wait for the GPU."""
 
     def __init__(self, out: pathlib.Path, settings: dict, every: int):
         self.out, self.every, self.started = out, every, time.perf_counter()
@@ -195,9 +197,9 @@ class Recorder:
         sums = self.sums.setdefault(stage, {})
         for name, value in values.items():
             sums[name] = sums.get(name, 0.0) + value
-        if (step + 1) % self.every == 0 or step + 1 == steps:
+        if due(step, steps, self.every):
             count = (step % self.every) + 1
-            point = {"step": step + 1, **{name: total / count for name, total in sums.items()}}
+            point = {"step": step + 1, **{name: float(total) / count for name, total in sums.items()}}
             self.report["curves"].setdefault(stage, []).append(point)
             self.sums[stage] = {}
             print(f"{stage} {step + 1}/{steps} " + " ".join(f"{k} {v:.5f}" for k, v in point.items() if k != "step")
@@ -271,14 +273,16 @@ def train(args) -> dict:
     recorder.stage_done("render", time.perf_counter() - started)
     metadata = {"overdrive_learned": "scenes", "seed": args.seed, "side": args.side, "tokens": TOKENS}
 
-    vae = build_vae(args.seed, args.device)
-    vae_path = out / VAE_FILE
+    def saver(module, path):
+        def save(step, steps):
+            if due(step, steps, args.save_every):
+                write_fp16(module, path, {**metadata, "steps": step + 1})
+                recorder.write()
+        return save
 
-    def save_vae(step, steps):
-        if (step + 1) % args.save_every == 0 or step + 1 == steps:
-            write_fp16(vae, vae_path, {**metadata, "steps": step + 1})
+    vae = build_vae(args.seed, args.device)
     started = time.perf_counter()
-    train_vae(vae, images, clips, args.vae_steps, args.seed, args, recorder.log, save_vae)
+    train_vae(vae, images, clips, args.vae_steps, args.seed, args, recorder.log, saver(vae, out / VAE_FILE))
     recorder.stage_done("vae", time.perf_counter() - started)
 
     vae.half().float()  # the DiT learns the latents of the fp16 file, as ComfyUI will encode them
@@ -287,15 +291,9 @@ def train(args) -> dict:
     image_contexts = prompt_context([s.prompt() for s in still], video=False)
     clip_contexts = prompt_context([s.prompt(video=True) for s in moving], video=True) if moving else image_contexts[:0]
     model = build_dit(args.seed, args.device)
-    dit_path = out / DIT_FILE
-
-    def save_dit(step, steps):
-        if (step + 1) % args.save_every == 0 or step + 1 == steps:
-            write_fp16(model.diffusion_model, dit_path, {**metadata, "steps": step + 1})
-            recorder.write()
     started = time.perf_counter()
     train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts, args.dit_steps, args.seed, args,
-              recorder.log, save_dit)
+              recorder.log, saver(model.diffusion_model, out / DIT_FILE))
     recorder.stage_done("dit", time.perf_counter() - started)
     recorder.report["environment"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
                                       if args.device != "cpu" else "cpu"}

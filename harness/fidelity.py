@@ -38,15 +38,11 @@ def scene_prompts(count: int, seed: int) -> list:
     return [(scenes.random_scene(generator).prompt(), seed + i) for i in range(count)]
 
 
-def run_node(node_id: str, model, inputs: dict):
+def apply_node(node_id: str, model, inputs: dict):
     """A node applied as ComfyUI would: Overdrive's with their declared defaults, ComfyUI's by its V3 class."""
     if node_id.startswith("Overdrive"):
-        from overdrive.nodes import NODES
-        cls = NODES[node_id]
-        declared = cls.INPUT_TYPES()["required"]
-        values = {k: spec[1]["default"] for k, spec in declared.items()
-                  if len(spec) > 1 and isinstance(spec[1], dict) and "default" in spec[1]}
-        return cls.execute(model=model, **{**values, **inputs})[0]
+        from .inprocess import run_node
+        return run_node(node_id, model=model, **inputs)
     from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
     cls = {"EasyCache": EasyCacheNode, "LazyCache": LazyCacheNode}[node_id]
     return cls.execute(model, **{"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95,
@@ -66,6 +62,11 @@ class Scenes:
         self.vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae"][learned.VAE_NAME])))
         self.steps, self.cfg, self.side = steps, cfg, side
 
+    def empty_latent(self) -> torch.Tensor:
+        from overdrive.builtin_models import learned
+        from overdrive.builtin_models.dit import empty_latent
+        return empty_latent(learned.FAMILY, self.side, self.side)
+
     def conditioning(self, prompt: str):
         from overdrive.builtin_models import learned
         return learned.conditioning(learned.FAMILY, prompt), learned.conditioning(learned.FAMILY, "")
@@ -75,7 +76,7 @@ class Scenes:
         import comfy.model_management
         import comfy.sample
         positive, negative = self.conditioning(prompt)
-        latent = torch.zeros(1, 16, 1, self.side // 8, self.side // 8)
+        latent = self.empty_latent()
         noise = comfy.sample.prepare_noise(latent, seed)
         synchronize()
         start = time.perf_counter()
@@ -94,8 +95,8 @@ def accelerated(scenes_model, chain: list, prompt: str):
     for node_id, inputs in chain:
         if node_id == "OverdriveQuantizeModel":
             inputs = {**inputs, "positive": positive, "negative": negative,
-                      "latent": {"samples": torch.zeros(1, 16, 1, scenes_model.side // 8, scenes_model.side // 8)}}
-        patcher = run_node(node_id, patcher, inputs)
+                      "latent": {"samples": scenes_model.empty_latent()}}
+        patcher = apply_node(node_id, patcher, inputs)
     return patcher
 
 

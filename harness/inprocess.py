@@ -163,3 +163,14 @@ def conditioning(arch: str, width: int, height: int, seed: int):
                          target_width=width, target_height=height)
         return [[torch.randn(1, 77, dim, generator=g), extra]]
     return one(), one()
+
+
+def run_node(node_id: str, **inputs):
+    """One of Overdrive's nodes run as ComfyUI would: its declared defaults, overridden by `inputs`; its first
+    output."""
+    from ..nodes import NODES
+    cls = NODES[node_id]
+    declared = cls.INPUT_TYPES()["required"]
+    values = {k: spec[1]["default"] for k, spec in declared.items()
+              if len(spec) > 1 and isinstance(spec[1], dict) and "default" in spec[1]}
+    return cls.execute(**{**values, **inputs})[0]

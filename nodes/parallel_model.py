@@ -16,7 +16,7 @@ from comfy_api.latest import io
 
 from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
-from ..parallel.workers import WorkerPool
+from ..parallel.workers import WorkerDied, WorkerPool
 from .schema import node_schema, patched_copy_input
 
 log = logging.getLogger("overdrive")
@@ -83,9 +83,10 @@ def why_not_split(x, control, transformer_options) -> str | None:
 def parallel_apply_model(processes: int, cuda: bool, init: tuple):
     """An APPLY_MODEL wrapper that splits each call's passes over `processes` processes."""
     told = set()
+    unstarted = []  # the workers could not start for this model: it runs on this GPU, without trying again
 
     def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
-        reason = why_not_split(x, control, transformer_options)
+        reason = unstarted[0] if unstarted else why_not_split(x, control, transformer_options)
         if reason is not None:
             if reason not in told:
                 told.add(reason)
@@ -99,7 +100,14 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple):
 
         def local(px, pt, transformer_options, **rest):
             return executor(px, pt, rest.pop("c_concat"), rest.pop("c_crossattn"), None, transformer_options, **rest)
-        return join(POOLS.get(init, processes, cuda).run([parts[0], *remote], local))
+        try:
+            pool = POOLS.get(init, processes, cuda)
+        except WorkerDied as error:  # an optimization that cannot start: the generation goes on, on one GPU
+            log.warning("Overdrive Parallel Model: the worker processes did not start, so the model runs on one GPU "
+                        "(your generation continues). Reason: %s", str(error).splitlines()[0])
+            unstarted.append("its worker processes did not start")
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        return join(pool.run([parts[0], *remote], local))
     return wrapper
 
 
@@ -145,4 +153,8 @@ class OverdriveParallelModel(io.ComfyNode):
             log.warning("Overdrive Parallel Model: %d GPU(s) asked for, %d here: the model runs on one GPU, as it is",
                         gpus, available)
             return io.NodeOutput(model.clone())
-        return io.NodeOutput(parallelize(model, gpus, cuda=True))
+        try:
+            return io.NodeOutput(parallelize(model, gpus, cuda=True))
+        except ValueError as error:  # a model it cannot split yet: the generation goes on, on one GPU
+            log.warning("Overdrive Parallel Model: the model runs on one GPU: %s", error)
+            return io.NodeOutput(model.clone())

@@ -171,3 +171,32 @@ def test_an_interrupted_prompt_leaves_the_workers_ready_for_the_next(comfy, buil
         comfy.model_management.interrupt_current_processing(False)
         POOLS.close()
     assert not multiprocessing.active_children()
+
+
+def test_workers_that_cannot_start_leave_the_generation_on_one_process_with_a_warning(comfy, builtin_dit_files,
+                                                                                      tmp_path, caplog):
+    """The file the workers would reload is gone: the prompt samples what the model alone samples, warned once."""
+    import shutil
+
+    import comfy.sample
+    import comfy.sd
+
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes.parallel_model import POOLS, parallelize
+
+    path = tmp_path / "moved.safetensors"
+    shutil.copy(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]], path)
+    model = comfy.sd.load_diffusion_model(str(path))
+    path.unlink()
+    latent = empty_latent("wan22", 64, 64, frames=5)
+
+    def sample(patcher):
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, 5.0, "euler", "simple",
+                                   conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
+                                   disable_pbar=True)
+    with caplog.at_level("WARNING", logger="overdrive"):
+        out = sample(parallelize(model, 2, cuda=False))
+    assert torch.equal(out, sample(model))
+    assert caplog.text.count("did not start") == 1, caplog.text
+    assert POOLS.pool is None and not multiprocessing.active_children()

@@ -1,8 +1,9 @@
-"""How far each accelerator moves the image, on the reference model with learned weights (builtin_models/learned.py):
+"""How far each accelerator moves the image, on a reference model with learned weights (builtin_models/learned.py):
 for every variant, over a set of scene prompts and seeds, the decoded image's PSNR and SSIM against eager's image at
 the same prompt and seed, the final latent's relative error, and seconds per image beside eager's.
 
-  python bench/bench_fidelity.py --out bench/results/DATE_GPU_fidelity_scenes.json [--prompts 16] [--variants ...]
+  python bench/bench_fidelity.py --out bench/results/DATE_GPU_fidelity_scenes_MODEL.json [--model wan22_14b|sd35]
+                                 [--prompts 16] [--variants ...]
 
 The models load through ComfyUI's own loaders, sample with its KSampler path (euler, simple) and decode with its VAE,
 in one process (harness/fidelity.py). ComfyUI's EasyCache and LazyCache are the step-cache peers (a first-block
@@ -42,6 +43,7 @@ def save_picture(path: str, results: list, variants: list, side: int, prompts: i
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="wan22_14b", help="which reference model (builtin_models/learned.py MODELS)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=20)
@@ -57,7 +59,7 @@ def main(argv=None):
     import_comfy(cpu=not torch.cuda.is_available())
     import overdrive.nodes  # noqa: F401  (ComfyUI's per-call options description, as loading the nodes sets it)
 
-    scenes_model = Scenes(args.steps, args.cfg, args.side)
+    scenes_model = Scenes(args.steps, args.cfg, args.side, args.model)
     prompts = scene_prompts(args.prompts, args.seed)
     reference = measure(scenes_model, "eager", [], prompts, None)
     eager = {(r["prompt"], r["seed"]): r["outputs"] for r in reference["per_prompt"]}

@@ -139,15 +139,18 @@ def latest(reports) -> str:
 
 
 def fidelity(reports) -> str:
-    """Per accelerator on the reference model with learned weights (bench_fidelity.py): its image against eager's at
-    the same prompt and seed, over every prompt of the newest run on each machine."""
+    """Per accelerator on the reference models with learned weights (bench_fidelity.py): its image against eager's at
+    the same prompt and seed, over every prompt of the newest run per model, machine and image side."""
     newest = {}
     for report in reports:
-        newest[report["environment"].get("gpu", "CPU")] = report
-    header = ("machine", "variant", "PSNR dB mean / median / min", "SSIM", "final-latent error", "steps full / reused",
-              "s/image", "`bench/results/`")
+        settings = report["settings"]
+        key = (settings.get("model", "wan22_14b"), report["environment"].get("gpu", "CPU"), settings["side"])
+        newest[key] = report
+    header = ("model", "machine", "side", "variant", "PSNR dB mean / median / min", "SSIM", "final-latent error",
+              "steps full / reused", "s/image", "`bench/results/`")
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for machine, report in sorted(newest.items()):
+    for (model, machine, side), report in sorted(newest.items(), key=lambda item: (item[0][0], item[0][1] != "CPU",
+                                                                                    item[0][1], item[0][2])):
         eager = next(row for row in report["results"] if row["variant"] == "eager")
         for row in report["results"][1:]:
             if "failed" in row:
@@ -157,7 +160,8 @@ def fidelity(reports) -> str:
                 cells = [f"{row['psnr_mean']:.1f} / {row['psnr_median']:.1f} / {row['psnr_min']:.1f}",
                          f"{row['ssim_mean']:.3f}", f"{row['latent_rel_err_mean']:.3f}",
                          f"{full[0]} / {full[1]}" if full else "—", cell(row, eager)]
-            lines.append(" | ".join([f"| {machine}", f"`{row['variant']}`", *cells, f"`{report['file']}` |"]))
+            lines.append(" | ".join([f"| {model}", machine, f"{side}²", f"`{row['variant']}`", *cells,
+                                     f"`{report['file']}` |"]))
     return "\n".join(lines)
 
 
@@ -171,7 +175,7 @@ TABLES = {
     "budgets": (budgets, ("*_budget-*gib_flux_1024.json", "*_budget-12gib_flux_1024_fp8_compiled.json",
                           "*_budget-*gib_wan22_14b_480p.json", "*_budget-*gib_qwen_image_1328.json")),
     "latest": (latest, ("*.json",)),
-    "fidelity": (fidelity, ("*_fidelity_scenes.json",)),
+    "fidelity": (fidelity, ("*_fidelity_scenes_*.json",)),
 }
 
 

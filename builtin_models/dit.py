@@ -239,12 +239,13 @@ def layers_with_weights():
         comfy.memory_management.aimdo_enabled = enabled
 
 
-def build_model(family: str, size: str, dtype: torch.dtype, device):
+def build_model(family: str, size: str, dtype: torch.dtype, device, overrides: Optional[dict] = None):
     """ComfyUI's BaseModel of the family (its weights uninitialised), built on `device` through the model config that
-    ComfyUI's detection picks for the family's unet_config; in `dtype` where the family's code asks for it (some
-    layers are float32 by design: Wan's patch embedding)."""
+    ComfyUI's detection picks for the family's unet_config (with `overrides`: the learned reference models' own
+    widths and depths); in `dtype` where the family's code asks for it (some layers are float32 by design: Wan's patch
+    embedding)."""
     comfy = _import_comfy()
-    cfg = unet_config(family, size)
+    cfg = {**unet_config(family, size), **(overrides or {})}
     model_config = comfy.model_detection.model_config_from_unet_config(dict(cfg))
     expected = FAMILIES[family].model_class
     if type(model_config).__name__ != expected:

@@ -1,12 +1,14 @@
-"""Trains the reference models with learned weights on procedural scenes (builtin_models/scenes.py): first a VAE of
-the Wan 2.1 layout at its smallest width, then a WAN21_T2V diffusion model at the tiny width on that VAE's latents, the
-prompt one fixed vector per word. The same seed and steps give the same weights on the same machine and software.
+"""Trains a reference model with learned weights (builtin_models/learned.py) on procedural scenes
+(builtin_models/scenes.py): first its VAE (or it reads a trained one), then the diffusion model on that VAE's latents,
+the prompt one fixed vector per word. The same seed and steps give the same weights on the same machine and software.
 
-  python -m overdrive.builtin_models.training --out DIR [--seed 0] [--vae-steps N] [--dit-steps N]
+  python -m overdrive.builtin_models.training --family wan22_14b|sd35 --out DIR [--seed 0] [--vae-from FILE]
+                                              [--vae-steps N] [--dit-steps N]
 
 Both files are written as ComfyUI's loaders read them (Load VAE, Load Diffusion Model), in fp16, with the loss curves
-and timings in DIR/training.json. Written again every --save-every steps, so a run cut short keeps what it learned.
-The models run through ComfyUI's own classes: ComfyUI must be importable (scripts/install.sh, or COMFYUI_PATH).
+and timings in DIR/training_<family>.json. Written again every --save-every steps, so a run cut short keeps what it
+learned. The models run through ComfyUI's own classes: ComfyUI must be importable (scripts/install.sh, or
+COMFYUI_PATH).
 """
 from __future__ import annotations
 
@@ -22,29 +24,32 @@ import torch
 import torch.nn.functional as F
 
 from . import scenes
-from .dit import FAMILIES, TINY_VAE, VAES, build_model
+from .dit import TINY_VAE, VAES, build_model
+from .learned import MODELS, SIDE, LearnedModel, conditioning
 
-FAMILY = "wan22_14b"  # WAN21_T2V (Wan 2.1 / 2.2 A14B's layout) with the Wan 2.1 VAE: one model for images and clips
-SIDE, FRAMES = 128, 9  # pixels per side; frames of a training clip (two latent frames after the first)
-TOKENS = scenes.TOKENS
+FRAMES = 9  # frames of a training clip (two latent frames after the first)
 CFG_DROP = 0.1  # share of training prompts replaced by the empty prompt (zeros), for classifier-free guidance
 NOISE_IN_LATENT = 0.05  # the decoder learns to read slightly wrong latents, as a sampler leaves them
-VAE_FILE, DIT_FILE, REPORT_FILE = "scenes_vae_wan21.safetensors", "scenes_wan21_t2v.safetensors", "training.json"
-FOLDER = pathlib.Path(__file__).with_name("learned")  # where the trained files ship
+SD3_VAE_SCALE, SD3_VAE_SHIFT = 1.5305, 0.0609  # what ComfyUI's Load VAE gives "taesd3" (SD3's latent format's)
+OUTPUT_HEADS = {"wan21": "head.head", "taesd3": "final_layer.linear"}  # the diffusion model's last layer, by VAE
 
 
-def text_width() -> int:
-    return FAMILIES[FAMILY].cond["width"]
+def report_file(m: LearnedModel) -> str:
+    return f"training_{m.family}.json"
 
 
-def latent_format():
+def latent_format(m: LearnedModel):
     import comfy.latent_formats
-    return comfy.latent_formats.Wan21()
+    return comfy.latent_formats.Wan21() if m.vae == "wan21" else comfy.latent_formats.SD3()
 
 
-def prompt_context(prompts: list, video: bool) -> torch.Tensor:
-    """(batch, TOKENS, width): the scenes' word vectors; an empty prompt is all zeros (the unconditional input)."""
-    return torch.cat([scenes.embed(p, text_width(), TOKENS, video) for p in prompts])
+def prompt_conditioning(m: LearnedModel, prompts: list) -> tuple:
+    """(context (batch, TOKENS, width), pooled vector (batch, width) or None): what Built-in Conditioning gives the
+    scenes' prompts (a clip's names its motion); an empty prompt is all zeros (the unconditional input)."""
+    conds = [conditioning(m.family, p)[0] for p in prompts]
+    context = torch.cat([c[0] for c in conds])
+    pooled = torch.cat([c[1]["pooled_output"] for c in conds]) if "pooled_output" in conds[0][1] else None
+    return context, pooled
 
 
 def scene_pool(count: int, video: bool, generator: torch.Generator) -> list:
@@ -74,21 +79,51 @@ def trainable(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.requires_grad_(True)
 
 
-def build_vae(seed: int, device) -> torch.nn.Module:
-    import comfy.ldm.wan.vae
-    _, config = VAES["wan21"]
+def build_vae(m: LearnedModel, seed: int, device) -> torch.nn.Module:
+    """ComfyUI's Wan 2.1 VAE at its smallest width, or its TAESD with SD3's 16 channels and SD3's fixed latent scale
+    (the encoder learns latents in the model's space)."""
     with torch.device(device):
-        return trainable(comfy.ldm.wan.vae.WanVAE(**{**config, **TINY_VAE["wan21"]}), seed)
-
-
-def build_dit(seed: int, device) -> torch.nn.Module:
-    """ComfyUI's WAN21 model at the tiny width, fan-in initialised, its output head at zero (it starts by predicting
-    no velocity: the first steps do not fight a random output)."""
-    model = build_model(FAMILY, "tiny", torch.float32, device)
-    trainable(model.diffusion_model, seed)
+        if m.vae == "wan21":
+            import comfy.ldm.wan.vae
+            _, config = VAES["wan21"]
+            return trainable(comfy.ldm.wan.vae.WanVAE(**{**config, **TINY_VAE["wan21"]}), seed)
+        import comfy.taesd.taesd
+        vae = trainable(comfy.taesd.taesd.TAESD(latent_channels=16), seed)
     with torch.no_grad():
-        model.diffusion_model.head.head.weight.zero_()
-        model.diffusion_model.head.head.bias.zero_()
+        vae.vae_scale.fill_(SD3_VAE_SCALE)
+        vae.vae_shift.fill_(SD3_VAE_SHIFT)
+    vae.vae_scale.requires_grad_(False)
+    vae.vae_shift.requires_grad_(False)
+    return vae
+
+
+def read_vae(m: LearnedModel, path: str, device) -> torch.nn.Module:
+    """A VAE trained before (its file as the trainer wrote it), in float32."""
+    from safetensors.torch import load_file
+    vae = build_vae(m, 0, device)
+    vae.load_state_dict({key: t.float() for key, t in load_file(path).items()})
+    return vae
+
+
+def vae_pixels(m: LearnedModel, pixels: torch.Tensor) -> torch.Tensor:
+    """(n, 3, frames, h, w) as the VAE takes them: an image VAE has no time axis."""
+    return pixels if m.vae == "wan21" else pixels[:, :, 0]
+
+
+def build_dit(m: LearnedModel, seed: int, device) -> torch.nn.Module:
+    """ComfyUI's model of the family at the learned model's width and depth, fan-in initialised, its output layer at
+    zero (it starts by predicting no velocity: the first steps do not fight a random output)."""
+    model = build_model(m.family, "full", torch.float32, device, overrides=m.config)
+    trainable(model.diffusion_model, seed)
+    head = model.diffusion_model.get_submodule(OUTPUT_HEADS[m.vae])
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        pos_embed = getattr(model.diffusion_model, "pos_embed", None)
+        if pos_embed is not None:  # SD3's fixed 2-D sin-cos table, a buffer its checkpoints carry
+            from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
+            grid = int(round(pos_embed.shape[1] ** 0.5))
+            pos_embed.copy_(torch.from_numpy(get_2d_sincos_pos_embed(pos_embed.shape[2], grid)).reshape(pos_embed.shape))
     return model
 
 
@@ -122,13 +157,13 @@ def optimize(optimizer, loss: torch.Tensor, step: int, steps: int, peak_lr: floa
     optimizer.step()
 
 
-def train_vae(vae, images, clips, steps, seed, args, log, save):
-    fmt = latent_format()
+def train_vae(m, vae, images, clips, steps, seed, args, log, save):
+    fmt = latent_format(m)
     generator, noise = torch.Generator().manual_seed(seed), torch.Generator(images.device).manual_seed(seed)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in vae.parameters() if p.requires_grad], lr=args.vae_lr, weight_decay=0.0)
     for step in range(steps):
         indices, pool = batches(generator, images, clips, args.image_batch, args.clip_batch, step)
-        pixels = pool[indices.to(pool.device)].float()
+        pixels = vae_pixels(m, pool[indices.to(pool.device)].float())
         latent = fmt.process_in(vae.encode(pixels))
         noisy = latent + NOISE_IN_LATENT * torch.randn(latent.shape, generator=noise, device=latent.device)
         decoded = vae.decode(fmt.process_out(noisy))
@@ -140,9 +175,12 @@ def train_vae(vae, images, clips, steps, seed, args, log, save):
 
 
 @torch.no_grad()
-def encode_pool(vae, pixels: torch.Tensor, batch: int = 64) -> torch.Tensor:
-    fmt = latent_format()
-    return torch.cat([fmt.process_in(vae.encode(pixels[i:i + batch].float())) for i in range(0, len(pixels), batch)])
+def encode_pool(m, vae, pixels: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    fmt = latent_format(m)
+    if len(pixels) == 0:  # an image model's empty clip pool
+        return pixels.float()
+    return torch.cat([fmt.process_in(vae.encode(vae_pixels(m, pixels[i:i + batch].float())))
+                      for i in range(0, len(pixels), batch)])
 
 
 def sigmas(batch: int, shift: float, generator: torch.Generator, device) -> torch.Tensor:
@@ -153,22 +191,24 @@ def sigmas(batch: int, shift: float, generator: torch.Generator, device) -> torc
     return torch.where(torch.rand(batch, generator=generator) < 0.5, shifted, u).clamp(1e-3, 1.0).to(device)
 
 
-def train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts, steps, seed, args, log, save):
+def train_dit(model, image_latents, clip_latents, image_conds, clip_conds, steps, seed, args, log, save):
+    """`image_conds`, `clip_conds`: each pool's (context, pooled vector or None)."""
     generator = torch.Generator().manual_seed(seed)
     noise = torch.Generator(image_latents.device).manual_seed(seed)
     shift = float(model.model_sampling.shift)
     optimizer = torch.optim.AdamW(model.diffusion_model.parameters(), lr=args.dit_lr, weight_decay=0.01)
     for step in range(steps):
         indices, pool = batches(generator, image_latents, clip_latents, args.image_batch, args.clip_batch, step)
-        contexts = image_contexts if pool is image_latents else clip_contexts
+        contexts, pooled = image_conds if pool is image_latents else clip_conds
         x0, context = pool[indices.to(pool.device)], contexts[indices].to(pool.device)
-        dropped = torch.rand(len(indices), generator=generator) < CFG_DROP
-        context = torch.where(dropped[:, None, None].to(context.device), torch.zeros_like(context), context)
+        kept = (torch.rand(len(indices), generator=generator) >= CFG_DROP).to(context.device)
+        extra = {} if pooled is None else {"y": pooled[indices].to(pool.device) * kept[:, None]}
+        context = context * kept[:, None, None]
         sigma = sigmas(len(indices), shift, generator, x0.device)
         epsilon = torch.randn(x0.shape, generator=noise, device=x0.device)
         s = sigma.view(-1, *[1] * (x0.ndim - 1))
         noisy = (1 - s) * x0 + s * epsilon
-        denoised = model.apply_model(noisy, sigma, c_crossattn=context)
+        denoised = model.apply_model(noisy, sigma, c_crossattn=context, **extra)
         velocity = (noisy - denoised) / s  # ComfyUI's flow models predict eps - x0: denoised = x - sigma * v
         loss = F.mse_loss(velocity, epsilon - x0)
         optimize(optimizer, loss, step, steps, args.dit_lr)
@@ -188,8 +228,8 @@ class Recorder:
     """Loss curves (a point every `every` steps, the mean since the last), timings, and the files written. Losses are
     summed on their device and read at each point only: a read every step would make the host wait for the GPU."""
 
-    def __init__(self, out: pathlib.Path, settings: dict, every: int):
-        self.out, self.every, self.started = out, every, time.perf_counter()
+    def __init__(self, path: pathlib.Path, settings: dict, every: int):
+        self.path, self.every, self.started = path, every, time.perf_counter()
         self.report = {"settings": settings, "curves": {}, "seconds": {}}
         self.sums = {}
 
@@ -210,16 +250,18 @@ class Recorder:
         self.write()
 
     def write(self) -> None:
-        (self.out / REPORT_FILE).write_text(json.dumps(self.report, indent=1) + "\n")
+        self.path.write_text(json.dumps(self.report, indent=1) + "\n")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for the two model files and training.json")
+    parser.add_argument("--out", required=True, help="folder for the two model files and training_<family>.json")
+    parser.add_argument("--family", default="wan22_14b", choices=list(MODELS), help="which reference model")
+    parser.add_argument("--vae-from", help="a VAE file this trainer wrote: read it and train the diffusion model only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--side", type=int, default=SIDE, help="pixels per side (a multiple of 16)")
     parser.add_argument("--frames", type=int, default=FRAMES, help="frames of a training clip (4k + 1)")
-    parser.add_argument("--clips", type=int, default=1024, help="random clips in the training pool")
+    parser.add_argument("--clips", type=int, default=1024, help="random clips in the training pool (video models)")
     parser.add_argument("--images", type=int, default=0, help="random still scenes in the pool; 0: every one")
     parser.add_argument("--vae-steps", type=int, default=2000)
     parser.add_argument("--dit-steps", type=int, default=6000)
@@ -262,16 +304,21 @@ def training_settings(comfy):
 
 
 def train(args) -> dict:
+    m = MODELS[args.family]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    recorder = Recorder(out, {k: v for k, v in vars(args).items() if k != "out"}, args.log_every)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings.update(config=m.config, vae=m.vae, vae_from=pathlib.Path(args.vae_from).name if args.vae_from else None)
+    recorder = Recorder(out / report_file(m), settings, args.log_every)
     generator = torch.Generator().manual_seed(args.seed)
     started = time.perf_counter()
-    still, moving = scene_pool(args.images, False, generator), scene_pool(args.clips, True, generator)
+    still = scene_pool(args.images, False, generator)
+    moving = scene_pool(args.clips, True, generator) if m.video else []
     images = render_pool(still, 1, args.side).to(args.device)
     clips = render_pool(moving, args.frames, args.side).to(args.device) if moving else images[:0]
     recorder.stage_done("render", time.perf_counter() - started)
-    metadata = {"overdrive_learned": "scenes", "seed": args.seed, "side": args.side, "tokens": TOKENS}
+    metadata = {"overdrive_learned": "scenes", "family": m.family, "seed": args.seed, "side": args.side,
+                "tokens": scenes.TOKENS}
 
     def saver(module, path):
         def save(step, steps):
@@ -280,20 +327,24 @@ def train(args) -> dict:
                 recorder.write()
         return save
 
-    vae = build_vae(args.seed, args.device)
-    started = time.perf_counter()
-    train_vae(vae, images, clips, args.vae_steps, args.seed, args, recorder.log, saver(vae, out / VAE_FILE))
-    recorder.stage_done("vae", time.perf_counter() - started)
+    if args.vae_from:
+        vae = read_vae(m, args.vae_from, args.device)
+    else:
+        vae = build_vae(m, args.seed, args.device)
+        started = time.perf_counter()
+        train_vae(m, vae, images, clips, args.vae_steps, args.seed, args, recorder.log, saver(vae, out / m.vae_file))
+        recorder.stage_done("vae", time.perf_counter() - started)
 
     vae.half().float()  # the DiT learns the latents of the fp16 file, as ComfyUI will encode them
-    image_latents, clip_latents = encode_pool(vae, images), encode_pool(vae, clips)
+    image_latents, clip_latents = encode_pool(m, vae, images), encode_pool(m, vae, clips)
     del images, clips
-    image_contexts = prompt_context([s.prompt() for s in still], video=False)
-    clip_contexts = prompt_context([s.prompt(video=True) for s in moving], video=True) if moving else image_contexts[:0]
-    model = build_dit(args.seed, args.device)
+    image_conds = prompt_conditioning(m, [s.prompt() for s in still])
+    clip_conds = (prompt_conditioning(m, [s.prompt(video=True) for s in moving]) if moving
+                  else (image_conds[0][:0], None))
+    model = build_dit(m, args.seed, args.device)
     started = time.perf_counter()
-    train_dit(model, image_latents, clip_latents, image_contexts, clip_contexts, args.dit_steps, args.seed, args,
-              recorder.log, saver(model.diffusion_model, out / DIT_FILE))
+    train_dit(model, image_latents, clip_latents, image_conds, clip_conds, args.dit_steps, args.seed, args,
+              recorder.log, saver(model.diffusion_model, out / m.dit_file))
     recorder.stage_done("dit", time.perf_counter() - started)
     recorder.report["environment"] = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
                                       if args.device != "cpu" else "cpu"}

@@ -50,26 +50,25 @@ def apply_node(node_id: str, model, inputs: dict):
 
 
 class Scenes:
-    """The learned model, its VAE and the sampling of one prompt and seed."""
+    """A learned model (builtin_models.learned.MODELS), its VAE and the sampling of one prompt and seed."""
 
-    def __init__(self, steps: int, cfg: float, side: int):
+    def __init__(self, steps: int, cfg: float, side: int, name: str = "wan22_14b"):
         import comfy.sd
         import comfy.utils
 
         from overdrive.builtin_models import learned
-        files = learned.files()
-        self.model = comfy.sd.load_diffusion_model(str(files["diffusion_models"][learned.MODEL_NAME]))
-        self.vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae"][learned.VAE_NAME])))
+        self.learned = learned.MODELS[name]
+        self.model = comfy.sd.load_diffusion_model(str(learned.FOLDER / self.learned.dit_file))
+        self.vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(learned.FOLDER / self.learned.vae_file)))
         self.steps, self.cfg, self.side = steps, cfg, side
 
     def empty_latent(self) -> torch.Tensor:
-        from overdrive.builtin_models import learned
         from overdrive.builtin_models.dit import empty_latent
-        return empty_latent(learned.FAMILY, self.side, self.side)
+        return empty_latent(self.learned.family, self.side, self.side)
 
     def conditioning(self, prompt: str):
         from overdrive.builtin_models import learned
-        return learned.conditioning(learned.FAMILY, prompt), learned.conditioning(learned.FAMILY, "")
+        return learned.conditioning(self.learned.family, prompt), learned.conditioning(self.learned.family, "")
 
     def sample(self, patcher, prompt: str, seed: int):
         """(latent, image (1, h, w, 3) in [0, 1], seconds)."""
@@ -82,7 +81,8 @@ class Scenes:
         start = time.perf_counter()
         out = comfy.sample.sample(patcher, noise, self.steps, self.cfg, "euler", "simple", positive, negative, latent,
                                   seed=seed, disable_pbar=True)
-        image = self.vae.decode(out)[:, 0].float().cpu()
+        image = self.vae.decode(out)
+        image = (image[:, 0] if image.ndim == 5 else image).float().cpu()  # a video VAE's first frame
         synchronize()
         return out.float().cpu(), image, time.perf_counter() - start
 

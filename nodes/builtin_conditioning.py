@@ -20,8 +20,9 @@ class OverdriveBuiltinConditioning(io.ComfyNode):
                          "CLIP-L/G; LTX-Video: T5-XXL with its padding mask; LTX-2: Gemma 3 through its video and "
                          "audio connectors). It is for Overdrive's built-in test models, whose weights are random "
                          "too. With a scene prompt it gives the reference models with learned weights "
-                         "(overdrive-scenes-wan21-t2v) what they were trained on: a fixed vector per word, the "
-                         "negative the empty prompt. With real checkpoints use your text encoder loader and CLIP "
+                         "(overdrive-scenes-wan21-t2v, family wan22_14b; overdrive-scenes-sd35-mmdit, family sd35) "
+                         "what they were trained on: a fixed vector per word (and their mean as the pooled vector), "
+                         "the negative the empty prompt. With real checkpoints use your text encoder loader and CLIP "
                          "Text Encode instead."),
             inputs=[
                 io.Combo.Input("family", options=list(FAMILIES),

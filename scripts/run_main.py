@@ -75,9 +75,9 @@ def main():
     size = "full" if gpu else "tiny"
     if scenes:
         print("Using the reference model with learned weights: it draws the prompt's scene.")
-        files, checkpoints = learned.files(), {}
+        files, checkpoints = learned.files([learned.DEFAULT]), {}
         if args.checkpoint:
-            files["diffusion_models"] = {learned.MODEL_NAME: pathlib.Path(args.checkpoint)}
+            files["diffusion_models"] = {learned.MODELS[learned.DEFAULT].model_name: pathlib.Path(args.checkpoint)}
         if args.prompt:
             set_inputs(workflow, "OverdriveBuiltinConditioning", prompt=args.prompt)
     elif dit:

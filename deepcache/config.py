@@ -51,8 +51,8 @@ class DeepCacheConfig:
     end_percent: float = 1.0
     verify: bool = True
     on_unsupported: str = "full"
-    mode: str = "fixed"
-    threshold: float = 0.1
+    mode: str = "fixed"  # interval 3 is the fastest fixed schedule within 30 dB of eager on the learned models
+    threshold: float = 0.2  # there, about the fixed default's share of reused steps, a few dB closer to eager
 
     def __post_init__(self):
         if isinstance(self.cache_interval, bool) or not isinstance(self.cache_interval, int):

@@ -46,8 +46,6 @@ MODELS = {
                          "overdrive-scenes-sd35-mmdit.safetensors", "overdrive-scenes-sd35-taesd3.safetensors",
                          "scenes_sd35_mmdit.safetensors", "scenes_taesd3.safetensors", video=False),
 }
-DEFAULT = "wan22_14b"  # the main job's
-
 
 def files(names=None) -> dict:
     """{folder: {workflow file name: path}} as harness.workflows.model_paths_config takes them, for the models
@@ -61,7 +59,7 @@ def files(names=None) -> dict:
     return out
 
 
-def available(name: str = DEFAULT) -> bool:
+def available(name: str) -> bool:
     m = MODELS[name]
     return all((FOLDER / f).is_file() for f in (m.dit_file, m.vae_file))
 

@@ -9,7 +9,7 @@ eager's and Overdrive's images saved side by side.
 
 "scenes" (the default) runs the reference model with learned weights (builtin_models/learned.py: a WAN21 diffusion
 model and a Wan 2.1 VAE trained on procedural scenes) through Compile Model and the step cache at 128², on any
-machine. The other built-in models have fixed-seed random weights: their images are noise, their timings real.
+machine; "scenes_sd35" the other one (an SD3 MMDiT and SD3's tiny autoencoder). The other built-in models have fixed-seed random weights: their images are noise, their timings real.
 Without a GPU they run small (256², 8 steps; 5 frames for video) so they finish in minutes; --size/--steps override.
 The DiT families run on their built-in diffusion model and VAE with Built-in Conditioning (random text-encoder
 output): with --checkpoint, your diffusion-model file replaces the built-in one.
@@ -33,7 +33,9 @@ from overdrive.harness.workflows import (BUILTIN_DIT_NAMES, DIT_FAMILIES, builti
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOW = {"sd15": "compile_sd15_api.json", "sdxl": "compile_sdxl_api.json", "flux": "compile_flux_api.json",
             "qwen_image": "compile_qwen_image_api.json", "wan22": "compile_wan22_api.json",
-            "ltxv": "compile_ltxv_api.json", "scenes": "compile_stepcache_scenes_api.json"}
+            "ltxv": "compile_ltxv_api.json", "scenes": "compile_stepcache_scenes_api.json",
+            "scenes_sd35": "compile_stepcache_scenes_sd35_api.json"}
+SCENES = {"scenes": "wan22_14b", "scenes_sd35": "sd35"}  # the reference models with learned weights, by --arch
 
 
 # Overdrive's timed run takes eager's seed, so their images can be compared; the runs between take other seeds, so
@@ -56,7 +58,7 @@ def side_by_side(eager: pathlib.Path, overdrive: pathlib.Path, caption: str, out
 
 def main():
     parser = argparse.ArgumentParser(description="Run the example Overdrive workflow headless and time it against eager.")
-    parser.add_argument("--arch", default="scenes", choices=["scenes", "sd15", "sdxl", *DIT_FAMILIES])
+    parser.add_argument("--arch", default="scenes", choices=[*SCENES, "sd15", "sdxl", *DIT_FAMILIES])
     parser.add_argument("--prompt", help="scenes: the scene to draw (default: the workflow's)")
     parser.add_argument("--checkpoint", help="your own checkpoint (SD) or diffusion-model file (DiT families)")
     parser.add_argument("--workflow", help="API-format workflow (file or name in workflows/); default: the arch's")
@@ -66,7 +68,7 @@ def main():
     args = parser.parse_args()
 
     gpu = torch.cuda.is_available()
-    scenes = args.arch == "scenes"
+    scenes = args.arch in SCENES
     dit = args.arch in DIT_FAMILIES or scenes
     workflow = load_workflow(args.workflow) if args.workflow else (
         load_workflow(WORKFLOW[args.arch]) if args.arch in WORKFLOW else dit_workflow(args.arch))
@@ -75,9 +77,9 @@ def main():
     size = "full" if gpu else "tiny"
     if scenes:
         print("Using the reference model with learned weights: it draws the prompt's scene.")
-        files, checkpoints = learned.files([learned.DEFAULT]), {}
+        files, checkpoints = learned.files([SCENES[args.arch]]), {}
         if args.checkpoint:
-            files["diffusion_models"] = {learned.MODELS[learned.DEFAULT].model_name: pathlib.Path(args.checkpoint)}
+            files["diffusion_models"] = {learned.MODELS[SCENES[args.arch]].model_name: pathlib.Path(args.checkpoint)}
         if args.prompt:
             set_inputs(workflow, "OverdriveBuiltinConditioning", prompt=args.prompt)
     elif dit:

@@ -14,10 +14,12 @@ from overdrive.harness.image_metrics import psnr, ssim
 # a little under what these prompts measure on the CPU, so that a change that degrades images fails. (What each
 # setting gives over more prompts, and which meets 30 dB: bench/results/*_fidelity_scenes.json.)
 BOUNDS_DB = {
-    "wan22_14b": {"compile": 60.0, "int8": 32.0, "stepcache-default": 19.0, "stepcache2": 25.0,
-                  "stepcache-adaptive0.1": 28.0},
-    "sd35": {"compile": 60.0, "int8": 32.0, "stepcache-default": 19.0},  # fewer: the CPU suite's time
+    "wan22_14b": {"compile": 60.0, "int8": 40.0, "stepcache-default": 28.5, "stepcache-adaptive0.2": 36.0},
+    # the MMDiT: the step cache's defaults only (Compile Model's and int8's effect is held on the video DiT; the CPU
+    # suite's time)
+    "sd35": {"stepcache-default": 28.5, "stepcache-adaptive0.2": 32.5},
 }
+QUALITY_BOUND_DB = 30.0  # the bound the defaults are chosen within (bench/README.md, fidelity): the main job's image
 LAYOUTS = {"wan22_14b": ("WAN21", "WAN21_T2V", "WanVAE"), "sd35": ("SD3", "SD3", "TAESD")}
 PROMPTS = [("large red circle plain middle-centre on-dark", 1), ("small blue square dotted top-left on-light", 2),
            ("large yellow triangle striped bottom-right on-dark", 3), ("large green diamond plain middle-left on-light", 4)]
@@ -75,12 +77,12 @@ def test_a_different_prompt_draws_a_different_image_and_the_same_one_the_same(re
     assert psnr(other, eager_images[prompt][1]) < 20
 
 
-@pytest.mark.parametrize("variant", list(BOUNDS_DB["wan22_14b"]))
+@pytest.mark.parametrize("variant", sorted({variant for bounds in BOUNDS_DB.values() for variant in bounds}))
 def test_each_accelerator_keeps_the_image_within_its_bound(reference, eager_images, variant):
     from overdrive.harness.fidelity import VARIANTS, accelerated
     bounds = BOUNDS_DB[reference.learned.family]
     if variant not in bounds:
-        pytest.skip(f"{variant} is held to a bound on the other reference model only (the CPU suite's time)")
+        pytest.skip(f"{variant} is held to a bound on the other reference model only")
     with torch.inference_mode():
         patcher = accelerated(reference, VARIANTS[variant], PROMPTS[0][0])
         scores = [psnr(reference.sample(patcher, prompt, seed)[1], eager_images[prompt][1]) for prompt, seed in PROMPTS]
@@ -89,18 +91,18 @@ def test_each_accelerator_keeps_the_image_within_its_bound(reference, eager_imag
     assert mean >= bounds[variant], (variant, scores)
 
 
-def test_the_scenes_workflow_over_the_http_api_stays_within_the_step_caches_bound(client, server):
-    """The main job's graph (Compile Model + step cache, a scene prompt) queued on a real ComfyUI: its image against
-    eager's at the same seed."""
+def test_the_main_jobs_workflow_over_the_http_api_stays_within_the_quality_bound(client, server):
+    """The main job's graph (Compile Model + the adaptive step cache, a scene prompt, its 20 steps and seed) queued on
+    a real ComfyUI: its image against eager's at the same seed."""
     from overdrive.harness.image_metrics import load_image
     from overdrive.harness.workflows import load_workflow, set_inputs, without_overdrive
-    workflow = set_inputs(load_workflow("compile_stepcache_scenes_api.json"), "KSampler", steps=12)
+    workflow = load_workflow("compile_stepcache_scenes_api.json")
     images = {}
     for label, graph in (("eager", without_overdrive(workflow)), ("overdrive", workflow)):
         set_inputs(graph, "SaveImage", filename_prefix=f"scenes-{label}")
         images[label] = load_image(client.output_files(client.run(graph), server.output_dir)[0])
     assert images["eager"].shape == (learned.SIDE, learned.SIDE, 3)
-    assert psnr(images["overdrive"], images["eager"]) >= BOUNDS_DB["wan22_14b"]["stepcache2"]  # the workflow's
+    assert psnr(images["overdrive"], images["eager"]) >= QUALITY_BOUND_DB
     assert ssim(images["overdrive"], images["eager"]) > 0.9
 
 

@@ -147,7 +147,9 @@ def due(step: int, steps: int, every: int) -> bool:
 
 
 def optimize(optimizer, loss: torch.Tensor, step: int, steps: int, peak_lr: float, warmup: int = 100) -> None:
-    """One step at a cosine learning rate after a linear warm-up, gradients clipped to norm 1."""
+    """One step at a cosine learning rate after a linear warm-up (at most a quarter of a short run), gradients
+    clipped to norm 1."""
+    warmup = min(warmup, max(1, steps // 4))
     lr = peak_lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / max(steps, 1), 1.0)))
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -124,8 +124,8 @@ def main():
     print(f"\n{summary} (whole prompt: sampling + VAE decode + save; eager the faster of its two runs)\n"
           f"Eager's image and Overdrive's, side by side: {saved}\nComfyUI log: {server.log_path}")
     if not gpu:
-        print("On the CPU, compiling brings no speed: Overdrive's kernels and CUDA graphs are for NVIDIA GPUs. This run "
-              "checks that the workflow runs end to end.")
+        print("On the CPU, compiling brings little speed: Overdrive's kernels and CUDA graphs are for NVIDIA GPUs (what "
+              "the step cache saves, it saves anywhere). This run checks that the workflow runs end to end.")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@
 #                  carries whl_av.tar.xz; with the archive, whl, whl_kitchen and the repository, both whl_fa3 and
 #                  whl_cudnn fit under the 64 MiB of a call
 #   whl_sage (sageattention 1.0.6, Triton kernels, 20 KiB): ComfyUI's --use-sage-attention peer (gpu_fa3_ab.sh)
+#   The repository travels too: its learned reference models (builtin_models/learned/, 33 MiB) and a ComfyUI run's
+#                  carry (41 MiB) exceed a call's 64 MiB together. A call that does not sample them (every gpu_*.sh
+#                  but gpu_train_learned.sh and bench_fidelity.py) runs with those files moved out of the checkout;
+#                  one that samples one model keeps only that model's two files.
 #   gpu_attention.sh: whl_attention (nvidia-cudnn-frontend, sageattention 1.0.6; 11 MiB), whl
 #   gpu_dit_suite.sh diffusers-flux: whl_diffusers (diffusers, torchao; 9.3 MiB), no ComfyUI
 set -euo pipefail

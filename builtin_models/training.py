@@ -30,7 +30,6 @@ from .learned import MODELS, SIDE, LearnedModel, conditioning
 FRAMES = 9  # frames of a training clip (two latent frames after the first)
 CFG_DROP = 0.1  # share of training prompts replaced by the empty prompt (zeros), for classifier-free guidance
 NOISE_IN_LATENT = 0.05  # the decoder learns to read slightly wrong latents, as a sampler leaves them
-SD3_VAE_SCALE, SD3_VAE_SHIFT = 1.5305, 0.0609  # what ComfyUI's Load VAE gives "taesd3" (SD3's latent format's)
 OUTPUT_HEADS = {"wan21": "head.head", "taesd3": "final_layer.linear"}  # the diffusion model's last layer, by VAE
 
 
@@ -80,8 +79,8 @@ def trainable(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def build_vae(m: LearnedModel, seed: int, device) -> torch.nn.Module:
-    """ComfyUI's Wan 2.1 VAE at its smallest width, or its TAESD with SD3's 16 channels and SD3's fixed latent scale
-    (the encoder learns latents in the model's space)."""
+    """ComfyUI's Wan 2.1 VAE at its smallest width, or its TAESD with SD3's 16 channels and SD3's latent scale and
+    shift, fixed, as ComfyUI's Load VAE gives "taesd3" (the encoder learns latents in the model's space)."""
     with torch.device(device):
         if m.vae == "wan21":
             import comfy.ldm.wan.vae
@@ -89,9 +88,10 @@ def build_vae(m: LearnedModel, seed: int, device) -> torch.nn.Module:
             return trainable(comfy.ldm.wan.vae.WanVAE(**{**config, **TINY_VAE["wan21"]}), seed)
         import comfy.taesd.taesd
         vae = trainable(comfy.taesd.taesd.TAESD(latent_channels=16), seed)
+    fmt = latent_format(m)
     with torch.no_grad():
-        vae.vae_scale.fill_(SD3_VAE_SCALE)
-        vae.vae_shift.fill_(SD3_VAE_SHIFT)
+        vae.vae_scale.fill_(fmt.scale_factor)
+        vae.vae_shift.fill_(fmt.shift_factor)
     vae.vae_scale.requires_grad_(False)
     vae.vae_shift.requires_grad_(False)
     return vae

@@ -123,7 +123,8 @@ def build_dit(m: LearnedModel, seed: int, device) -> torch.nn.Module:
         if pos_embed is not None:  # SD3's fixed 2-D sin-cos table, a buffer its checkpoints carry
             from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
             grid = int(round(pos_embed.shape[1] ** 0.5))
-            pos_embed.copy_(torch.from_numpy(get_2d_sincos_pos_embed(pos_embed.shape[2], grid)).reshape(pos_embed.shape))
+            table = torch.from_numpy(get_2d_sincos_pos_embed(pos_embed.shape[2], grid))
+            pos_embed.copy_(table.reshape(pos_embed.shape))
     return model
 
 

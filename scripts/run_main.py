@@ -9,7 +9,8 @@ eager's and Overdrive's images saved side by side.
 
 "scenes" (the default) runs the reference model with learned weights (builtin_models/learned.py: a WAN21 diffusion
 model and a Wan 2.1 VAE trained on procedural scenes) through Compile Model and the step cache at 128², on any
-machine; "scenes_sd35" the other one (an SD3 MMDiT and SD3's tiny autoencoder). The other built-in models have fixed-seed random weights: their images are noise, their timings real.
+machine; "scenes_sd35" the other one (an SD3 MMDiT and SD3's tiny autoencoder). The other built-in models have
+fixed-seed random weights: their images are noise, their timings real.
 Without a GPU they run small (256², 8 steps; 5 frames for video) so they finish in minutes; --size/--steps override.
 The DiT families run on their built-in diffusion model and VAE with Built-in Conditioning (random text-encoder
 output): with --checkpoint, your diffusion-model file replaces the built-in one.

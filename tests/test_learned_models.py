@@ -130,7 +130,8 @@ def test_the_trainer_gives_the_same_weights_for_the_same_seed_and_its_losses_fal
 
     from overdrive.builtin_models import training
     arguments = ["--family", family, "--side", "32", "--frames", "5", "--images", "16", "--clips", "4",
-                 "--vae-steps", "24", "--dit-steps", "24", "--image-batch", "4", "--clip-batch", "2", "--log-every", "8", "--device", "cpu"]
+                 "--vae-steps", "24", "--dit-steps", "24", "--image-batch", "4", "--clip-batch", "2", "--log-every", "8",
+                 "--device", "cpu"]
     deterministic = torch.are_deterministic_algorithms_enabled()
     for run in ("a", "b"):
         training.main(["--out", str(tmp_path / run), *arguments])

@@ -29,7 +29,11 @@ class LearnedModel(NamedTuple):
     vae_name: str
     dit_file: str     # the files in FOLDER
     vae_file: str
-    video: bool       # whether it also learned clips
+
+    @property
+    def video(self) -> bool:
+        """Whether it also learned clips: its family's latents are a video's."""
+        return FAMILIES[self.family].latent.get("video", False)
 
 
 def _sd3_width(depth: int) -> dict:
@@ -41,11 +45,12 @@ def _sd3_width(depth: int) -> dict:
 MODELS = {
     "wan22_14b": LearnedModel("wan22_14b", "wan21", dict(dim=256, num_heads=2, ffn_dim=1024, num_layers=4),
                               "overdrive-scenes-wan21-t2v.safetensors", "overdrive-scenes-wan21-vae.safetensors",
-                              "scenes_wan21_t2v.safetensors", "scenes_vae_wan21.safetensors", video=True),
+                              "scenes_wan21_t2v.safetensors", "scenes_vae_wan21.safetensors"),
     "sd35": LearnedModel("sd35", "taesd3", {**_sd3_width(3), "num_patches": 1024, "pos_embed_max_size": 32},
                          "overdrive-scenes-sd35-mmdit.safetensors", "overdrive-scenes-sd35-taesd3.safetensors",
-                         "scenes_sd35_mmdit.safetensors", "scenes_taesd3.safetensors", video=False),
+                         "scenes_sd35_mmdit.safetensors", "scenes_taesd3.safetensors"),
 }
+
 
 def files(names=None) -> dict:
     """{folder: {workflow file name: path}} as harness.workflows.model_paths_config takes them, for the models

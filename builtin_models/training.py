@@ -30,7 +30,7 @@ from .learned import MODELS, SIDE, LearnedModel, conditioning
 FRAMES = 9  # frames of a training clip (two latent frames after the first)
 CFG_DROP = 0.1  # share of training prompts replaced by the empty prompt (zeros), for classifier-free guidance
 NOISE_IN_LATENT = 0.05  # the decoder learns to read slightly wrong latents, as a sampler leaves them
-OUTPUT_HEADS = {"wan21": "head.head", "taesd3": "final_layer.linear"}  # the diffusion model's last layer, by VAE
+OUTPUT_HEADS = {"wan22_14b": "head.head", "sd35": "final_layer.linear"}  # the diffusion model's last layer
 
 
 def report_file(m: LearnedModel) -> str:
@@ -115,7 +115,7 @@ def build_dit(m: LearnedModel, seed: int, device) -> torch.nn.Module:
     zero (it starts by predicting no velocity: the first steps do not fight a random output)."""
     model = build_model(m.family, "full", torch.float32, device, overrides=m.config)
     trainable(model.diffusion_model, seed)
-    head = model.diffusion_model.get_submodule(OUTPUT_HEADS[m.vae])
+    head = model.diffusion_model.get_submodule(OUTPUT_HEADS[m.family])
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()

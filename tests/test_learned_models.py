@@ -12,7 +12,7 @@ from overdrive.harness.image_metrics import psnr, ssim
 
 # The bounds CI holds the accelerators to: mean PSNR over PROMPTS against eager's image at the same prompt and seed,
 # a little under what these prompts measure on the CPU, so that a change that degrades images fails. (What each
-# setting gives over more prompts, and which meets 30 dB: bench/results/*_fidelity_scenes.json.)
+# setting gives over more prompts, and which meets 30 dB: bench/results/*_fidelity_scenes_*.json.)
 BOUNDS_DB = {
     "wan22_14b": {"compile": 60.0, "int8": 40.0, "stepcache-default": 28.5, "stepcache-adaptive0.2": 36.0},
     # the MMDiT: the step cache's defaults only (Compile Model's and int8's effect is held on the video DiT; the CPU

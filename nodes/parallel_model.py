@@ -1,10 +1,13 @@
-"""Parallel Model: one generation over several GPUs of this machine. Each sampling step's conditional and
-unconditional passes (ComfyUI batches them into one model call) run on different GPUs: this process runs the first
-part through the model as it is, worker processes (parallel/workers.py) run the others on their own copies, reloaded
-the way ComfyUI loaded the model (its `cached_patcher_init`), and the outputs are joined.
+"""Parallel Model: one generation over several GPUs of this machine, each GPU's process holding its own copy of
+the model (worker processes, parallel/workers.py, reload it the way ComfyUI loaded it: its `cached_patcher_init`).
+Two ways to split a model call:
+- cfg: the step's conditional and unconditional passes (ComfyUI batches them into one call) on different GPUs; this
+  process runs the first part through the model as it is, the workers the others, and the outputs are joined.
+- sequence: every process runs the whole call with its share of the image tokens (nodes/sequence_parallel.py), and
+  this process's output is the call's.
 
-Where a call cannot be split (one chunk, as with CFG 1; a ControlNet; other nodes' patches in the model) it runs
-here alone, and the log says why once. The workers stay up for later prompts with the same model file; a worker
+Where a call cannot be split (one chunk, as with CFG 1; a ControlNet; other nodes' patches in the model; a family
+or shape sequence parallelism does not split) it runs here alone, and the log says why once. The workers stay up for later prompts with the same model file; a worker
 that dies fails that prompt with a clear error, and the next prompt starts fresh ones.
 """
 import logging
@@ -18,10 +21,11 @@ from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
 from ..parallel.workers import WorkerDied, WorkerPool
 from .schema import node_schema, patched_copy_input
+from .sequence_parallel import sequence_options, why_not_sequence
 
 log = logging.getLogger("overdrive")
 KEY = "overdrive_parallel"
-GPUS, MODES = 2, ("auto", "cfg")
+GPUS, MODES = 2, ("auto", "cfg", "sequence")
 PLAIN = (torch.Tensor, int, float, str, bool, type(None), torch.dtype)
 
 
@@ -80,39 +84,75 @@ def why_not_split(x, control, transformer_options) -> str | None:
     return None
 
 
-def parallel_apply_model(processes: int, cuda: bool, init: tuple):
-    """An APPLY_MODEL wrapper that splits each call's passes over `processes` processes."""
+def why_not_sequence_call(diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs):
+    if control is not None:
+        return "a ControlNet's residuals take part in it"
+    if any(kwargs.get(name) is not None for name in ("reference_latent", "context_latents")):
+        return "reference latents join its image tokens"
+    cross = tuple(t.shape[-2] for t in (c_crossattn, kwargs.get("clip_fea")) if isinstance(t, torch.Tensor))
+    return why_not_sequence(diffusion_model, x, processes, transformer_options, cross)
+
+
+def chosen_split(mode, diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs) -> tuple:
+    """("cfg" | "sequence", None), or (None, why the call runs here alone). auto: the passes apart where there are
+    as many as the processes, else the tokens."""
+    cfg = why_not_split(x, control, transformer_options) if mode != "sequence" else "sequence was asked for"
+    if cfg is None and (mode == "cfg" or len(transformer_options["cond_or_uncond"]) >= processes):
+        return "cfg", None
+    if mode == "cfg":
+        return None, cfg
+    sequence = why_not_sequence_call(diffusion_model, x, control, transformer_options, processes, c_crossattn,
+                                     kwargs)
+    if sequence is None:
+        return "sequence", None
+    return ("cfg", None) if cfg is None else (None, sequence if mode == "sequence" else f"{cfg}; {sequence}")
+
+
+def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MODES[0]):
+    """An APPLY_MODEL wrapper that splits each call over `processes` processes, by its passes or its tokens."""
     told = set()
     unstarted = []  # the workers could not start for this model: it runs on this GPU, without trying again
 
     def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
-        reason = unstarted[0] if unstarted else why_not_split(x, control, transformer_options)
+        diffusion_model = executor.class_obj.diffusion_model
+        split, reason = (None, unstarted[0]) if unstarted else chosen_split(
+            mode, diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs)
+        if reason is None:
+            try:
+                pool = POOLS.get(init, processes, cuda)
+            except WorkerDied as error:  # an optimization that cannot start: the generation goes on, on one GPU
+                log.warning("Overdrive Parallel Model: the worker processes did not start, so the model runs on one "
+                            "GPU (your generation continues). Reason: %s", str(error).splitlines()[0])
+                reason = "its worker processes did not start"
+                unstarted.append(reason)
         if reason is not None:
             if reason not in told:
                 told.add(reason)
                 log.info("Overdrive Parallel Model: a call runs on this GPU alone: %s", reason)
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
-        chunks = len(transformer_options["cond_or_uncond"])
-        call = {"c_concat": c_concat, "c_crossattn": c_crossattn, "transformer_options": transformer_options, **kwargs}
-        parts = split_call(x, t, call, chunks, min(processes, chunks))
-        remote = [(px, pt, {**pk, "transformer_options": plain(pk["transformer_options"])})
-                  for px, pt, pk in parts[1:]]
+        if split not in told:
+            told.add(split)
+            log.info("Overdrive Parallel Model: %s parallelism over %d processes", split, processes)
 
         def local(px, pt, transformer_options, **rest):
             return executor(px, pt, rest.pop("c_concat"), rest.pop("c_crossattn"), None, transformer_options, **rest)
-        try:
-            pool = POOLS.get(init, processes, cuda)
-        except WorkerDied as error:  # an optimization that cannot start: the generation goes on, on one GPU
-            log.warning("Overdrive Parallel Model: the worker processes did not start, so the model runs on one GPU "
-                        "(your generation continues). Reason: %s", str(error).splitlines()[0])
-            unstarted.append("its worker processes did not start")
-            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        call = {"c_concat": c_concat, "c_crossattn": c_crossattn, **kwargs}
+        if split == "sequence":
+            blocks = len(diffusion_model.blocks)
+            here = sequence_options(transformer_options, blocks, transformer_options.get("optimized_attention_override"))
+            there = sequence_options(plain(transformer_options), blocks)
+            return pool.run_everywhere((x, t, {**call, "transformer_options": there}), lambda px, pt, **rest: local(
+                px, pt, **{**rest, "transformer_options": here}))
+        chunks = len(transformer_options["cond_or_uncond"])
+        parts = split_call(x, t, {**call, "transformer_options": transformer_options}, chunks, min(processes, chunks))
+        remote = [(px, pt, {**pk, "transformer_options": plain(pk["transformer_options"])})
+                  for px, pt, pk in parts[1:]]
         return join(pool.run([parts[0], *remote], local))
     return wrapper
 
 
-def parallelize(model, processes: int, cuda: bool):
-    """A clone of `model` whose calls split their passes over `processes` processes (GPUs where `cuda`)."""
+def parallelize(model, processes: int, cuda: bool, mode: str = MODES[0]):
+    """A clone of `model` whose calls split over `processes` processes (GPUs where `cuda`), by `mode`."""
     init = getattr(model, "cached_patcher_init", None)
     if init is None:
         raise ValueError("Parallel Model needs a model ComfyUI loaded from a file (Load Diffusion Model, Load "
@@ -121,13 +161,14 @@ def parallelize(model, processes: int, cuda: bool):
         raise ValueError("Parallel Model does not carry weight patches (LoRA) to its workers yet: put it before "
                          "the LoRA loaders' model, or leave it out")
     patched = model.clone()
-    patched.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, parallel_apply_model(processes, cuda, init))
+    patched.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, parallel_apply_model(processes, cuda, init, mode))
     return patched
 
 
 DESCRIPTION = ("One generation over several GPUs of this machine: each step's conditional and unconditional passes "
-               "run on different GPUs (CFG parallelism), each GPU holding its own copy of the model, loaded once "
-               "for the prompts that follow. Without the GPUs asked for it runs on one, with a warning.")
+               "on different GPUs (CFG parallelism), or each GPU with its share of the image tokens (sequence "
+               "parallelism, Wan), each GPU holding its own copy of the model, loaded once for the prompts that "
+               "follow. Without the GPUs asked for it runs on one, with a warning.")
 
 
 class OverdriveParallelModel(io.ComfyNode):
@@ -140,8 +181,10 @@ class OverdriveParallelModel(io.ComfyNode):
                     io.Int.Input("gpus", default=GPUS, min=2, max=16,
                                  tooltip="How many GPUs of this machine share each generation (one process each)."),
                     io.Combo.Input("mode", options=list(MODES), default=MODES[0],
-                                   tooltip="auto: what the model and GPU count allow, now CFG parallelism (the "
-                                           "conditional and unconditional passes on different GPUs). cfg: that.")],
+                                   tooltip="auto: the conditional and unconditional passes on different GPUs where "
+                                           "there are as many passes as GPUs, else each GPU with a share of the "
+                                           "image tokens where the model allows it (Wan). cfg: the passes only. "
+                                           "sequence: the tokens only.")],
             outputs=[io.Model.Output(tooltip="The model, its sampling steps split over the GPUs.")])
 
     @classmethod
@@ -154,7 +197,7 @@ class OverdriveParallelModel(io.ComfyNode):
                         gpus, available)
             return io.NodeOutput(model.clone())
         try:
-            return io.NodeOutput(parallelize(model, gpus, cuda=True))
+            return io.NodeOutput(parallelize(model, gpus, cuda=True, mode=mode))
         except ValueError as error:  # a model it cannot split yet: the generation goes on, on one GPU
             log.warning("Overdrive Parallel Model: the model runs on one GPU: %s", error)
             return io.NodeOutput(model.clone())

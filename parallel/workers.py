@@ -119,6 +119,9 @@ def _worker_main(rank: int, placement: Placement, port: int, factory, connection
             x, timestep, kwargs = _unpack(header, _receive(header, 0, device))
             with torch.inference_mode():
                 out = model(x, timestep, **kwargs)
+            if message == "call_everywhere":  # rank 0 holds the whole output too
+                connection.send(("done", None))
+                continue
             out_header, tensors = _pack(out)
             connection.send(("done", out_header))
             _send(tensors, 0, device)
@@ -208,11 +211,7 @@ class WorkerPool:
         if not 1 <= len(parts) <= self.placement.world_size:
             raise ValueError(f"{len(parts)} parts for {self.placement.world_size} processes")
         try:
-            for rank, part in enumerate(parts[1:], start=1):
-                header, tensors = _pack(part)
-                self.connections[rank - 1].send(("call", header))
-                self._expect(rank, "receiving")
-                _send(tensors, rank, self.device)
+            self._hand_out("call", parts[1:])
             x, timestep, kwargs = parts[0]
             outputs = [local(x, timestep, **kwargs)]
             for rank in range(1, len(parts)):
@@ -222,6 +221,28 @@ class WorkerPool:
         except BaseException:  # a failed or interrupted call leaves the workers mid-protocol: start afresh next time
             self.close()
             raise
+
+    def run_everywhere(self, call: tuple, local):
+        """`local`'s output of the call (x, timestep, kwargs) that every worker runs too, as one computation split
+        between the processes by the call itself (its collectives: sequence parallelism)."""
+        try:
+            self._hand_out("call_everywhere", [call] * (self.placement.world_size - 1))
+            x, timestep, kwargs = call
+            out = local(x, timestep, **kwargs)
+            for rank in range(1, self.placement.world_size):
+                self._expect(rank, "done")
+            return out
+        except BaseException:
+            self.close()
+            raise
+
+    def _hand_out(self, message: str, parts: list) -> None:
+        """parts[r - 1] to worker r."""
+        for rank, part in enumerate(parts, start=1):
+            header, tensors = _pack(part)
+            self.connections[rank - 1].send((message, header))
+            self._expect(rank, "receiving")
+            _send(tensors, rank, self.device)
 
     def alive(self) -> bool:
         return bool(self.processes) and all(p.is_alive() for p in self.processes)

@@ -1,6 +1,6 @@
-"""Batch (CFG) parallelism over worker processes (parallel/), on the CPU with gloo as CI runs it: a call split over
-2 and 3 processes equals the call in one, a ComfyUI model's call too, and a worker that fails or dies fails the call
-with a clear error and leaves no process behind."""
+"""Batch (CFG) and sequence parallelism over worker processes (parallel/), on the CPU with gloo as CI runs it: a call
+split over 2 and 3 processes equals the call in one, a ComfyUI model's call too, and a worker that fails or dies fails
+the call with a clear error and leaves no process behind."""
 import multiprocessing
 import os
 
@@ -73,6 +73,43 @@ def test_a_call_split_over_processes_equals_the_call_in_one(processes):
     assert not pool.alive() and not multiprocessing.active_children()
 
 
+class UlyssesNet:
+    """Self-attention over tokens split between the processes (parallel/sequence_split.py): each shards the call's
+    tokens, attends with every rank's, and gathers; one process alone attends over them all."""
+
+    def __call__(self, device):
+        import torch.distributed as dist
+
+        from overdrive.parallel.sequence_split import gather, shard, ulysses_attention
+
+        def sdpa(q, k, v, heads):  # (batch, tokens, heads x d), as ComfyUI's attention functions take them
+            b, s, hd = q.shape
+            q, k, v = (t.reshape(b, s, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, hd)
+
+        def call(x, timestep, heads=6):
+            if not dist.is_initialized():
+                return sdpa(x, x * timestep, x.flip(-1), heads)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            x = shard(x, 1, rank, world)
+            return gather(ulysses_attention(x, x * timestep, x.flip(-1), heads, sdpa), 1, world)
+        return call
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_attention_over_tokens_split_between_processes_equals_attention_in_one(processes):
+    x = torch.randn(2, 12, 6 * 4, generator=torch.Generator().manual_seed(2))  # 12 tokens, 6 heads of 4
+    timestep = torch.tensor([0.5, 2.0])[:, None, None]
+    expected = UlyssesNet()(torch.device("cpu"))(x, timestep)
+    pool = WorkerPool(UlyssesNet(), processes, cuda=False).start()
+    try:
+        out = pool.run_everywhere((x, timestep, {}), UlyssesNet()(torch.device("cpu")))
+    finally:
+        pool.close()
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert not multiprocessing.active_children()
+
+
 def test_a_worker_that_fails_to_load_names_why_and_leaves_no_process():
     with pytest.raises(WorkerDied, match="missing.safetensors"):
         WorkerPool(FailsToLoad(), 2, cuda=False).start()
@@ -88,9 +125,10 @@ def test_a_worker_that_dies_mid_call_fails_the_call_and_leaves_no_process():
     pool.close()  # twice is harmless
 
 
-def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_files):
+def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_files, caplog):
     """Wan 2.2's tiny file as Load Diffusion Model loads it, sampled with CFG: its passes split over two processes
-    (the second reloads the file), per model call equal to the model in this process alone."""
+    (the second reloads the file), then its tokens (the same workers), each per model call equal to the model in this
+    process alone; with CFG 1 (one pass a call) auto splits the tokens."""
     import comfy.sd
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
@@ -101,25 +139,54 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     path = builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]
     model = comfy.sd.load_diffusion_model(str(path))
     positive, negative = conditioning("wan22", 1), conditioning("wan22", 2)
-    latent = empty_latent("wan22", 64, 64, frames=5)
+    latent = empty_latent("wan22", 64, 64, frames=5)  # 8 tokens: 4 a process
 
-    def sample(patcher):
+    def sample(patcher, cfg=5.0):
         import comfy.sample
         recorded, calls = record_calls(patcher)
         noise = comfy.sample.prepare_noise(latent, 0)
-        out = comfy.sample.sample(recorded, noise, 3, 5.0, "euler", "simple", positive, negative, latent, seed=0,
+        out = comfy.sample.sample(recorded, noise, 3, cfg, "euler", "simple", positive, negative, latent, seed=0,
                                   disable_pbar=True)
         return out, calls
 
-    expected, expected_calls = sample(model)
     try:
-        out, calls = sample(parallelize(model, 2, cuda=False))
-        assert POOLS.pool is not None and POOLS.pool.alive()
+        for mode, cfg in (("cfg", 5.0), ("sequence", 5.0), ("auto", 1.0)):
+            expected, expected_calls = sample(model, cfg)
+            with caplog.at_level("INFO", logger="overdrive"):
+                out, calls = sample(parallelize(model, 2, cuda=False, mode=mode), cfg)
+            assert POOLS.pool is not None and POOLS.pool.alive()
+            assert_calls_match(calls, expected_calls, 1e-5)
+            assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+            assert f"{'cfg' if mode == 'cfg' else 'sequence'} parallelism over 2 processes" in caplog.text
+            caplog.clear()
     finally:
         POOLS.close()
-    assert_calls_match(calls, expected_calls, 1e-5)
-    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
     assert not multiprocessing.active_children()
+
+
+def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy, builtin_dit_files):
+    import comfy.sd
+
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes.parallel_model import chosen_split
+
+    wan = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
+    flux = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["flux"][0]]))
+    text = torch.zeros(1, 512, 4096)
+    one_pass = {"cond_or_uncond": [0]}
+
+    def why(model, x, processes, options=one_pass, mode="sequence", **kwargs):
+        return chosen_split(mode, model.model.diffusion_model, x, None, options, processes, text, kwargs)
+    video = torch.zeros(1, 48, 2, 4, 4)  # 8 tokens
+    assert why(wan, video, 2) == ("sequence", None)
+    assert "do not divide over 3" in why(wan, video, 3)[1]
+    assert "heads do not divide over 4" in why(wan, torch.zeros(1, 48, 1, 8, 8), 4)[1]  # 2 heads
+    assert "as long as its text" in why(wan, torch.zeros(1, 48, 1, 64, 64), 2)[1]  # 1,024 tokens, 512 a process
+    assert "reference latents" in why(wan, video, 2, reference_latent=torch.zeros(1))[1]
+    assert "replace or patch its blocks" in why(wan, video, 2, {**one_pass, "patches_replace": {"dit": {0: 0}}})[1]
+    assert "Flux is not among the families" in why(flux, torch.zeros(1, 16, 8, 8), 2)[1]
+    both = why(wan, video, 3, mode="auto")[1]  # neither split applies: both reasons
+    assert "one pass" in both and "do not divide over 3" in both
 
 
 def test_the_node_runs_on_one_gpu_with_a_warning_where_the_gpus_are_missing_and_names_bad_input(comfy, caplog):

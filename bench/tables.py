@@ -14,6 +14,8 @@ import re
 import sys
 from xml.sax.saxutils import escape
 
+import scaling  # bench/, beside this file
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 STEP_CACHE = "overdrive+fp8+attn+deepcache4+window0.1-0.95"
@@ -176,6 +178,10 @@ TABLES = {
                           "*_budget-*gib_wan22_14b_480p.json", "*_budget-*gib_qwen_image_1328.json")),
     "latest": (latest, ("*.json",)),
     "fidelity": (fidelity, ("*_fidelity_scenes_*.json",)),
+    "scaling": (scaling.table, ("2026-12-02_h200_comfy033_dynamic-on_flux_1024_fa3.json",
+                                "2026-12-02_h200_comfy033_dynamic-on_qwen_image_1328_fa3.json",
+                                "2026-12-02_h200_comfy033_dynamic-on_wan22_14b_480p_fa3.json",
+                                "2026-12-02_h200_comfy033_dynamic-on_ltx2_768x512_97f_fa3.json")),
 }
 
 

@@ -18,33 +18,28 @@ CHILD = pathlib.Path(__file__).with_name("compile_cache_child.py")
 
 
 def run_child(cache_dir, inductor_dir, **env_vars):
-    # A fresh Inductor cache folder per process: only Overdrive's own artifacts can make the second one warm.
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), **env_vars)
+    # A fresh Inductor cache folder per process: only Overdrive's own artifacts can make the second one warm. In a
+    # fresh folder Inductor would also build and load-test its vector-ISA probes again (about 12 s a process here),
+    # which is torch's business, not these tests': told the ISA works, it takes the best one the CPU reports.
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), TORCHINDUCTOR_VEC_ISA_OK="1", **env_vars)
     result = subprocess.run([sys.executable, str(CHILD), str(cache_dir)], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
-def test_restart_loads_compiled_artifacts_from_disk(tmp_path):
-    cold, _ = run_child(tmp_path / "cache", tmp_path / "inductor1")
-    assert cold["failure"] is None and cold["misses"] >= 1 and cold["hits"] == 0
-    assert list((tmp_path / "cache").glob("*.bin")), "the first process saved nothing"
-    warm, log = run_child(tmp_path / "cache", tmp_path / "inductor2")
-    assert warm["failure"] is None and warm["hits"] >= 1 and warm["misses"] == 0, warm
-    assert "loaded compiled artifacts" in log
-    assert warm["max_error"] < 1e-5
-
-
-def test_an_entry_point_with_two_graphs_restarts_with_both(tmp_path):
-    """save_cache_artifacts() returns only what was compiled since its last call: an entry point's second graph is
-    added to its entry, not written over the first (Z-Image on the H200 lowered a block graph again after a restart);
-    a restart that only hit the cache adds nothing."""
+def test_a_restart_loads_an_entry_points_two_graphs_from_disk(tmp_path):
+    """A new process loads what an earlier one compiled, with nothing left to compile. save_cache_artifacts() returns
+    only what was compiled since its last call: an entry point's second graph is added to its entry, not written over
+    the first (Z-Image on the H200 lowered a block graph again after a restart); a restart that only hit the cache
+    adds nothing."""
     cold, _ = run_child(tmp_path / "cache", tmp_path / "inductor1", OVERDRIVE_TEST_TWO_SHAPES="1")
-    assert cold["graphs"] == 2 and cold["misses"] == 2, cold
+    assert cold["failure"] is None and cold["graphs"] == 2 and cold["misses"] == 2 and cold["hits"] == 0, cold
     entries = {p: p.stat().st_size for p in (tmp_path / "cache").glob("*.bin")}
+    assert entries, "the first process saved nothing"
     warm, log = run_child(tmp_path / "cache", tmp_path / "inductor2", OVERDRIVE_TEST_TWO_SHAPES="1")
-    assert warm["hits"] == 2 and warm["misses"] == 0, warm
+    assert warm["failure"] is None and warm["hits"] == 2 and warm["misses"] == 0, warm
+    assert "loaded compiled artifacts" in log and warm["max_error"] < 1e-5
     assert {p: p.stat().st_size for p in (tmp_path / "cache").glob("*.bin")} == entries
 
 

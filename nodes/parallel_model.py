@@ -139,10 +139,10 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
         call = {"c_concat": c_concat, "c_crossattn": c_crossattn, **kwargs}
         if split == "sequence":
             blocks = len(diffusion_model.blocks)
-            here = sequence_options(transformer_options, blocks, transformer_options.get("optimized_attention_override"))
-            there = sequence_options(plain(transformer_options), blocks)
-            return pool.run_everywhere((x, t, {**call, "transformer_options": there}), lambda px, pt, **rest: local(
-                px, pt, **{**rest, "transformer_options": here}))
+            here = sequence_options(transformer_options, blocks)
+            there = sequence_options(plain(transformer_options), blocks)  # plain: without this process's override
+            return pool.run_everywhere((x, t, {**call, "transformer_options": there}),
+                                       lambda: local(x, t, transformer_options=here, **call))
         chunks = len(transformer_options["cond_or_uncond"])
         parts = split_call(x, t, {**call, "transformer_options": transformer_options}, chunks, min(processes, chunks))
         remote = [(px, pt, {**pk, "transformer_options": plain(pk["transformer_options"])})

@@ -7,6 +7,7 @@ cross-attention (Wan); a joint text-and-image attention (Flux, SD3, Qwen-Image) 
 from __future__ import annotations
 
 from ..parallel.sequence_split import gather, rank_and_world, shard, ulysses_attention, why_not_shard
+from .comfy_call_options import ATTENTION_OVERRIDE
 
 FAMILIES = ("WanModel",)  # ComfyUI's diffusion model classes whose blocks this splits
 
@@ -79,9 +80,10 @@ class ShardedAttention:
         return ulysses_attention(q, k, v, heads, attend)
 
 
-def sequence_options(transformer_options: dict, blocks: int, previous=None) -> dict:
-    """A copy of a call's options that runs it sequence-parallel (the original is left as it was)."""
+def sequence_options(transformer_options: dict, blocks: int) -> dict:
+    """A copy of a call's options that runs it sequence-parallel (the original is left as it was); an attention
+    override already there (Overdrive's, in this process) runs each rank's share of the heads."""
+    previous = transformer_options.get(ATTENTION_OVERRIDE)
     replace = dict(transformer_options.get("patches_replace", {}))
     replace["dit"] = {("double_block", i): ShardedBlock() for i in range(blocks)}
-    return {**transformer_options, "patches_replace": replace,
-            "optimized_attention_override": ShardedAttention(previous)}
+    return {**transformer_options, "patches_replace": replace, ATTENTION_OVERRIDE: ShardedAttention(previous)}

@@ -223,12 +223,11 @@ class WorkerPool:
             raise
 
     def run_everywhere(self, call: tuple, local):
-        """`local`'s output of the call (x, timestep, kwargs) that every worker runs too, as one computation split
-        between the processes by the call itself (its collectives: sequence parallelism)."""
+        """`local()`'s output, this process's run of the call (x, timestep, kwargs) that every worker runs too: one
+        computation split between the processes by the call itself (its collectives: sequence parallelism)."""
         try:
             self._hand_out("call_everywhere", [call] * (self.placement.world_size - 1))
-            x, timestep, kwargs = call
-            out = local(x, timestep, **kwargs)
+            out = local()
             for rank in range(1, self.placement.world_size):
                 self._expect(rank, "done")
             return out

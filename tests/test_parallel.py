@@ -103,7 +103,7 @@ def test_attention_over_tokens_split_between_processes_equals_attention_in_one(p
     expected = UlyssesNet()(torch.device("cpu"))(x, timestep)
     pool = WorkerPool(UlyssesNet(), processes, cuda=False).start()
     try:
-        out = pool.run_everywhere((x, timestep, {}), UlyssesNet()(torch.device("cpu")))
+        out = pool.run_everywhere((x, timestep, {}), lambda: UlyssesNet()(torch.device("cpu"))(x, timestep))
     finally:
         pool.close()
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)

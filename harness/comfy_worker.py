@@ -4,12 +4,14 @@ comfy.model_management is first imported."""
 
 
 class ComfyReload:
-    """The model reloaded as ComfyUI loaded it (its ModelPatcher's `cached_patcher_init`), on the worker's device;
-    called as ComfyUI's BaseModel.apply_model."""
+    """The model reloaded as ComfyUI loaded it (its ModelPatcher's `cached_patcher_init`), on the worker's device,
+    with the weight patches (LoRA) of the ModelPatcher that runs it in ComfyUI's process ({key: [(strength_patch,
+    patch, strength_model, offset, function)]}, ModelPatcher.patches); called as ComfyUI's BaseModel.apply_model."""
 
-    def __init__(self, init: tuple):
+    def __init__(self, init: tuple, patches: dict | None = None):
         load, self.arguments, *self.index = init
         self.loader = (load.__module__, load.__qualname__)  # by name: unpickling the function would import ComfyUI
+        self.patches = patches or {}
 
     def __call__(self, device):
         import importlib
@@ -21,6 +23,10 @@ class ComfyReload:
         index = self.index
         if index:
             patcher = patcher[index[0]]
+        for key, entries in self.patches.items():
+            for strength_patch, patch, strength_model, offset, function in entries:
+                full_key = key if offset is None and function is None else (key, offset, function)
+                patcher.add_patches({full_key: patch}, strength_patch, strength_model)
         comfy.model_management.load_models_gpu([patcher])
         model = patcher.model
         return lambda x, timestep, **kwargs: model.apply_model(x, timestep, **kwargs)

@@ -54,14 +54,17 @@ class Pools:
     def __init__(self):
         self.pool, self.key = None, None
 
-    def get(self, init: tuple, processes: int, cuda: bool) -> WorkerPool:
-        key = (repr(init), processes, cuda)
+    def get(self, init: tuple, processes: int, cuda: bool, patcher=None) -> WorkerPool:
+        """The pool for the model file `init` with the weight patches of `patcher` (the ModelPatcher running the
+        call): other patches (another LoRA, another strength) start fresh workers."""
+        patches = patcher.patches if patcher is not None else {}
+        key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None)
         if self.pool is not None and (self.key != key or not self.pool.alive()):
             self.close()
         if self.pool is None:
-            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once)",
-                     processes - 1)
-            self.pool, self.key = WorkerPool(ComfyReload(init), processes, cuda).start(), key
+            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once%s)",
+                     processes - 1, f", with {len(patches)} patched weights" if patches else "")
+            self.pool, self.key = WorkerPool(ComfyReload(init, patches), processes, cuda).start(), key
         return self.pool
 
     def close(self) -> None:
@@ -71,6 +74,14 @@ class Pools:
 
 
 POOLS = Pools()
+
+
+def why_not_carried(patcher) -> str | None:
+    """Why the weight patches of the ModelPatcher running a call cannot reach the workers (None: they can)."""
+    entries = [entry for entries in (patcher.patches.values() if patcher is not None else ()) for entry in entries]
+    if any(function is not None for *_, function in entries):
+        return "a weight patch applies a function of this process, which its workers cannot run"
+    return None
 
 
 def why_not_split(x, control, transformer_options) -> str | None:
@@ -114,12 +125,13 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
     unstarted = []  # the workers could not start for this model: it runs on this GPU, without trying again
 
     def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
-        diffusion_model = executor.class_obj.diffusion_model
+        diffusion_model, patcher = executor.class_obj.diffusion_model, executor.class_obj.current_patcher
         split, reason = (None, unstarted[0]) if unstarted else chosen_split(
             mode, diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs)
+        reason = reason or why_not_carried(patcher)
         if reason is None:
             try:
-                pool = POOLS.get(init, processes, cuda)
+                pool = POOLS.get(init, processes, cuda, patcher)
             except WorkerDied as error:  # an optimization that cannot start: the generation goes on, on one GPU
                 log.warning("Overdrive Parallel Model: the worker processes did not start, so the model runs on one "
                             "GPU (your generation continues). Reason: %s", str(error).splitlines()[0])
@@ -157,9 +169,6 @@ def parallelize(model, processes: int, cuda: bool, mode: str = MODES[0]):
     if init is None:
         raise ValueError("Parallel Model needs a model ComfyUI loaded from a file (Load Diffusion Model, Load "
                          "Checkpoint): its workers load the same file")
-    if model.patches:
-        raise ValueError("Parallel Model does not carry weight patches (LoRA) to its workers yet: put it before "
-                         "the LoRA loaders' model, or leave it out")
     patched = model.clone()
     patched.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, parallel_apply_model(processes, cuda, init, mode))
     return patched
@@ -177,7 +186,7 @@ class OverdriveParallelModel(io.ComfyNode):
         return node_schema(
             "OverdriveParallelModel", "Parallel Model (Overdrive)", description=DESCRIPTION,
             inputs=[patched_copy_input(io.Model, "model", "model", "split over the GPUs",
-                                       "Loaded from a file (its workers load the same file), without LoRA patches."),
+                                       "Loaded from a file: its workers load the same file, and its LoRA."),
                     io.Int.Input("gpus", default=GPUS, min=2, max=16,
                                  tooltip="How many GPUs of this machine share each generation (one process each)."),
                     io.Combo.Input("mode", options=list(MODES), default=MODES[0],

@@ -164,6 +164,43 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     assert not multiprocessing.active_children()
 
 
+def test_a_lora_applied_after_parallel_model_reaches_the_workers(comfy, builtin_dit_files):
+    """A LoRA loader on Parallel Model's output patches the ModelPatcher that runs the calls: the workers start with
+    the same patches, and the split calls equal the patched model's in one process."""
+    import comfy.sample
+    import comfy.sd
+
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes.parallel_model import POOLS, parallelize, why_not_carried
+
+    model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
+    latent = empty_latent("wan22", 64, 64, frames=5)
+    key, weight = next((f"diffusion_model.{k}", v) for k, v in model.model.diffusion_model.named_parameters()
+                       if ".ffn." in k and k.endswith(".weight") and v.ndim == 2)
+    diff = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.5 * weight.std()
+
+    def sample(patcher):
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, 5.0, "euler", "simple",
+                                   conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
+                                   disable_pbar=True)
+    with_lora, parallel_lora = model.clone(), parallelize(model, 2, cuda=False, mode="cfg").clone()
+    for patcher in (with_lora, parallel_lora):
+        patcher.add_patches({key: (diff,)}, 0.8)
+    try:
+        out = sample(parallel_lora)
+        assert POOLS.pool is not None and POOLS.pool.alive()
+    finally:
+        POOLS.close()
+    expected = sample(with_lora)
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(expected, sample(model), rtol=1e-3, atol=1e-4)  # the patch changed the result
+    assert why_not_carried(parallel_lora) is None
+    parallel_lora.add_patches({(key, None, lambda w: w * 2): (diff,)}, 1.0)
+    assert "function of this process" in why_not_carried(parallel_lora)
+    assert not multiprocessing.active_children()
+
+
 def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy, builtin_dit_files):
     import comfy.sd
 

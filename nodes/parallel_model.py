@@ -20,6 +20,8 @@ from comfy_api.latest import io
 from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
 from ..parallel.workers import WorkerDied, WorkerPool
+from .forward_patch import installed_stack
+from .quantize_patches import quantized_modules
 from .schema import node_schema, patched_copy_input
 from .sequence_parallel import sequence_options, why_not_sequence
 
@@ -77,10 +79,19 @@ POOLS = Pools()
 
 
 def why_not_carried(patcher) -> str | None:
-    """Why the weight patches of the ModelPatcher running a call cannot reach the workers (None: they can)."""
-    entries = [entry for entries in (patcher.patches.values() if patcher is not None else ()) for entry in entries]
+    """Why what the ModelPatcher running a call computes with cannot reach the workers (None: it can): its weight
+    patches (LoRA) travel; Quantize Model's layers and the step cache do not yet, and split calls would mix them
+    with the workers' plain model. Compile Model's graphs compute what the workers' eager model computes."""
+    if patcher is None:
+        return None
+    entries = [entry for entries in patcher.patches.values() for entry in entries]
     if any(function is not None for *_, function in entries):
         return "a weight patch applies a function of this process, which its workers cannot run"
+    if quantized_modules(patcher):
+        return "Quantize Model's layers do not reach its workers yet"
+    stack = installed_stack(patcher)
+    if stack is not None and stack.cache is not None:
+        return "the step cache does not reach its workers yet"
     return None
 
 

@@ -166,7 +166,8 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
 
 def test_a_lora_applied_after_parallel_model_reaches_the_workers(comfy, builtin_dit_files):
     """A LoRA loader on Parallel Model's output patches the ModelPatcher that runs the calls: the workers start with
-    the same patches, and the split calls equal the patched model's in one process."""
+    the same patches, and the split calls equal the patched model's in one process. What cannot reach the workers
+    (a patch's function, the step cache) keeps the calls in this process."""
     import comfy.sample
     import comfy.sd
 
@@ -198,6 +199,8 @@ def test_a_lora_applied_after_parallel_model_reaches_the_workers(comfy, builtin_
     assert why_not_carried(parallel_lora) is None
     parallel_lora.add_patches({(key, None, lambda w: w * 2): (diff,)}, 1.0)
     assert "function of this process" in why_not_carried(parallel_lora)
+    from overdrive.nodes import NODES
+    assert "step cache does not reach" in why_not_carried(NODES["OverdriveDeepCache"].execute(model)[0])
     assert not multiprocessing.active_children()
 
 

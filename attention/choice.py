@@ -75,6 +75,9 @@ class OnePerConfig:
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: keep the one instance
         return self
 
+    def __reduce__(self):  # another process (Parallel Model's workers) unpickles its own one instance per settings
+        return type(self), (self.config,)
+
 
 def sdpa(q, k, v):
     """torch's best 16-bit attention, in the backends' output layout (batch, tokens, heads, head dim)."""

@@ -8,12 +8,18 @@ class ComfyReload:
     with the weight patches (LoRA) of the ModelPatcher that runs it in ComfyUI's process ({key: [(strength_patch,
     patch, strength_model, offset, function)]}, ModelPatcher.patches); called as ComfyUI's BaseModel.apply_model."""
 
-    def __init__(self, init: tuple, patches: dict | None = None):
+    def __init__(self, init: tuple, patches: dict | None = None, stack=None):
         load, self.arguments, *self.index = init
         self.loader = (load.__module__, load.__qualname__)  # by name: unpickling the function would import ComfyUI
         self.patches = patches or {}
+        self.stack = stack  # Overdrive's forward (stack.Stack); its attention override travels with each call
 
     def __call__(self, device):
+        model = self.load(device).model
+        return lambda x, timestep, **kwargs: model.apply_model(x, timestep, **kwargs)
+
+    def load(self, device):
+        """The ModelPatcher, loaded on `device` with the patches and forward it was given."""
         import importlib
 
         from .inprocess import import_comfy
@@ -27,6 +33,8 @@ class ComfyReload:
             for strength_patch, patch, strength_model, offset, function in entries:
                 full_key = key if offset is None and function is None else (key, offset, function)
                 patcher.add_patches({full_key: patch}, strength_patch, strength_model)
+        if self.stack is not None:  # as Compile Model put it on the first process's copy
+            from ..nodes.forward_patch import install
+            install(patcher, self.stack)
         comfy.model_management.load_models_gpu([patcher])
-        model = patcher.model
-        return lambda x, timestep, **kwargs: model.apply_model(x, timestep, **kwargs)
+        return patcher

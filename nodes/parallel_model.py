@@ -20,6 +20,7 @@ from comfy_api.latest import io
 from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
 from ..parallel.workers import WorkerDied, WorkerPool
+from .comfy_call_options import ATTENTION_OVERRIDE
 from .forward_patch import installed_stack
 from .quantize_patches import quantized_modules
 from .schema import node_schema, patched_copy_input
@@ -29,6 +30,13 @@ log = logging.getLogger("overdrive")
 KEY = "overdrive_parallel"
 GPUS, MODES = 2, ("auto", "cfg", "sequence")
 PLAIN = (torch.Tensor, int, float, str, bool, type(None), torch.dtype)
+
+
+def carried(transformer_options: dict) -> dict:
+    """What of a call's options travels to the workers: its data, and Overdrive's attention override."""
+    override = transformer_options.get(ATTENTION_OVERRIDE)
+    kept = {ATTENTION_OVERRIDE: override} if getattr(override, "overdrive_attention", False) else {}
+    return {**plain(transformer_options), **kept}
 
 
 def plain(value):
@@ -57,16 +65,20 @@ class Pools:
         self.pool, self.key = None, None
 
     def get(self, init: tuple, processes: int, cuda: bool, patcher=None) -> WorkerPool:
-        """The pool for the model file `init` with the weight patches of `patcher` (the ModelPatcher running the
-        call): other patches (another LoRA, another strength) start fresh workers."""
+        """The pool for the model file `init` as `patcher` (the ModelPatcher running the call) runs it: its weight
+        patches (LoRA) and Overdrive's compiled forward. Others (another LoRA or strength, another compile setting)
+        start fresh workers."""
         patches = patcher.patches if patcher is not None else {}
-        key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None)
+        stack = installed_stack(patcher) if patcher is not None else None
+        key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None, stack)
         if self.pool is not None and (self.key != key or not self.pool.alive()):
             self.close()
         if self.pool is None:
-            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once%s)",
-                     processes - 1, f", with {len(patches)} patched weights" if patches else "")
-            self.pool, self.key = WorkerPool(ComfyReload(init, patches), processes, cuda).start(), key
+            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once%s%s)",
+                     processes - 1, f", with {len(patches)} patched weights" if patches else "",
+                     ", compiled as here" if stack is not None else "")
+            reload = ComfyReload(init, patches, stack)
+            self.pool, self.key = WorkerPool(reload, processes, cuda).start(), key
         return self.pool
 
     def close(self) -> None:
@@ -81,7 +93,7 @@ POOLS = Pools()
 def why_not_carried(patcher) -> str | None:
     """Why what the ModelPatcher running a call computes with cannot reach the workers (None: it can): its weight
     patches (LoRA) travel; Quantize Model's layers and the step cache do not yet, and split calls would mix them
-    with the workers' plain model. Compile Model's graphs compute what the workers' eager model computes."""
+    with their models. Compile Model's forward and attention are put on the workers' copies too."""
     if patcher is None:
         return None
     entries = [entry for entries in patcher.patches.values() for entry in entries]
@@ -163,12 +175,12 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
         if split == "sequence":
             blocks = len(diffusion_model.blocks)
             here = sequence_options(transformer_options, blocks)
-            there = sequence_options(plain(transformer_options), blocks)  # plain: without this process's override
+            there = sequence_options(carried(transformer_options), blocks)
             return pool.run_everywhere((x, t, {**call, "transformer_options": there}),
                                        lambda: local(x, t, transformer_options=here, **call))
         chunks = len(transformer_options["cond_or_uncond"])
         parts = split_call(x, t, {**call, "transformer_options": transformer_options}, chunks, min(processes, chunks))
-        remote = [(px, pt, {**pk, "transformer_options": plain(pk["transformer_options"])})
+        remote = [(px, pt, {**pk, "transformer_options": carried(pk["transformer_options"])})
                   for px, pt, pk in parts[1:]]
         return join(pool.run([parts[0], *remote], local))
     return wrapper

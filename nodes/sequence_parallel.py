@@ -82,7 +82,7 @@ class ShardedAttention:
 
 def sequence_options(transformer_options: dict, blocks: int) -> dict:
     """A copy of a call's options that runs it sequence-parallel (the original is left as it was); an attention
-    override already there (Overdrive's, in this process) runs each rank's share of the heads."""
+    override already there (Overdrive's) runs each rank's share of the heads."""
     previous = transformer_options.get(ATTENTION_OVERRIDE)
     replace = dict(transformer_options.get("patches_replace", {}))
     replace["dit"] = {("double_block", i): ShardedBlock() for i in range(blocks)}

@@ -3,6 +3,7 @@ split over 2 and 3 processes equals the call in one, a ComfyUI model's call too,
 the call with a clear error and leaves no process behind."""
 import multiprocessing
 import os
+import pickle
 
 import pytest
 import torch
@@ -164,18 +165,31 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     assert not multiprocessing.active_children()
 
 
-def test_a_lora_applied_after_parallel_model_reaches_the_workers(comfy, builtin_dit_files):
-    """A LoRA loader on Parallel Model's output patches the ModelPatcher that runs the calls: the workers start with
-    the same patches, and the split calls equal the patched model's in one process. What cannot reach the workers
-    (a patch's function, the step cache) keeps the calls in this process."""
+def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_the_workers(comfy, builtin_dit_files):
+    """Each worker's copy runs Compile Model's forward and attention as this process's does, with the weight patches
+    a LoRA loader put on Parallel Model's output (the ModelPatcher that runs the calls): the split calls equal the
+    compiled, patched model's in one process. What cannot reach the workers (a patch's function, the step cache)
+    keeps the calls in this process."""
     import comfy.sample
     import comfy.sd
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.harness.comfy_worker import ComfyReload
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
-    from overdrive.nodes.parallel_model import POOLS, parallelize, why_not_carried
+    from overdrive.nodes import NODES
+    from overdrive.nodes.comfy_call_options import ATTENTION_OVERRIDE
+    from overdrive.nodes.forward_patch import installed_stack
+    from overdrive.nodes.parallel_model import POOLS, carried, parallelize, why_not_carried
 
     model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
+    compiled = NODES["OverdriveCompileModel"].execute(model)[0]
+    stack = installed_stack(compiled)
+    assert stack is not None and stack.compile is not None
+    assert installed_stack(ComfyReload(model.cached_patcher_init, {}, stack).load(torch.device("cpu"))) == stack
+    override = compiled.model_options["transformer_options"][ATTENTION_OVERRIDE]
+    assert carried(compiled.model_options["transformer_options"])[ATTENTION_OVERRIDE] is override
+    assert pickle.loads(pickle.dumps(override)) is override  # one instance per settings in every process
+
     latent = empty_latent("wan22", 64, 64, frames=5)
     key, weight = next((f"diffusion_model.{k}", v) for k, v in model.model.diffusion_model.named_parameters()
                        if ".ffn." in k and k.endswith(".weight") and v.ndim == 2)
@@ -185,7 +199,7 @@ def test_a_lora_applied_after_parallel_model_reaches_the_workers(comfy, builtin_
         return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, 5.0, "euler", "simple",
                                    conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
                                    disable_pbar=True)
-    with_lora, parallel_lora = model.clone(), parallelize(model, 2, cuda=False, mode="cfg").clone()
+    with_lora, parallel_lora = compiled.clone(), parallelize(compiled, 2, cuda=False, mode="cfg").clone()
     for patcher in (with_lora, parallel_lora):
         patcher.add_patches({key: (diff,)}, 0.8)
     try:
@@ -195,11 +209,10 @@ def test_a_lora_applied_after_parallel_model_reaches_the_workers(comfy, builtin_
         POOLS.close()
     expected = sample(with_lora)
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(expected, sample(model), rtol=1e-3, atol=1e-4)  # the patch changed the result
+    assert not torch.allclose(expected, sample(compiled), rtol=1e-3, atol=1e-4)  # the patch changed the result
     assert why_not_carried(parallel_lora) is None
     parallel_lora.add_patches({(key, None, lambda w: w * 2): (diff,)}, 1.0)
     assert "function of this process" in why_not_carried(parallel_lora)
-    from overdrive.nodes import NODES
     assert "step cache does not reach" in why_not_carried(NODES["OverdriveDeepCache"].execute(model)[0])
     assert not multiprocessing.active_children()
 

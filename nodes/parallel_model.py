@@ -7,8 +7,9 @@ Two ways to split a model call:
   this process's output is the call's.
 
 Where a call cannot be split (one chunk, as with CFG 1; a ControlNet; other nodes' patches in the model; a family
-or shape sequence parallelism does not split) it runs here alone, and the log says why once. The workers stay up for later prompts with the same model file; a worker
-that dies fails that prompt with a clear error, and the next prompt starts fresh ones.
+or shape sequence parallelism does not split; what the workers' copies lack) it runs here alone, and the log says
+why once. The workers stay up for later prompts with the same model file; a worker that dies fails that prompt with
+a clear error, and the next prompt starts fresh ones.
 """
 import logging
 

@@ -7,7 +7,7 @@ cross-attention (Wan); a joint text-and-image attention (Flux, SD3, Qwen-Image) 
 from __future__ import annotations
 
 from ..parallel.sequence_split import gather, rank_and_world, shard, ulysses_attention, why_not_shard
-from .comfy_call_options import ATTENTION_OVERRIDE
+from .comfy_call_options import ATTENTION_OVERRIDE, active_patches
 
 FAMILIES = ("WanModel",)  # ComfyUI's diffusion model classes whose blocks this splits
 
@@ -18,8 +18,8 @@ def why_not_sequence(diffusion_model, x, world: int, transformer_options: dict, 
     name = type(diffusion_model).__name__
     if name not in FAMILIES:
         return f"{name} is not among the families sequence parallelism splits ({', '.join(FAMILIES)})"
-    if transformer_options.get("patches_replace", {}).get("dit") or transformer_options.get("patches", {}).get(
-            "double_block"):
+    patches, replaces = active_patches(transformer_options)
+    if "dit" in replaces or "double_block" in patches:
         return "other nodes replace or patch its blocks"
     tokens = image_tokens(diffusion_model, x)
     if tokens // world in cross_lengths:  # the override tells self-attention apart by its key length

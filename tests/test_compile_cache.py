@@ -19,8 +19,9 @@ CHILD = pathlib.Path(__file__).with_name("compile_cache_child.py")
 
 def run_child(cache_dir, inductor_dir, **env_vars):
     # A fresh Inductor cache folder per process: only Overdrive's own artifacts can make the second one warm. In a
-    # fresh folder Inductor would also build and load-test its vector-ISA probes again (about 12 s a process here),
-    # which is torch's business, not these tests': told the ISA works, it takes the best one the CPU reports.
+    # fresh folder Inductor would also build and load-test its vector-ISA probes again (most of a cold process's
+    # first compile), which is torch's business, not these tests': told the ISA works, it takes the best one the CPU
+    # reports.
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), TORCHINDUCTOR_VEC_ISA_OK="1", **env_vars)
     result = subprocess.run([sys.executable, str(CHILD), str(cache_dir)], env=env, capture_output=True, text=True,
                             timeout=600)

@@ -122,8 +122,10 @@ def why_not_split(x, control, transformer_options) -> str | None:
 def why_not_sequence_call(diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs):
     if control is not None:
         return "a ControlNet's residuals take part in it"
-    if any(kwargs.get(name) is not None for name in ("reference_latent", "context_latents")):
+    if any(kwargs.get(name) is not None for name in ("reference_latent", "ref_latents", "context_latents")):
         return "reference latents join its image tokens"
+    if kwargs.get("attention_mask") is not None:
+        return "an attention mask (its text's padding) takes part in it"
     cross = tuple(t.shape[-2] for t in (c_crossattn, kwargs.get("clip_fea")) if isinstance(t, torch.Tensor))
     return why_not_sequence(diffusion_model, x, processes, transformer_options, cross)
 
@@ -174,9 +176,8 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
             return executor(px, pt, rest.pop("c_concat"), rest.pop("c_crossattn"), None, transformer_options, **rest)
         call = {"c_concat": c_concat, "c_crossattn": c_crossattn, **kwargs}
         if split == "sequence":
-            blocks = len(diffusion_model.blocks)
-            here = sequence_options(transformer_options, blocks)
-            there = sequence_options(carried(transformer_options), blocks)
+            here = sequence_options(transformer_options, diffusion_model)
+            there = sequence_options(carried(transformer_options), diffusion_model)
             return pool.run_everywhere((x, t, {**call, "transformer_options": there}),
                                        lambda: local(x, t, transformer_options=here, **call))
         chunks = len(transformer_options["cond_or_uncond"])
@@ -200,8 +201,8 @@ def parallelize(model, processes: int, cuda: bool, mode: str = MODES[0]):
 
 DESCRIPTION = ("One generation over several GPUs of this machine: each step's conditional and unconditional passes "
                "on different GPUs (CFG parallelism), or each GPU with its share of the image tokens (sequence "
-               "parallelism, Wan), each GPU holding its own copy of the model, loaded once for the prompts that "
-               "follow. Without the GPUs asked for it runs on one, with a warning.")
+               "parallelism: Wan, Flux, SD3, Qwen-Image), each GPU holding its own copy of the model, loaded once "
+               "for the prompts that follow. Without the GPUs asked for it runs on one, with a warning.")
 
 
 class OverdriveParallelModel(io.ComfyNode):
@@ -216,8 +217,8 @@ class OverdriveParallelModel(io.ComfyNode):
                     io.Combo.Input("mode", options=list(MODES), default=MODES[0],
                                    tooltip="auto: the conditional and unconditional passes on different GPUs where "
                                            "there are as many passes as GPUs, else each GPU with a share of the "
-                                           "image tokens where the model allows it (Wan). cfg: the passes only. "
-                                           "sequence: the tokens only.")],
+                                           "image tokens where the model allows it (Wan, Flux, SD3, Qwen-Image). "
+                                           "cfg: the passes only. sequence: the tokens only.")],
             outputs=[io.Model.Output(tooltip="The model, its sampling steps split over the GPUs.")])
 
     @classmethod

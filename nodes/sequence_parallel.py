@@ -1,89 +1,142 @@
 """Sequence parallelism in ComfyUI's model calls (parallel/sequence_split.py's arithmetic): block replacements shard
-the image tokens, with their rotary frequencies and per-token modulation, as the first block takes them and gather
-them after the last, and an attention override runs the self-attention of the shards as one (Ulysses). Every
+the image tokens, with their rotary frequencies (and Wan's per-token modulation), as the first block takes them and
+gather them after the last, and an attention override runs the self-attention of the shards as one (Ulysses). Every
 process of the group runs the same call with the same options; the objects here pickle, so workers get them with
-the call. Families: those whose blocks take their image tokens alone as "img" and attend to the text in a separate
-cross-attention (Wan); a joint text-and-image attention (Flux, SD3, Qwen-Image) is not split yet."""
+the call. Families: Wan (the text in a cross-attention of its own), and Flux, SD3 and Qwen-Image (the text joins the
+image tokens in one attention: whole on every process, each attending with its own heads of it)."""
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 from ..parallel.sequence_split import gather, rank_and_world, shard, ulysses_attention, why_not_shard
 from .comfy_call_options import ATTENTION_OVERRIDE, active_patches
 
-FAMILIES = ("WanModel",)  # ComfyUI's diffusion model classes whose blocks this splits
+SHARD = "overdrive_sequence_shard"  # transformer_options: (text tokens, image tokens) of this rank's block inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFamily:
+    """How sequence parallelism reads one family of ComfyUI's diffusion models."""
+    blocks: Callable  # model -> its block-replacement keys, in the order a call runs them
+    heads: Callable  # model -> attention heads
+    patch: Callable  # model -> (frames, height, width) of a patch
+    joint: bool  # the text joins the image tokens in the blocks' attention
+    pe_dim: int | None  # where the rotary frequencies hold their tokens (text first in joint families)
+    vec_per_token: bool = False  # the modulation may come per token (Wan 2.2)
+
+
+def _flux_blocks(model) -> list:
+    return ([("double_block", i) for i in range(len(model.double_blocks))]
+            + [("single_block", i) for i in range(len(model.single_blocks))])
+
+
+def _square(model) -> tuple:
+    return (1, model.patch_size, model.patch_size)
+
+
+FAMILIES = {  # ComfyUI's diffusion model classes whose blocks this splits
+    "WanModel": SplitFamily(lambda m: [("double_block", i) for i in range(len(m.blocks))],
+                            lambda m: m.blocks[0].self_attn.num_heads, lambda m: tuple(m.patch_size),
+                            joint=False, pe_dim=1, vec_per_token=True),
+    "Flux": SplitFamily(_flux_blocks, lambda m: m.params.num_heads, _square, joint=True, pe_dim=2),
+    "QwenImageTransformer2DModel": SplitFamily(lambda m: [("double_block", i) for i in range(len(m.transformer_blocks))],
+                                               lambda m: m.transformer_blocks[0].attn.heads, _square, joint=True,
+                                               pe_dim=2),
+    "OpenAISignatureMMDITWrapper": SplitFamily(lambda m: [("double_block", i) for i in range(len(m.joint_blocks))],
+                                               lambda m: m.joint_blocks[0].x_block.attn.num_heads, _square,
+                                               joint=True, pe_dim=None),
+}
+NAMES = {"WanModel": "Wan", "Flux": "Flux", "QwenImageTransformer2DModel": "Qwen-Image",
+         "OpenAISignatureMMDITWrapper": "SD3"}
 
 
 def why_not_sequence(diffusion_model, x, world: int, transformer_options: dict, cross_lengths: tuple) -> str | None:
     """Why a call on latent `x` cannot run sequence-parallel over `world` processes (None: it can). `cross_lengths`:
     the key lengths of its cross-attention (text, image features)."""
     name = type(diffusion_model).__name__
-    if name not in FAMILIES:
-        return f"{name} is not among the families sequence parallelism splits ({', '.join(FAMILIES)})"
+    family = FAMILIES.get(name)
+    if family is None:
+        return f"{name} is not among the families sequence parallelism splits ({', '.join(NAMES.values())})"
     patches, replaces = active_patches(transformer_options)
     if "dit" in replaces or "double_block" in patches:
         return "other nodes replace or patch its blocks"
-    tokens = image_tokens(diffusion_model, x)
-    if tokens // world in cross_lengths:  # the override tells self-attention apart by its key length
+    tokens = image_tokens(x, family.patch(diffusion_model))
+    if not family.joint and tokens // world in cross_lengths:  # a cross-attention would read as a shard's own
         return f"a shard of its tokens is as long as its text ({tokens // world} tokens)"
-    return why_not_shard(tokens, diffusion_model.blocks[0].self_attn.num_heads, world)
+    return why_not_shard(tokens, family.heads(diffusion_model), world)
 
 
-def image_tokens(diffusion_model, x) -> int:
-    """The image tokens of a Wan call on latent `x` (batch, channels, frames, height, width)."""
-    pt, ph, pw = diffusion_model.patch_size
-    frames, height, width = x.shape[2:]
-    return -(-frames // pt) * -(-height // ph) * -(-width // pw)
+def image_tokens(x, patch: tuple) -> int:
+    """The image tokens of a call on latent `x` ((batch, channels, [frames,] height, width)), patches of `patch`."""
+    frames = x.shape[2] if x.ndim == 5 else 1
+    return -(-frames // patch[0]) * -(-x.shape[-2] // patch[1]) * -(-x.shape[-1] // patch[2])
 
 
 class ShardedBlock:
-    """A block replacement: the first block shards the tokens, every block gets its shard of the per-token inputs,
-    the last block's output is gathered."""
+    """A block replacement: the first block shards the image tokens, every block gets its shard of the per-token
+    inputs, the last block's output is gathered. `single`: a Flux single block, whose "img" holds the text first."""
+
+    def __init__(self, family: SplitFamily, first: bool, last: bool, single: bool):
+        self.first, self.last, self.single = first, last, single
+        self.joint, self.pe_dim, self.vec_per_token = family.joint, family.pe_dim, family.vec_per_token  # it pickles
 
     def __call__(self, args: dict, extra: dict) -> dict:
         rank, world = rank_and_world()
         options = args["transformer_options"]
-        index, img = options["block_index"], args["img"]
-        if index == 0:
-            img = shard(img, 1, rank, world)
-        tokens = img.shape[1] * world
-        out = extra["original_block"]({**args, "img": img, "pe": _shard_tokens(args["pe"], tokens, rank, world),
-                                       "vec": _shard_tokens(args["vec"], tokens, rank, world)})
-        if index == options["total_blocks"] - 1:
-            out = {**out, "img": gather(out["img"], 1, world)}
-        return out
-
-
-def _shard_tokens(value, tokens: int, rank: int, world: int):
-    """A per-token input's shard (dimension 1 holds the tokens); one shared by every token as it is."""
-    if value is not None and value.ndim > 1 and value.shape[1] == tokens:
-        return shard(value, 1, rank, world)
-    return value
+        lead = options["img_slice"][0] if self.single else 0  # text tokens inside "img"
+        img = shard(args["img"], 1, rank, world, lead) if self.first else args["img"]
+        tokens = (img.shape[1] - lead) * world
+        text = lead if self.single else args["txt"].shape[1] if self.joint else 0
+        inputs = {**args, "img": img, "transformer_options": {**options, SHARD: (text, tokens // world)}}
+        pe, dim = args.get("pe"), self.pe_dim
+        if pe is not None and dim is not None and pe.shape[dim] == text + tokens:
+            inputs["pe"] = shard(pe, dim, rank, world, text)
+        vec = args.get("vec")
+        if self.vec_per_token and getattr(vec, "ndim", 0) > 1 and vec.shape[1] == tokens:
+            inputs["vec"] = shard(vec, 1, rank, world)
+        out = extra["original_block"](inputs)
+        return {**out, "img": gather(out["img"], 1, world, lead)} if self.last else out
 
 
 class ShardedAttention:
-    """ComfyUI's attention override: the self-attention of the shards (keys as many as the queries: this rank's
-    tokens, a length no cross-attention has, see `why_not_sequence`) over every token; the cross-attention to the
-    text (whole on every rank) as it is. `previous`: the override it replaces in this process (none in a worker)."""
+    """ComfyUI's attention override: a block's self-attention over its shard (keys as many as the queries, text and
+    this rank's image tokens, as ShardedBlock marked them) runs over every rank's tokens; any other attention (Wan's
+    cross-attention to the text, whole on every rank) as it is. `previous`: the override it replaces in this process
+    (none in a worker)."""
 
     def __init__(self, previous=None):
         self.previous = previous
 
-    def __call__(self, func, q, k, v, *args, heads, **kwargs):
-        def attend(q, k, v, heads):
-            if self.previous is not None:
-                return self.previous(func, q, k, v, *args, heads=heads, **kwargs)
-            return func(q, k, v, *args, heads=heads, **kwargs)
+    def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        def attend(q, k, v, heads, skip_reshape, skip_output_reshape):
+            call = self.previous or (lambda f, *a, **kw: f(*a, **kw))
+            return call(func, q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                        skip_output_reshape=skip_output_reshape, **kwargs)
 
-        if q.shape[1] != k.shape[1]:
-            return attend(q, k, v, heads)
-        if kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape") or args:
-            raise NotImplementedError("sequence parallelism reads attention in (batch, tokens, heads x dim) only")
-        return ulysses_attention(q, k, v, heads, attend)
+        split = (kwargs.get("transformer_options") or {}).get(SHARD)
+        length = q.shape[2 if skip_reshape else 1]
+        if split is None or k.shape[2 if skip_reshape else 1] != length or length - split[1] not in (0, split[0]):
+            return attend(q, k, v, heads, skip_reshape, skip_output_reshape)
+        if mask is not None:
+            raise NotImplementedError("sequence parallelism does not split masked attention (Parallel Model "
+                                      "refuses calls with an attention mask)")
+        b, world = q.shape[0], rank_and_world()[1]
+        if not skip_reshape:
+            q, k, v = (t.view(b, length, heads, -1).transpose(1, 2) for t in (q, k, v))
+        out = ulysses_attention(q, k, v, lambda q, k, v: attend(q, k, v, heads // world, True, True),
+                                text=length - split[1])
+        return out if skip_output_reshape else out.transpose(1, 2).reshape(b, length, -1)
 
 
-def sequence_options(transformer_options: dict, blocks: int) -> dict:
+def sequence_options(transformer_options: dict, diffusion_model) -> dict:
     """A copy of a call's options that runs it sequence-parallel (the original is left as it was); an attention
     override already there (Overdrive's) runs each rank's share of the heads."""
-    previous = transformer_options.get(ATTENTION_OVERRIDE)
+    family = FAMILIES[type(diffusion_model).__name__]
+    keys = family.blocks(diffusion_model)
     replace = dict(transformer_options.get("patches_replace", {}))
-    replace["dit"] = {("double_block", i): ShardedBlock() for i in range(blocks)}
+    replace["dit"] = {key: ShardedBlock(family, i == 0, i == len(keys) - 1, key[0] == "single_block")
+                      for i, key in enumerate(keys)}
+    previous = transformer_options.get(ATTENTION_OVERRIDE)
     return {**transformer_options, "patches_replace": replace, ATTENTION_OVERRIDE: ShardedAttention(previous)}

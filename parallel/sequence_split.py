@@ -1,8 +1,10 @@
 """A model call's tokens split over the processes of a torch.distributed group (sequence parallelism, Ulysses):
 every process holds one contiguous shard of the image tokens through the blocks, and each attention call trades
 shards of tokens for shards of heads with one all-to-all, attends over all tokens for its heads, and trades back.
-Only the attention sees every token; everything else in a block works token by token, so the shards are exact.
-The arithmetic only: where a front end shards, attends and gathers is its own (nodes/sequence_parallel.py)."""
+Text tokens that join the image's in one attention (Flux, SD3, Qwen-Image) are whole on every process: each attends
+with its own heads of them, and the heads are gathered after. Only the attention sees every token; everything else
+in a block works token by token, so the shards are exact. The arithmetic only: where a front end shards, attends and
+gathers is its own (nodes/sequence_parallel.py)."""
 from __future__ import annotations
 
 import torch
@@ -16,51 +18,63 @@ def rank_and_world() -> tuple:
 def why_not_shard(tokens: int, heads: int, world: int) -> str | None:
     """Why `tokens` and `heads` cannot be split over `world` processes (None: they can)."""
     if tokens % world:
-        return f"its {tokens} tokens do not divide over {world} processes"
+        return f"its {tokens} image tokens do not divide over {world} processes"
     if heads % world:
         return f"its {heads} attention heads do not divide over {world} processes (ring attention is not built)"
     return None
 
 
-def shard(tensor: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's contiguous shard of `dim` (which divides evenly)."""
-    size = tensor.shape[dim] // world
-    return tensor.narrow(dim, rank * size, size)
+def shard(tensor: torch.Tensor, dim: int, rank: int, world: int, lead: int = 0) -> torch.Tensor:
+    """The first `lead` entries of `dim` (text, whole on every rank) and this rank's contiguous shard of the rest."""
+    size = (tensor.shape[dim] - lead) // world
+    part = tensor.narrow(dim, lead + rank * size, size)
+    return torch.cat((tensor.narrow(dim, 0, lead), part), dim) if lead else part
 
 
-def gather(tensor: torch.Tensor, dim: int, world: int) -> torch.Tensor:
-    """Every rank's shard of `dim`, in rank order (the inverse of `shard`)."""
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts, dim=dim)
+def gather(tensor: torch.Tensor, dim: int, world: int, lead: int = 0) -> torch.Tensor:
+    """The inverse of `shard`: the first `lead` entries as they are, then every rank's shard in rank order."""
+    rest = tensor.narrow(dim, lead, tensor.shape[dim] - lead).contiguous()
+    parts = [torch.empty_like(rest) for _ in range(world)]
+    dist.all_gather(parts, rest)
+    return torch.cat([tensor.narrow(dim, 0, lead), *parts] if lead else parts, dim=dim)
 
 
 def _exchange(grouped: torch.Tensor) -> torch.Tensor:
     """all-to-all over the first dimension: slice r goes to rank r, and slice r of the result came from rank r."""
+    grouped = grouped.contiguous()
     out = torch.empty_like(grouped)
     dist.all_to_all_single(out, grouped)
     return out
 
 
-def tokens_to_heads(x: torch.Tensor, heads: int, world: int) -> torch.Tensor:
-    """(batch, tokens / world, heads × d) on each rank -> (batch, tokens, heads / world × d): all tokens, this rank's
+def tokens_to_heads(x: torch.Tensor, world: int) -> torch.Tensor:
+    """(batch, heads, tokens / world, d) on each rank -> (batch, heads / world, tokens, d): all tokens, this rank's
     heads."""
-    b, s, hd = x.shape
-    d = hd // heads
-    grouped = x.reshape(b, s, world, heads // world * d).permute(2, 0, 1, 3).contiguous()
-    return _exchange(grouped).permute(1, 0, 2, 3).reshape(b, world * s, heads // world * d)
+    b, h, s, d = x.shape
+    grouped = x.reshape(b, world, h // world, s, d).transpose(0, 1)
+    return _exchange(grouped).permute(1, 2, 0, 3, 4).reshape(b, h // world, world * s, d)
 
 
 def heads_to_tokens(x: torch.Tensor, world: int) -> torch.Tensor:
-    """The inverse of `tokens_to_heads`: (batch, tokens, heads / world × d) -> (batch, tokens / world, heads × d)."""
-    b, s, hd = x.shape
-    grouped = x.reshape(b, world, s // world, hd).permute(1, 0, 2, 3).contiguous()
-    return _exchange(grouped).permute(1, 2, 0, 3).reshape(b, s // world, world * hd)
+    """The inverse of `tokens_to_heads`: (batch, heads / world, tokens, d) -> (batch, heads, tokens / world, d)."""
+    b, h, s, d = x.shape
+    grouped = x.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4)
+    return _exchange(grouped).transpose(0, 1).reshape(b, world * h, s // world, d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, attend) -> torch.Tensor:
-    """Self-attention over every rank's tokens, q, k, v being this rank's shard in (batch, tokens, heads × d);
-    `attend(q, k, v, heads)` runs the attention itself on (batch, all tokens, heads / world × d)."""
-    world = dist.get_world_size()
-    q, k, v = (tokens_to_heads(t, heads, world) for t in (q, k, v))
-    return heads_to_tokens(attend(q, k, v, heads // world), world)
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend, text: int = 0) -> torch.Tensor:
+    """Attention over every rank's tokens. q, k, v: (batch, heads, text + this rank's image tokens, d), the first
+    `text` tokens the same on every rank; `attend(q, k, v)` runs the attention itself on (batch, heads / world, text
+    + all image tokens, d). Returns (batch, heads, text + this rank's image tokens, d)."""
+    rank, world = rank_and_world()
+    h = q.shape[1] // world
+
+    def this_ranks(t):  # its heads of the text, every rank's image tokens
+        return torch.cat((t[:, rank * h:(rank + 1) * h, :text], tokens_to_heads(t[:, :, text:], world)), dim=2)
+    out = attend(*(this_ranks(t) for t in (q, k, v)))
+    image = heads_to_tokens(out[:, :, text:], world)
+    if not text:
+        return image
+    heads = [torch.empty_like(out[:, :, :text]) for _ in range(world)]
+    dist.all_gather(heads, out[:, :, :text].contiguous())
+    return torch.cat((torch.cat(heads, dim=1), image), dim=2)

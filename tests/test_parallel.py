@@ -76,35 +76,40 @@ def test_a_call_split_over_processes_equals_the_call_in_one(processes):
 
 class UlyssesNet:
     """Self-attention over tokens split between the processes (parallel/sequence_split.py): each shards the call's
-    tokens, attends with every rank's, and gathers; one process alone attends over them all."""
+    image tokens (after `text` tokens every process holds whole), attends with every rank's, and gathers; one process
+    alone attends over them all."""
+
+    def __init__(self, text=0):
+        self.text = text
 
     def __call__(self, device):
         import torch.distributed as dist
 
         from overdrive.parallel.sequence_split import gather, shard, ulysses_attention
 
-        def sdpa(q, k, v, heads):  # (batch, tokens, heads x d), as ComfyUI's attention functions take them
-            b, s, hd = q.shape
-            q, k, v = (t.reshape(b, s, heads, hd // heads).transpose(1, 2) for t in (q, k, v))
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, hd)
+        sdpa = torch.nn.functional.scaled_dot_product_attention  # (batch, heads, tokens, d)
 
-        def call(x, timestep, heads=6):
+        def call(x, timestep):
+            q, k, v = x, x * timestep, x.flip(-1)
             if not dist.is_initialized():
-                return sdpa(x, x * timestep, x.flip(-1), heads)
+                return sdpa(q, k, v)
             rank, world = dist.get_rank(), dist.get_world_size()
-            x = shard(x, 1, rank, world)
-            return gather(ulysses_attention(x, x * timestep, x.flip(-1), heads, sdpa), 1, world)
+            q, k, v = (shard(t, 2, rank, world, self.text) for t in (q, k, v))
+            return gather(ulysses_attention(q, k, v, sdpa, self.text), 2, world, self.text)
         return call
 
 
-@pytest.mark.parametrize("processes", [2, 3])
-def test_attention_over_tokens_split_between_processes_equals_attention_in_one(processes):
-    x = torch.randn(2, 12, 6 * 4, generator=torch.Generator().manual_seed(2))  # 12 tokens, 6 heads of 4
-    timestep = torch.tensor([0.5, 2.0])[:, None, None]
-    expected = UlyssesNet()(torch.device("cpu"))(x, timestep)
-    pool = WorkerPool(UlyssesNet(), processes, cuda=False).start()
+@pytest.mark.parametrize("processes,text", [(2, 0), (3, 0), (2, 5), (3, 5)])
+def test_attention_over_tokens_split_between_processes_equals_attention_in_one(processes, text):
+    """Ulysses over 12 image tokens and 6 heads of 4, alone (Wan's self-attention) and after 5 text tokens every
+    process holds (Flux's, SD3's and Qwen-Image's joint attention)."""
+    x = torch.randn(2, 6, text + 12, 4, generator=torch.Generator().manual_seed(2))
+    timestep = torch.tensor([0.5, 2.0])[:, None, None, None]
+    net = UlyssesNet(text)
+    expected = net(torch.device("cpu"))(x, timestep)
+    pool = WorkerPool(net, processes, cuda=False).start()
     try:
-        out = pool.run_everywhere((x, timestep, {}), lambda: UlyssesNet()(torch.device("cpu"))(x, timestep))
+        out = pool.run_everywhere((x, timestep, {}), lambda: net(torch.device("cpu"))(x, timestep))
     finally:
         pool.close()
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
@@ -126,10 +131,19 @@ def test_a_worker_that_dies_mid_call_fails_the_call_and_leaves_no_process():
     pool.close()  # twice is harmless
 
 
-def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_files, caplog):
-    """Wan 2.2's tiny file as Load Diffusion Model loads it, sampled with CFG: its passes split over two processes
-    (the second reloads the file), then its tokens (the same workers), each per model call equal to the model in this
-    process alone; with CFG 1 (one pass a call) auto splits the tokens."""
+# Each family's splits, with the cfg it samples at: every family's passes split (CFG); the tokens of those sequence
+# parallelism splits (its cross-attention text for Wan, its joint attention for the others), and auto choosing them
+# where a call has one pass (CFG 1).
+SPLITS = {"wan22": (("cfg", 5.0), ("sequence", 5.0), ("auto", 1.0)), "flux": (("cfg", 3.0), ("auto", 1.0)),
+          "qwen_image": (("cfg", 2.5), ("sequence", 2.5)), "sd35": (("cfg", 4.5), ("sequence", 4.5)),
+          "chroma": (("cfg", 4.0),), "zimage": (("cfg", 2.0),), "ltxv": (("cfg", 3.0),), "ltx2": (("cfg", 3.0),)}
+
+
+@pytest.mark.parametrize("family", list(SPLITS))
+def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_files, caplog, family):
+    """Each family's tiny file as Load Diffusion Model loads it, sampled over two processes (the second reloads the
+    file) by each of its splits in turn (the same workers), every model call equal to the model's in this process
+    alone."""
     import comfy.sd
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
@@ -137,27 +151,28 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     from overdrive.nodes.parallel_model import POOLS, parallelize
     from test_dit_families import assert_calls_match, record_calls
 
-    path = builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]
+    path = builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES[family][0]]
     model = comfy.sd.load_diffusion_model(str(path))
-    positive, negative = conditioning("wan22", 1), conditioning("wan22", 2)
-    latent = empty_latent("wan22", 64, 64, frames=5)  # 8 tokens: 4 a process
+    positive, negative = conditioning(family, 1), conditioning(family, 2)
+    latent = empty_latent(family, 64, 64, frames=5)  # 16 image tokens (Wan: 8), half a process
 
-    def sample(patcher, cfg=5.0):
+    def sample(patcher, cfg):
         import comfy.sample
         recorded, calls = record_calls(patcher)
         noise = comfy.sample.prepare_noise(latent, 0)
-        out = comfy.sample.sample(recorded, noise, 3, cfg, "euler", "simple", positive, negative, latent, seed=0,
+        out = comfy.sample.sample(recorded, noise, 2, cfg, "euler", "simple", positive, negative, latent, seed=0,
                                   disable_pbar=True)
         return out, calls
 
     try:
-        for mode, cfg in (("cfg", 5.0), ("sequence", 5.0), ("auto", 1.0)):
+        for mode, cfg in SPLITS[family]:
             expected, expected_calls = sample(model, cfg)
             with caplog.at_level("INFO", logger="overdrive"):
                 out, calls = sample(parallelize(model, 2, cuda=False, mode=mode), cfg)
             assert POOLS.pool is not None and POOLS.pool.alive()
             assert_calls_match(calls, expected_calls, 1e-5)
-            assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+            for part, expected_part in zip(getattr(out, "tensors", [out]), getattr(expected, "tensors", [expected])):
+                assert torch.allclose(part, expected_part, rtol=1e-4, atol=1e-5)  # LTX-2: video and audio
             assert f"{'cfg' if mode == 'cfg' else 'sequence'} parallelism over 2 processes" in caplog.text
             caplog.clear()
     finally:
@@ -224,7 +239,7 @@ def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy,
     from overdrive.nodes.parallel_model import chosen_split
 
     wan = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
-    flux = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["flux"][0]]))
+    chroma = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["chroma"][0]]))
     text = torch.zeros(1, 512, 4096)
     one_pass = {"cond_or_uncond": [0]}
 
@@ -237,7 +252,8 @@ def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy,
     assert "as long as its text" in why(wan, torch.zeros(1, 48, 1, 64, 64), 2)[1]  # 1,024 tokens, 512 a process
     assert "reference latents" in why(wan, video, 2, reference_latent=torch.zeros(1))[1]
     assert "replace or patch its blocks" in why(wan, video, 2, {**one_pass, "patches_replace": {"dit": {0: 0}}})[1]
-    assert "Flux is not among the families" in why(flux, torch.zeros(1, 16, 8, 8), 2)[1]
+    assert "attention mask" in why(wan, video, 2, attention_mask=torch.ones(1, 512))[1]
+    assert "Chroma is not among the families" in why(chroma, torch.zeros(1, 16, 8, 8), 2)[1]
     both = why(wan, video, 3, mode="auto")[1]  # neither split applies: both reasons
     assert "one pass" in both and "do not divide over 3" in both
 

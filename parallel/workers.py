@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import socket
 import sys
+import threading
 import time
 import traceback
 import types
@@ -25,6 +26,8 @@ from torch.utils import _pytree as pytree
 READY_TIMEOUT_S = 600.0  # a worker loads its copy of the model before it is ready
 GROUP_TIMEOUT_S = 120.0  # the group's own limit on a transfer or joining: a backstop, the pipes notice deaths first
 POLL_S = 0.05
+DOING = {"joining": "starting", "ready": "loading its model", "receiving": "receiving a call",
+         "done": "running its part of a call"}  # what a worker is doing until it sends each message
 
 
 class WorkerDied(RuntimeError):
@@ -182,7 +185,7 @@ class WorkerPool:
     def _check_alive(self, rank: int, what: str) -> None:
         process = self.processes[rank - 1]
         if not process.is_alive():
-            raise WorkerDied(f"Overdrive's worker {rank} ended (exit code {process.exitcode}) while {what}: the "
+            raise WorkerDied(f"Overdrive's worker {rank} ended (exit code {process.exitcode}) while {DOING[what]}: the "
                              "prompt fails, and the next one starts fresh workers")
 
     def _expect(self, rank: int, what: str, timeout: float | None = None):
@@ -192,15 +195,15 @@ class WorkerPool:
         while not connection.poll(POLL_S):
             self._check_alive(rank, what)
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerDied(f"Overdrive's worker {rank} sent nothing for {timeout:.0f} s ({what})")
+                raise WorkerDied(f"Overdrive's worker {rank} sent nothing for {timeout:.0f} s ({DOING[what]})")
         try:
             message, payload = connection.recv()
         except (EOFError, OSError):  # its end of the pipe closed: it is ending
             self.processes[rank - 1].join(timeout=10)
             self._check_alive(rank, what)
-            raise WorkerDied(f"Overdrive's worker {rank} closed its pipe while {what}") from None
+            raise WorkerDied(f"Overdrive's worker {rank} closed its pipe while {DOING[what]}") from None
         if message == "error":
-            raise WorkerDied(f"Overdrive's worker {rank} failed ({what}):\n{payload}")
+            raise WorkerDied(f"Overdrive's worker {rank} failed while {DOING[what]}:\n{payload}")
         if message != what:
             raise WorkerDied(f"Overdrive's worker {rank} answered {message!r} to {what!r}")
         return payload
@@ -224,16 +227,58 @@ class WorkerPool:
 
     def run_everywhere(self, call: tuple, local):
         """`local()`'s output, this process's run of the call (x, timestep, kwargs) that every worker runs too: one
-        computation split between the processes by the call itself (its collectives: sequence parallelism)."""
+        computation split between the processes by the call itself (its collectives: sequence parallelism). A worker
+        that fails or dies meanwhile fails the call with WorkerDied, saying which and why."""
         try:
             self._hand_out("call_everywhere", [call] * (self.placement.world_size - 1))
-            out = local()
+            with self._watched():
+                out = local()
             for rank in range(1, self.placement.world_size):
                 self._expect(rank, "done")
             return out
-        except BaseException:
+        except WorkerDied:
             self.close()
             raise
+        except BaseException as error:  # a collective broken by a worker's end reads as gloo's or NCCL's own error
+            died = self._failed_worker()
+            self.close()
+            if died is not None:
+                raise died from error
+            raise
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """While this process is inside the call's collectives: a worker that ends aborts the group, so that NCCL's
+        collectives raise instead of waiting for the group's timeout (gloo's notice the closed connection)."""
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(POLL_S):
+                if not self.alive():
+                    if self.placement.cuda:
+                        dist.distributed_c10d._abort_process_group()
+                    return
+        watcher = threading.Thread(target=watch, daemon=True, name="overdrive-worker-watch")
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
+
+    def _failed_worker(self, wait_s: float = 2.0) -> WorkerDied | None:
+        """The WorkerDied of a worker that reported a failure or ended (within `wait_s`, as its report may trail the
+        broken collective), or None."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for rank, (process, connection) in enumerate(zip(self.processes, self.connections), start=1):
+                if connection.poll() or not process.is_alive():
+                    try:
+                        self._expect(rank, "done", timeout=POLL_S)
+                    except WorkerDied as died:
+                        return died
+            time.sleep(POLL_S)
+        return None
 
     def _hand_out(self, message: str, parts: list) -> None:
         """parts[r - 1] to worker r."""

@@ -131,6 +131,42 @@ def test_a_worker_that_dies_mid_call_fails_the_call_and_leaves_no_process():
     pool.close()  # twice is harmless
 
 
+class FailsInsideTheCollective:
+    """Every process runs the call's all-to-all; the worker raises or dies before its part, leaving this process
+    inside the collective."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def __call__(self, device):
+        import torch.distributed as dist
+
+        def call(x, timestep):
+            if dist.get_rank() == 1:
+                if self.how == "dies":
+                    os._exit(3)
+                raise MemoryError("out of memory in worker's block")
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x)
+            return out
+        return call
+
+
+@pytest.mark.parametrize("how,says", [
+    ("raises", "(?s)worker 1 failed while running its part.*out of memory in worker's block"),
+    ("dies", "worker 1 ended \\(exit code 3\\)")])
+def test_a_worker_that_fails_inside_a_sequence_parallel_call_fails_it_at_once_saying_why(how, says):
+    import time
+    net = FailsInsideTheCollective(how)
+    pool = WorkerPool(net, 2, cuda=False).start()
+    x = torch.randn(4, 3)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied, match=says):
+        pool.run_everywhere((x, x, {}), lambda: net(torch.device("cpu"))(x, x))
+    assert time.monotonic() - started < 30  # not the group's timeout
+    assert not pool.alive() and not multiprocessing.active_children()
+
+
 # Each family's splits, with the cfg it samples at: every family's passes split (CFG); the tokens of those sequence
 # parallelism splits (its cross-attention text for Wan, its joint attention for the others), and auto choosing them
 # where a call has one pass (CFG 1).

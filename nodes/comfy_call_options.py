@@ -11,6 +11,9 @@ BLOCK_PATCHES = ("attn1_patch", "attn1_output_patch", "middle_patch", "attn2_pat
 BLOCK_REPLACES = ("attn1", "attn2")
 # ComfyUI's seam for attention (nodes/attention_override.py installs Overdrive's there).
 ATTENTION_OVERRIDE = "optimized_attention_override"
+# Sequence parallelism's mark on a block's options (nodes/sequence_parallel.py): (text tokens, image tokens) of this
+# process's block inputs, which its attention override reads; the same for every block of a call.
+SEQUENCE_SHARD = "overdrive_sequence_shard"
 # ComfyUI copies a ModelPatcher's callbacks here while it samples. They run when the model loads, detaches or is
 # cleaned up (QuantizeModel's device follower, Compile Model's frame release), never in the forward.
 LIFECYCLE_CALLBACKS = "callbacks"
@@ -21,19 +24,21 @@ WRAPPERS, FORWARD_WRAPPERS = "wrappers", "diffusion_model"
 
 def shared_block_options(options):
     """What a compiled block is given of a call's transformer_options: {} (nothing), {override} when the only thing
-    that applies is Overdrive's own attention (the same object for every block, so blocks still share one graph),
-    or None when a patch or another node's attention override needs the block to see all of them. Its per-block
-    entries ("block", "block_index") would make every block's traced graph different."""
+    that applies is Overdrive's own attention (the same object for every block, so blocks still share one graph; with
+    sequence parallelism's mark, the same for every block too), or None when a patch or another node's attention
+    override needs the block to see all of them. Its per-block entries ("block", "block_index") would make every
+    block's traced graph different."""
     if not options:
         return {}
     patches = options.get("patches") or {}
     replaces = options.get("patches_replace") or {}
     if any(patches.get(key) for key in BLOCK_PATCHES) or any(replaces.get(key) for key in BLOCK_REPLACES):
         return None
+    shared = {SEQUENCE_SHARD: options[SEQUENCE_SHARD]} if SEQUENCE_SHARD in options else {}
     override = options.get(ATTENTION_OVERRIDE)
     if override is None:
-        return {}
-    return {ATTENTION_OVERRIDE: override} if getattr(override, "overdrive_attention", False) else None
+        return shared
+    return {ATTENTION_OVERRIDE: override, **shared} if getattr(override, "overdrive_attention", False) else None
 
 
 def step_sigmas(options):

@@ -100,6 +100,9 @@ def why_not_carried(patcher) -> str | None:
     entries = [entry for entries in patcher.patches.values() for entry in entries]
     if any(function is not None for *_, function in entries):
         return "a weight patch applies a function of this process, which its workers cannot run"
+    override = patcher.model_options.get("transformer_options", {}).get(ATTENTION_OVERRIDE)
+    if override is not None and not getattr(override, "overdrive_attention", False):
+        return "another node's attention override, which its workers cannot run"
     if quantized_modules(patcher):
         return "Quantize Model's layers do not reach its workers yet"
     stack = installed_stack(patcher)

@@ -10,9 +10,7 @@ import dataclasses
 from typing import Callable
 
 from ..parallel.sequence_split import gather, rank_and_world, shard, ulysses_attention, why_not_shard
-from .comfy_call_options import ATTENTION_OVERRIDE, active_patches
-
-SHARD = "overdrive_sequence_shard"  # transformer_options: (text tokens, image tokens) of this rank's block inputs
+from .comfy_call_options import ATTENTION_OVERRIDE, SEQUENCE_SHARD, active_patches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +86,7 @@ class ShardedBlock:
         img = shard(args["img"], 1, rank, world, lead) if self.first else args["img"]
         tokens = (img.shape[1] - lead) * world
         text = lead if self.single else args["txt"].shape[1] if self.joint else 0
-        inputs = {**args, "img": img, "transformer_options": {**options, SHARD: (text, tokens // world)}}
+        inputs = {**args, "img": img, "transformer_options": {**options, SEQUENCE_SHARD: (text, tokens // world)}}
         pe, dim = args.get("pe"), self.pe_dim
         if pe is not None and dim is not None and pe.shape[dim] == text + tokens:
             inputs["pe"] = shard(pe, dim, rank, world, text)
@@ -96,17 +94,30 @@ class ShardedBlock:
         if self.vec_per_token and getattr(vec, "ndim", 0) > 1 and vec.shape[1] == tokens:
             inputs["vec"] = shard(vec, 1, rank, world)
         out = extra["original_block"](inputs)
-        return {**out, "img": gather(out["img"], 1, world, lead)} if self.last else out
+        return {**out, "img": gather(out["img"], 1, lead)} if self.last else out
 
 
 class ShardedAttention:
     """ComfyUI's attention override: a block's self-attention over its shard (keys as many as the queries, text and
     this rank's image tokens, as ShardedBlock marked them) runs over every rank's tokens; any other attention (Wan's
     cross-attention to the text, whole on every rank) as it is. `previous`: the override it replaces in this process
-    (none in a worker)."""
+    (Overdrive's attention, or none). One instance per `previous`, as compiled blocks guard on it and trace it into
+    their graph, collectives and all."""
+    overdrive_attention = True  # compiled blocks may take it (nodes/comfy_call_options.py)
+    _instances = {}
 
-    def __init__(self, previous=None):
-        self.previous = previous
+    def __new__(cls, previous=None):
+        made = cls._instances.get(previous)
+        if made is None:
+            made = cls._instances[previous] = super().__new__(cls)
+            made.previous = previous
+        return made
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):  # a worker unpickles its own one instance
+        return type(self), (self.previous,)
 
     def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
@@ -115,7 +126,7 @@ class ShardedAttention:
             return call(func, q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                         skip_output_reshape=skip_output_reshape, **kwargs)
 
-        split = (kwargs.get("transformer_options") or {}).get(SHARD)
+        split = (kwargs.get("transformer_options") or {}).get(SEQUENCE_SHARD)
         length = q.shape[2 if skip_reshape else 1]
         if split is None or k.shape[2 if skip_reshape else 1] != length or length - split[1] not in (0, split[0]):
             return attend(q, k, v, heads, skip_reshape, skip_output_reshape)

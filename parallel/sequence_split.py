@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
+
+# torch.distributed's functional collectives: eager, and traced into a compiled block's graph (Inductor) alike
+_all_gather = getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
 
 
 def rank_and_world() -> tuple:
@@ -31,20 +35,21 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, world: int, lead: int = 0) 
     return torch.cat((tensor.narrow(dim, 0, lead), part), dim) if lead else part
 
 
-def gather(tensor: torch.Tensor, dim: int, world: int, lead: int = 0) -> torch.Tensor:
+def gather(tensor: torch.Tensor, dim: int, lead: int = 0) -> torch.Tensor:
     """The inverse of `shard`: the first `lead` entries as they are, then every rank's shard in rank order."""
-    rest = tensor.narrow(dim, lead, tensor.shape[dim] - lead).contiguous()
-    parts = [torch.empty_like(rest) for _ in range(world)]
-    dist.all_gather(parts, rest)
-    return torch.cat([tensor.narrow(dim, 0, lead), *parts] if lead else parts, dim=dim)
+    rest = tensor.narrow(dim, lead, tensor.shape[dim] - lead)
+    gathered = all_gather(rest, dim)
+    return torch.cat((tensor.narrow(dim, 0, lead), gathered), dim) if lead else gathered
+
+
+def all_gather(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's `tensor`, concatenated along `dim` in rank order."""
+    return _all_gather(tensor.movedim(dim, 0).contiguous(), 0, dist.group.WORLD).movedim(0, dim)
 
 
 def _exchange(grouped: torch.Tensor) -> torch.Tensor:
     """all-to-all over the first dimension: slice r goes to rank r, and slice r of the result came from rank r."""
-    grouped = grouped.contiguous()
-    out = torch.empty_like(grouped)
-    dist.all_to_all_single(out, grouped)
-    return out
+    return functional.all_to_all_single(grouped.contiguous(), None, None, dist.group.WORLD)
 
 
 def tokens_to_heads(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -75,6 +80,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend,
     image = heads_to_tokens(out[:, :, text:], world)
     if not text:
         return image
-    heads = [torch.empty_like(out[:, :, :text]) for _ in range(world)]
-    dist.all_gather(heads, out[:, :, :text].contiguous())
-    return torch.cat((torch.cat(heads, dim=1), image), dim=2)
+    return torch.cat((all_gather(out[:, :, :text], 1), image), dim=2)

@@ -95,7 +95,7 @@ class UlyssesNet:
                 return sdpa(q, k, v)
             rank, world = dist.get_rank(), dist.get_world_size()
             q, k, v = (shard(t, 2, rank, world, self.text) for t in (q, k, v))
-            return gather(ulysses_attention(q, k, v, sdpa, self.text), 2, world, self.text)
+            return gather(ulysses_attention(q, k, v, sdpa, self.text), 2, self.text)
         return call
 
 
@@ -216,11 +216,13 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     assert not multiprocessing.active_children()
 
 
-def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_the_workers(comfy, builtin_dit_files):
+def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_the_workers(comfy, builtin_dit_files,
+                                                                                         caplog):
     """Each worker's copy runs Compile Model's forward and attention as this process's does, with the weight patches
-    a LoRA loader put on Parallel Model's output (the ModelPatcher that runs the calls): the split calls equal the
-    compiled, patched model's in one process. What cannot reach the workers (a patch's function, the step cache)
-    keeps the calls in this process."""
+    a LoRA loader put on Parallel Model's output (the ModelPatcher that runs the calls): the split calls, by passes
+    (CFG 5) and by tokens (CFG 1, the all-to-alls inside the compiled blocks), equal the compiled, patched model's in
+    one process. What cannot reach the workers (a patch's function, another node's attention, the step cache) keeps
+    the calls in this process."""
     import comfy.sample
     import comfy.sd
 
@@ -246,22 +248,30 @@ def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_th
                        if ".ffn." in k and k.endswith(".weight") and v.ndim == 2)
     diff = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.5 * weight.std()
 
-    def sample(patcher):
-        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, 5.0, "euler", "simple",
+    def sample(patcher, cfg):
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, cfg, "euler", "simple",
                                    conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
                                    disable_pbar=True)
-    with_lora, parallel_lora = compiled.clone(), parallelize(compiled, 2, cuda=False, mode="cfg").clone()
+    with_lora, parallel_lora = compiled.clone(), parallelize(compiled, 2, cuda=False).clone()
     for patcher in (with_lora, parallel_lora):
         patcher.add_patches({key: (diff,)}, 0.8)
     try:
-        out = sample(parallel_lora)
+        with caplog.at_level("INFO", logger="overdrive"):
+            outs = [sample(parallel_lora, cfg) for cfg in (5.0, 1.0)]
         assert POOLS.pool is not None and POOLS.pool.alive()
     finally:
         POOLS.close()
-    expected = sample(with_lora)
-    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(expected, sample(compiled), rtol=1e-3, atol=1e-4)  # the patch changed the result
+    assert "cfg parallelism" in caplog.text and "sequence parallelism" in caplog.text
+    assert "uncompiled" not in caplog.text
+    for out, cfg in zip(outs, (5.0, 1.0)):
+        expected = sample(with_lora, cfg)
+        assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(expected, sample(compiled, 1.0), rtol=1e-3, atol=1e-4)  # the patch changed the result
     assert why_not_carried(parallel_lora) is None
+    other = parallel_lora.clone()
+    other.model_options["transformer_options"][ATTENTION_OVERRIDE] = lambda func, *args, **kwargs: func(*args,
+                                                                                                       **kwargs)
+    assert "another node's attention override" in why_not_carried(other)
     parallel_lora.add_patches({(key, None, lambda w: w * 2): (diff,)}, 1.0)
     assert "function of this process" in why_not_carried(parallel_lora)
     assert "step cache does not reach" in why_not_carried(NODES["OverdriveDeepCache"].execute(model)[0])

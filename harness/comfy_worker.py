@@ -6,13 +6,15 @@ comfy.model_management is first imported."""
 class ComfyReload:
     """The model reloaded as ComfyUI loaded it (its ModelPatcher's `cached_patcher_init`), on the worker's device,
     with the weight patches (LoRA) of the ModelPatcher that runs it in ComfyUI's process ({key: [(strength_patch,
-    patch, strength_model, offset, function)]}, ModelPatcher.patches); called as ComfyUI's BaseModel.apply_model."""
+    patch, strength_model, offset, function)]}, ModelPatcher.patches), quantized and compiled as that one is; called
+    as ComfyUI's BaseModel.apply_model."""
 
-    def __init__(self, init: tuple, patches: dict | None = None, stack=None):
+    def __init__(self, init: tuple, patches: dict | None = None, stack=None, quantize: tuple | None = None):
         load, self.arguments, *self.index = init
         self.loader = (load.__module__, load.__qualname__)  # by name: unpickling the function would import ComfyUI
         self.patches = patches or {}
         self.stack = stack  # Overdrive's forward (stack.Stack); its attention override travels with each call
+        self.quantize = quantize  # Quantize Model's recipe (nodes/quantize_node.py RECIPE), its decisions cached
 
     def __call__(self, device):
         model = self.load(device).model
@@ -33,6 +35,9 @@ class ComfyReload:
             for strength_patch, patch, strength_model, offset, function in entries:
                 full_key = key if offset is None and function is None else (key, offset, function)
                 patcher.add_patches({full_key: patch}, strength_patch, strength_model)
+        if self.quantize is not None:  # the same layers and formats as the first process's copy, LoRA baked in
+            from ..nodes.quantize_node import requantized
+            patcher = requantized(patcher, self.quantize)
         if self.stack is not None:  # as Compile Model put it on the first process's copy
             from ..nodes.forward_patch import install
             install(patcher, self.stack)

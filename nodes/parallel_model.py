@@ -23,6 +23,7 @@ from ..parallel.batch_split import join, split_call
 from ..parallel.workers import WorkerDied, WorkerPool
 from .comfy_call_options import ATTENTION_OVERRIDE
 from .forward_patch import installed_stack
+from .quantize_node import RECIPE
 from .quantize_patches import quantized_modules
 from .schema import node_schema, patched_copy_input
 from .sequence_parallel import sequence_options, why_not_sequence
@@ -71,14 +72,16 @@ class Pools:
         start fresh workers."""
         patches = patcher.patches if patcher is not None else {}
         stack = installed_stack(patcher) if patcher is not None else None
-        key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None, stack)
+        quantize = quantize_recipe(patcher)
+        key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None, stack, repr(quantize))
         if self.pool is not None and (self.key != key or not self.pool.alive()):
             self.close()
         if self.pool is None:
-            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once%s%s)",
+            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once%s%s%s)",
                      processes - 1, f", with {len(patches)} patched weights" if patches else "",
+                     ", quantized as here" if quantize is not None else "",
                      ", compiled as here" if stack is not None else "")
-            reload = ComfyReload(init, patches, stack)
+            reload = ComfyReload(init, patches, stack, quantize)
             self.pool, self.key = WorkerPool(reload, processes, cuda).start(), key
         return self.pool
 
@@ -93,8 +96,8 @@ POOLS = Pools()
 
 def why_not_carried(patcher) -> str | None:
     """Why what the ModelPatcher running a call computes with cannot reach the workers (None: it can): its weight
-    patches (LoRA) travel; Quantize Model's layers and the step cache do not yet, and split calls would mix them
-    with their models. Compile Model's forward and attention are put on the workers' copies too."""
+    patches (LoRA), Quantize Model's layers (repeated with its cached decisions), Compile Model's forward and
+    attention travel; the step cache does not yet, and split calls would mix it with their models."""
     if patcher is None:
         return None
     entries = [entry for entries in patcher.patches.values() for entry in entries]
@@ -103,12 +106,17 @@ def why_not_carried(patcher) -> str | None:
     override = patcher.model_options.get("transformer_options", {}).get(ATTENTION_OVERRIDE)
     if override is not None and not getattr(override, "overdrive_attention", False):
         return "another node's attention override, which its workers cannot run"
-    if quantized_modules(patcher):
-        return "Quantize Model's layers do not reach its workers yet"
+    if quantized_modules(patcher) and quantize_recipe(patcher) is None:
+        return "its quantized layers were not made by Quantize Model, which its workers repeat"
     stack = installed_stack(patcher)
     if stack is not None and stack.cache is not None:
         return "the step cache does not reach its workers yet"
     return None
+
+
+def quantize_recipe(patcher) -> tuple | None:
+    """How Quantize Model quantized `patcher`'s model (None: it did not), for the workers to do the same."""
+    return patcher.get_attachment(RECIPE) if patcher is not None and quantized_modules(patcher) else None
 
 
 def why_not_split(x, control, transformer_options) -> str | None:

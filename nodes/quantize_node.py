@@ -89,10 +89,12 @@ def eager_clone(model):
     return calib
 
 
-def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: AttentionConfig):
+def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, attention: AttentionConfig,
+                    resolution: str | None = None, folder: str | None = None):
     """(patched clone, report): calibrate if the cache has no decisions, quantize, install as object patches.
     The calibration runs with Overdrive's attention, so that its shapes are measured before Compile Model traces the
-    blocks (attention/e4m3_output.py)."""
+    blocks (attention/e4m3_output.py). Without a `run` the decisions for `resolution` must be cached (another
+    process's copy of a model quantized here: Parallel Model's workers), in `folder` (default: quant_cache_dir())."""
     with peak_memory(model.load_device) as peak:
         calib = eager_clone(model)
         install_attention(calib, attention)
@@ -100,12 +102,13 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
         comfy.model_management.load_models_gpu([calib])
         diffusion = calib.model.diffusion_model
         digest = hashlib.sha256(f"{weights_digest(diffusion)}|{patches_digest(calib.patches)}".encode()).hexdigest()
-        cache = QuantCache(quant_cache_dir())
+        cache = QuantCache(folder or quant_cache_dir())
         float_layers = dict(getattr(family_of(diffusion), "float_layers", ()))
         # The 8-bit layers wait where ComfyUI keeps offloaded weights until the quantized model loads: beside a float
         # model that a short card holds only partly, they would run it out of memory.
-        plan = plan_quantization(diffusion, config, calibration=lambda: run(calib),
-                                 filter_fn=keeping_float(float_layers), cache=cache, resolution=run.cache_context(),
+        plan = plan_quantization(diffusion, config, calibration=(lambda: run(calib)) if run is not None else None,
+                                 filter_fn=keeping_float(float_layers), cache=cache,
+                                 resolution=run.cache_context() if run is not None else resolution,
                                  device=model.load_device, weights_digest=digest, store_device=model.offload_device,
                                  between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
         patched = model.clone()
@@ -127,11 +130,23 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun, attention: 
 
 
 REPORT = "overdrive_quantization_report"  # the returned model's attachment: what Quantize Model did, for callers
+# and how, for another process to quantize its own copy the same way: (QuantConfig, AttentionConfig, the cached
+# decisions' resolution context, their folder)
+RECIPE = "overdrive_quantization_recipe"
 
 
 def quantization_report(model):
     """The QuantReport of the Quantize Model run that made `model` (None where it fell back to the float model)."""
     return model.get_attachment(REPORT)
+
+
+def requantized(model, recipe: tuple):
+    """`model` (another process's copy of the file a model was quantized from, with the same weight patches)
+    quantized as `recipe` says, with the decisions Quantize Model cached: the same layers, formats and attention."""
+    config, attention, resolution, folder = recipe
+    patched, _ = quantized_clone(model, config, None, attention, resolution, folder)
+    install_attention(patched, attention)
+    return patched
 
 
 class OverdriveQuantizeModel(io.ComfyNode):
@@ -206,6 +221,8 @@ class OverdriveQuantizeModel(io.ComfyNode):
                         exc_info=log.isEnabledFor(logging.DEBUG))
             patched = model.clone()
         patched.set_attachments(REPORT, report)
+        patched.set_attachments(RECIPE, (config, attention_config, run.cache_context(), quant_cache_dir())
+                                if report is not None else None)
         checkpoint_formats.report_conversions(stored, report.formats() if report else {})
         log.info("Overdrive %s", install_attention(patched, attention_config))
         return io.NodeOutput(patched)

@@ -278,6 +278,44 @@ def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_th
     assert not multiprocessing.active_children()
 
 
+def test_quantize_models_layers_reach_the_workers(comfy, builtin_dit_files, caplog):
+    """Each worker quantizes its copy as Quantize Model quantized this one (the same layers and formats, from the
+    decisions it cached: no calibration there): split calls, by passes and by tokens, equal the quantized model's in
+    one process."""
+    import comfy.sample
+    import comfy.sd
+
+    from overdrive.builtin_models.dit import conditioning, empty_latent
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes import NODES
+    from overdrive.nodes.parallel_model import POOLS, parallelize, why_not_carried
+    from test_dit_families import quantize_every_layer
+
+    model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
+    report, quantized = quantize_every_layer(NODES, model, "wan22")
+    assert report is not None and report.quantized
+    latent = empty_latent("wan22", 64, 64, frames=5)
+
+    def sample(patcher, cfg):
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, cfg, "euler", "simple",
+                                   conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
+                                   disable_pbar=True)
+    parallel = parallelize(quantized, 2, cuda=False)
+    assert why_not_carried(parallel) is None
+    try:
+        with caplog.at_level("INFO", logger="overdrive"):
+            outs = [sample(parallel, cfg) for cfg in (5.0, 1.0)]
+        assert POOLS.pool is not None and POOLS.pool.alive()
+    finally:
+        POOLS.close()
+    assert "quantized as here" in caplog.text
+    assert "cfg parallelism" in caplog.text and "sequence parallelism" in caplog.text
+    for out, cfg in zip(outs, (5.0, 1.0)):
+        assert torch.allclose(out, sample(quantized, cfg), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(outs[1], sample(model, 1.0), rtol=1e-3, atol=1e-4)  # quantizing changed the result
+    assert not multiprocessing.active_children()
+
+
 def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy, builtin_dit_files):
     import comfy.sd
 

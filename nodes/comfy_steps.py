@@ -5,7 +5,8 @@ import torch
 from ..deepcache.schedule import DeferredFloats, host_floats
 
 # transformer_options["patches"] entries of Overdrive's own (QuantizeModel's device follower): they never touch what
-# a block computes. Any other patch may read or change block outputs, so its calls run every block.
+# a block computes; and block replacements marked `overdrive_own` (sequence parallelism's, which run each block on its
+# share of the tokens). Any other patch may read or change block outputs, so its calls run every block.
 OWN_PATCHES = "overdrive_"
 
 
@@ -33,7 +34,8 @@ class ComfySteps:
         structural = None
         if kwargs.get("control") is not None:
             structural = "ControlNet residuals are added between blocks"
-        elif (options.get("patches_replace") or {}).get("dit") or any(
+        elif not all(getattr(block, "overdrive_own", False) for block in (
+                (options.get("patches_replace") or {}).get("dit") or {}).values()) or any(
                 value for name, value in (options.get("patches") or {}).items() if not name.startswith(OWN_PATCHES)):
             structural = "a node patches this model's blocks"
 

@@ -97,7 +97,8 @@ POOLS = Pools()
 def why_not_carried(patcher) -> str | None:
     """Why what the ModelPatcher running a call computes with cannot reach the workers (None: it can): its weight
     patches (LoRA), Quantize Model's layers (repeated with its cached decisions), Compile Model's forward and
-    attention travel; the step cache does not yet, and split calls would mix it with their models."""
+    attention, and the step cache on its fixed schedule (every process reuses the same steps) travel. The adaptive
+    step cache does not yet: each process would decide from its own part of the call."""
     if patcher is None:
         return None
     entries = [entry for entries in patcher.patches.values() for entry in entries]
@@ -109,8 +110,8 @@ def why_not_carried(patcher) -> str | None:
     if quantized_modules(patcher) and quantize_recipe(patcher) is None:
         return "its quantized layers were not made by Quantize Model, which its workers repeat"
     stack = installed_stack(patcher)
-    if stack is not None and stack.cache is not None:
-        return "the step cache does not reach its workers yet"
+    if stack is not None and stack.cache is not None and stack.cache.mode != "fixed":
+        return "the adaptive step cache would decide on each process's part alone"
     return None
 
 

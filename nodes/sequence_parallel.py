@@ -73,7 +73,9 @@ def image_tokens(x, patch: tuple) -> int:
 
 class ShardedBlock:
     """A block replacement: the first block shards the image tokens, every block gets its shard of the per-token
-    inputs, the last block's output is gathered. `single`: a Flux single block, whose "img" holds the text first."""
+    inputs, the last block's output is gathered. `single`: a Flux single block, whose "img" holds the text first.
+    The block itself runs as it would (the step cache may stand in for it: each process's residual is its shard's)."""
+    overdrive_own = True  # nodes/comfy_steps.py
 
     def __init__(self, family: SplitFamily, first: bool, last: bool, single: bool):
         self.first, self.last, self.single = first, last, single

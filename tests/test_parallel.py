@@ -274,14 +274,14 @@ def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_th
     assert "another node's attention override" in why_not_carried(other)
     parallel_lora.add_patches({(key, None, lambda w: w * 2): (diff,)}, 1.0)
     assert "function of this process" in why_not_carried(parallel_lora)
-    assert "step cache does not reach" in why_not_carried(NODES["OverdriveDeepCache"].execute(model)[0])
     assert not multiprocessing.active_children()
 
 
-def test_quantize_models_layers_reach_the_workers(comfy, builtin_dit_files, caplog):
+def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_files, caplog):
     """Each worker quantizes its copy as Quantize Model quantized this one (the same layers and formats, from the
-    decisions it cached: no calibration there): split calls, by passes and by tokens, equal the quantized model's in
-    one process."""
+    decisions it cached: no calibration there) and runs the step cache's fixed schedule (the same steps reused on
+    every process): split calls, by passes and by tokens, equal the quantized, cached model's in one process. The
+    adaptive step cache, which would decide on each process's part alone, keeps the calls here."""
     import comfy.sample
     import comfy.sd
 
@@ -294,13 +294,14 @@ def test_quantize_models_layers_reach_the_workers(comfy, builtin_dit_files, capl
     model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
     report, quantized = quantize_every_layer(NODES, model, "wan22")
     assert report is not None and report.quantized
+    cached = NODES["OverdriveDeepCache"].execute(quantized)[0]
     latent = empty_latent("wan22", 64, 64, frames=5)
 
     def sample(patcher, cfg):
-        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, cfg, "euler", "simple",
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 6, cfg, "euler", "simple",
                                    conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
                                    disable_pbar=True)
-    parallel = parallelize(quantized, 2, cuda=False)
+    parallel = parallelize(cached, 2, cuda=False)
     assert why_not_carried(parallel) is None
     try:
         with caplog.at_level("INFO", logger="overdrive"):
@@ -311,8 +312,11 @@ def test_quantize_models_layers_reach_the_workers(comfy, builtin_dit_files, capl
     assert "quantized as here" in caplog.text
     assert "cfg parallelism" in caplog.text and "sequence parallelism" in caplog.text
     for out, cfg in zip(outs, (5.0, 1.0)):
-        assert torch.allclose(out, sample(quantized, cfg), rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(outs[1], sample(model, 1.0), rtol=1e-3, atol=1e-4)  # quantizing changed the result
+        assert torch.allclose(out, sample(cached, cfg), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(outs[1], sample(quantized, 1.0), rtol=1e-3, atol=1e-4)  # steps were reused
+    assert not torch.allclose(sample(quantized, 1.0), sample(model, 1.0), rtol=1e-3, atol=1e-4)  # and quantized
+    adaptive = NODES["OverdriveDeepCache"].execute(quantized, mode="adaptive")[0]
+    assert "adaptive step cache" in why_not_carried(parallelize(adaptive, 2, cuda=False))
     assert not multiprocessing.active_children()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 
@@ -61,6 +62,21 @@ def _flatten(value, tensors: list, objects: list):
         return (type(value), value)
     objects.append(value)
     return (object, id(value))
+
+
+# The BlockGraphs whose recordings hold NCCL collectives (a call's object said `records_collectives`: sequence
+# parallelism's attention). A process must drop those recordings before it leaves its torch.distributed group, or
+# leaving hangs (pytorch/pytorch#115388; bench/EXPERIMENTS.md).
+_HOLDING_COLLECTIVES = weakref.WeakSet()
+
+
+def release_collective_graphs() -> int:
+    """Drop every recording that holds collectives (before destroy_process_group); how many models had some."""
+    holding = list(_HOLDING_COLLECTIVES)
+    for graphs in holding:
+        graphs.release()
+    _HOLDING_COLLECTIVES.clear()
+    return len(holding)
 
 
 def _rebuilt(value, tensors):
@@ -199,6 +215,8 @@ class BlockGraphs:
                             path, why)
             return run(*args, **kwargs)
         self._recordings[path] = recording
+        if any(getattr(o, "records_collectives", False) for o in objects):
+            _HOLDING_COLLECTIVES.add(self)
         self.recorded += 1
         if self.recorded == 1:
             log.info("Overdrive: blocks replay as CUDA graphs from now on, each recorded at its second call with the "

@@ -106,6 +106,9 @@ class ShardedAttention:
     (Overdrive's attention, or none). One instance per `previous`, as compiled blocks guard on it and trace it into
     their graph, collectives and all."""
     overdrive_attention = True  # compiled blocks may take it (nodes/comfy_call_options.py)
+    # A block's CUDA graph then holds NCCL collectives, which must be dropped before the process leaves its group
+    # (compiler/block_graphs.py, parallel/workers.py).
+    records_collectives = True
     _instances = {}
 
     def __new__(cls, previous=None):

@@ -136,8 +136,17 @@ def _worker_main(rank: int, placement: Placement, port: int, factory, connection
         except (BrokenPipeError, OSError):
             pass
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
+
+
+def leave_group() -> None:
+    """Leave the torch.distributed group, first dropping the CUDA graphs that recorded its collectives (with them
+    held, NCCL's destroy_process_group hangs)."""
+    if not dist.is_initialized():
+        return
+    from ..compiler.block_graphs import release_collective_graphs
+    release_collective_graphs()
+    dist.destroy_process_group()
 
 
 class WorkerPool:
@@ -306,5 +315,4 @@ class WorkerPool:
         for connection in self.connections:
             connection.close()
         self.processes, self.connections = [], []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()

@@ -125,6 +125,44 @@ def test_a_lora_patch_after_the_recording_is_followed(compiled, base, sample):
     assert relative_error(out, sample(with_graphs)[0]) > 1e-3  # the patch changed the result
 
 
+def test_sequence_parallel_blocks_replay_their_collectives_and_drop_them_before_leaving_the_group(compiled, sample):
+    """Parallel Model's sequence split inside compiled blocks (a group of one NCCL process: each collective a copy):
+    the blocks record their all-to-alls into CUDA graphs and match the blocks without graphs per call; leaving the
+    group drops those recordings first and returns (with them held, NCCL's destroy_process_group hangs)."""
+    import socket
+    import threading
+
+    import torch.distributed as dist
+
+    from overdrive.nodes.sequence_parallel import sequence_options
+    from overdrive.parallel.workers import leave_group
+
+    def sequenced(patcher):  # every call's options as each process of the split runs it
+        clone = patcher.clone()
+        clone.model_options["transformer_options"] = sequence_options(
+            clone.model_options.get("transformer_options", {}), clone.model.diffusion_model)
+        return clone
+    with_graphs, without = compiled
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        _, reference = sample(sequenced(without))
+        graphs = forward_of(with_graphs).graphs
+        graphs.release()
+        recorded, replays = graphs.recorded, graphs.replays
+        _, calls = sample(sequenced(with_graphs))
+        assert graphs.recorded > recorded and graphs.replays > replays
+        assert_calls_match(calls, reference)
+    finally:
+        leaving = threading.Thread(target=leave_group, daemon=True)
+        leaving.start()
+        leaving.join(timeout=60)
+    assert not leaving.is_alive() and not dist.is_initialized()
+    assert not graphs._recordings  # dropped: the next call records again
+
+
 def test_switched_weights_are_read_by_the_replay(nodes, compiled, files, sample):
     with_graphs, without = compiled
     sample(with_graphs)

@@ -167,6 +167,25 @@ def fidelity(reports) -> str:
     return "\n".join(lines)
 
 
+def sequence_on_one_gpu(reports) -> str:
+    """Parallel Model's sequence path in a group of one process (parallel_one_gpu.py): per model and variant, its
+    seconds per step beside the same model without it, and how far its latents are."""
+    header = ("model (size, latent of)", "GPU, ComfyUI, dynamic VRAM", "variant", "s/step", "× the same without the "
+              "split", "latent error vs without", "first run s", "`bench/results/`")
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for report in newest_per_name(reports):
+        plain = {(row["family"], row["variant"]): row for row in report["rows"] if "," not in row["variant"]}
+        machine = f"{report['gpu']}, {report['comfyui']}, {'on' if report['dynamic_vram'] else 'off'}"
+        for row in report["rows"]:
+            base = plain[row["family"], row["variant"].split(",")[0]]
+            size = f"{row['width']}×{row['height']}" + (f"×{row['frames']}" if row["frames"] > 1 else "")
+            lines.append(" | ".join([f"| {row['family']} ({row['size']}, {size})", machine, f"`{row['variant']}`",
+                                     f"{row['step_s']:.4f}", f"{base['step_s'] / row['step_s']:.2f}×",
+                                     f"{row['relative_error_vs_plain']:.1e}", f"{row['first_run_s']:.1f}",
+                                     f"`{report['file']}` |"]))
+    return "\n".join(lines)
+
+
 TABLES = {
     "models": (models, ("2026-11-29_h200_comfy033_dynamic-off_flux_1024_fast_attention.json",
                         "2026-11-29_h200_comfy033_dynamic-on_flux_1024_same_run.json",
@@ -182,6 +201,7 @@ TABLES = {
                                 "2026-12-02_h200_comfy033_dynamic-on_qwen_image_1328_fa3.json",
                                 "2026-12-02_h200_comfy033_dynamic-on_wan22_14b_480p_fa3.json",
                                 "2026-12-02_h200_comfy033_dynamic-on_ltx2_768x512_97f_fa3.json")),
+    "sequence_one_gpu": (sequence_on_one_gpu, ("*_parallel_one_gpu.json",)),
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel.agreement import summed_over_the_call
 from .config import DeepCacheConfig, DeepCacheConfigError
 from .schedule import DeepCacheSchedule
 
@@ -49,7 +50,12 @@ def block_roles(stacks: list, depth: int) -> list[BlockRole]:
 
 
 def relative_change(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value.float() - reference.float()).abs().mean() / reference.float().abs().mean().clamp_min(1e-12)).item()
+    """Mean absolute change over mean magnitude; over every process's part where a call is split (Parallel Model),
+    so that they all decide as the call run whole would."""
+    sums = summed_over_the_call(torch.stack([(value.float() - reference.float()).abs().sum(),
+                                             reference.float().abs().sum()]))
+    change, magnitude = sums.tolist()
+    return change / max(magnitude, 1e-12 * reference.numel())
 
 
 class BlockStepCache:

@@ -97,8 +97,8 @@ POOLS = Pools()
 def why_not_carried(patcher) -> str | None:
     """Why what the ModelPatcher running a call computes with cannot reach the workers (None: it can): its weight
     patches (LoRA), Quantize Model's layers (repeated with its cached decisions), Compile Model's forward and
-    attention, and the step cache on its fixed schedule (every process reuses the same steps) travel. The adaptive
-    step cache does not yet: each process would decide from its own part of the call."""
+    attention, and the step cache travel (every process reuses the same steps: the adaptive one measures over them
+    all)."""
     if patcher is None:
         return None
     entries = [entry for entries in patcher.patches.values() for entry in entries]
@@ -109,9 +109,17 @@ def why_not_carried(patcher) -> str | None:
         return "another node's attention override, which its workers cannot run"
     if quantized_modules(patcher) and quantize_recipe(patcher) is None:
         return "its quantized layers were not made by Quantize Model, which its workers repeat"
-    stack = installed_stack(patcher)
-    if stack is not None and stack.cache is not None and stack.cache.mode != "fixed":
-        return "the adaptive step cache would decide on each process's part alone"
+    return None
+
+
+def why_not_with_idle_gpus(patcher, split: str, passes: int, processes: int) -> str | None:
+    """The adaptive step cache sums its measure over every process's part (parallel/agreement.py): a CFG split with
+    fewer passes than processes leaves some out."""
+    stack = installed_stack(patcher) if patcher is not None else None
+    if split == "cfg" and passes < processes and stack is not None and stack.cache is not None \
+            and stack.cache.mode == "adaptive":
+        return (f"the adaptive step cache decides over every GPU's part, and {passes} passes leave some of the "
+                f"{processes} GPUs idle")
     return None
 
 
@@ -166,7 +174,8 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
         diffusion_model, patcher = executor.class_obj.diffusion_model, executor.class_obj.current_patcher
         split, reason = (None, unstarted[0]) if unstarted else chosen_split(
             mode, diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs)
-        reason = reason or why_not_carried(patcher)
+        reason = reason or why_not_carried(patcher) or why_not_with_idle_gpus(
+            patcher, split, len(transformer_options.get("cond_or_uncond") or ()), processes)
         if reason is None:
             try:
                 pool = POOLS.get(init, processes, cuda, patcher)

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
+from .agreement import whole_group_call
+
 READY_TIMEOUT_S = 600.0  # a worker loads its copy of the model before it is ready
 GROUP_TIMEOUT_S = 120.0  # the group's own limit on a transfer or joining: a backstop, the pipes notice deaths first
 POLL_S = 0.05
@@ -120,7 +122,7 @@ def _worker_main(rank: int, placement: Placement, port: int, factory, connection
                 break
             connection.send(("receiving", None))
             x, timestep, kwargs = _unpack(header, _receive(header, 0, device))
-            with torch.inference_mode():
+            with torch.inference_mode(), whole_group_call(message != "call"):
                 out = model(x, timestep, **kwargs)
             if message == "call_everywhere":  # rank 0 holds the whole output too
                 connection.send(("done", None))
@@ -222,10 +224,12 @@ class WorkerPool:
         are (x, timestep, kwargs)."""
         if not 1 <= len(parts) <= self.placement.world_size:
             raise ValueError(f"{len(parts)} parts for {self.placement.world_size} processes")
+        whole = len(parts) == self.placement.world_size  # every process runs a part: they decide alike
         try:
-            self._hand_out("call", parts[1:])
+            self._hand_out("call_whole_group" if whole else "call", parts[1:])
             x, timestep, kwargs = parts[0]
-            outputs = [local(x, timestep, **kwargs)]
+            with whole_group_call(whole):
+                outputs = [local(x, timestep, **kwargs)]
             for rank in range(1, len(parts)):
                 header = self._expect(rank, "done")
                 outputs.append(_unpack(header, _receive(header, rank, self.device)))
@@ -240,7 +244,7 @@ class WorkerPool:
         that fails or dies meanwhile fails the call with WorkerDied, saying which and why."""
         try:
             self._hand_out("call_everywhere", [call] * (self.placement.world_size - 1))
-            with self._watched():
+            with self._watched(), whole_group_call():
                 out = local()
             for rank in range(1, self.placement.world_size):
                 self._expect(rank, "done")

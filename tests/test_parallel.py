@@ -289,22 +289,22 @@ def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_th
 
 def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_files, caplog):
     """Each worker quantizes its copy as Quantize Model quantized this one (the same layers and formats, from the
-    decisions it cached: no calibration there) and runs the step cache's fixed schedule (the same steps reused on
-    every process): split calls, by passes and by tokens, equal the quantized, cached model's in one process. The
-    adaptive step cache, which would decide on each process's part alone, keeps the calls here."""
+    decisions it cached: no calibration there) and runs the adaptive step cache, its measure of change summed over
+    every process's part so that all reuse the steps one process would: split calls, by passes and by tokens, equal
+    the quantized, cached model's in one process. A CFG split that leaves GPUs idle keeps adaptive calls here."""
     import comfy.sample
     import comfy.sd
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
     from overdrive.nodes import NODES
-    from overdrive.nodes.parallel_model import POOLS, parallelize, why_not_carried
+    from overdrive.nodes.parallel_model import POOLS, parallelize, why_not_carried, why_not_with_idle_gpus
     from test_dit_families import quantize_every_layer
 
     model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
     report, quantized = quantize_every_layer(NODES, model, "wan22")
     assert report is not None and report.quantized
-    cached = NODES["OverdriveDeepCache"].execute(quantized)[0]
+    cached = NODES["OverdriveDeepCache"].execute(quantized, mode="adaptive", threshold=0.5)[0]
     latent = empty_latent("wan22", 64, 64, frames=5)
 
     def sample(patcher, cfg):
@@ -325,8 +325,8 @@ def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_
         assert torch.allclose(out, sample(cached, cfg), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(outs[1], sample(quantized, 1.0), rtol=1e-3, atol=1e-4)  # steps were reused
     assert not torch.allclose(sample(quantized, 1.0), sample(model, 1.0), rtol=1e-3, atol=1e-4)  # and quantized
-    adaptive = NODES["OverdriveDeepCache"].execute(quantized, mode="adaptive")[0]
-    assert "adaptive step cache" in why_not_carried(parallelize(adaptive, 2, cuda=False))
+    assert "2 passes leave some of the 3 GPUs idle" in why_not_with_idle_gpus(parallel, "cfg", 2, 3)
+    assert why_not_with_idle_gpus(parallel, "sequence", 1, 3) is None
     assert not multiprocessing.active_children()
 
 

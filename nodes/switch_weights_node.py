@@ -65,6 +65,21 @@ def mark_unloaded(switched) -> None:
     forget_load_state([base.diffusion_model])
 
 
+# ComfyUI's loaders that reload a model from its file (ModelPatcher.cached_patcher_init, whose first argument is the
+# file), per folder of the files the switch nodes read.
+RELOADERS = {"diffusion_models": "load_diffusion_model", "checkpoints": "load_checkpoint_guess_config"}
+
+
+def reloading(init, folder: str, path: str):
+    """The switched model's reload recipe (what ComfyUI's non-dynamic clones and multi-GPU copies, and Parallel
+    Model's workers, load it from): the original loader with the new file where the loader reads that folder's files,
+    else None (nothing reloads it rather than reloading the old weights)."""
+    if init is None or getattr(init[0], "__name__", None) != RELOADERS.get(folder):
+        return None
+    load, arguments, *index = init
+    return (load, (path, *arguments[1:]), *index)
+
+
 def load_unet_weights(path, reference):
     if str(path).endswith(".safetensors"):
         return read_safetensors_subset(path, reference)
@@ -92,6 +107,7 @@ def switch_weights(model, folder: str, name: str):
             state = load_unet_weights(path, reference)
             twin = twin_with_weights(current, state, source=name, loader_state=LAYER_LOADER_STATE)
         switched = with_diffusion_model(model, twin)
+        switched.cached_patcher_init = reloading(model.cached_patcher_init, folder, path)
         requantized = requantize_onto(switched, twin)
         # The same Stack (compiled, step cache) over the twin. Same architecture: same graphs, no recompile.
         stack = rebuild(switched)

@@ -330,6 +330,40 @@ def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_
     assert not multiprocessing.active_children()
 
 
+def test_switch_diffusion_models_weights_reach_the_workers(comfy, builtin_dit_files):
+    """After Switch Diffusion Model the workers load the switched file (the model's reload recipe follows the switch):
+    split calls equal the switched model's in one process, not the first file's."""
+    import comfy.sample
+    import comfy.sd
+    import folder_paths
+
+    from overdrive.builtin_models.dit import conditioning, default_directory, empty_latent, ensure_diffusion_model
+    from overdrive.harness.workflows import BUILTIN_DIT_NAMES
+    from overdrive.nodes import NODES
+    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from overdrive.nodes.switch_weights_node import reloading
+
+    second = ensure_diffusion_model("wan22", "tiny", 1, default_directory())
+    folder_paths.add_model_folder_path("diffusion_models", str(default_directory()))
+    model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
+    switched = NODES["OverdriveSwitchDiffusionModel"].execute(model, unet_name=second.name)[0]
+    assert switched.cached_patcher_init[1][0] == str(second)
+    assert reloading(model.cached_patcher_init, "checkpoints", "other.safetensors") is None  # another loader's file
+    latent = empty_latent("wan22", 64, 64, frames=5)
+
+    def sample(patcher):
+        return comfy.sample.sample(patcher, comfy.sample.prepare_noise(latent, 0), 2, 5.0, "euler", "simple",
+                                   conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
+                                   disable_pbar=True)
+    try:
+        out = sample(parallelize(switched, 2, cuda=False, mode="cfg"))
+    finally:
+        POOLS.close()
+    assert torch.allclose(out, sample(switched), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out, sample(model), rtol=1e-3, atol=1e-4)
+    assert not multiprocessing.active_children()
+
+
 def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy, builtin_dit_files):
     import comfy.sd
 

@@ -19,8 +19,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.name.endswith("_api.json"))
-DROPPED = ("compile_quantize_deepcache_sd15", "compile_sd15", "switch_weights_sd15", "compile_stepcache_flux",
-           "compile_wan22")
+DROPPED = ("compile_quantize_deepcache_sd15", "switch_weights_sd15", "compile_stepcache_flux", "compile_wan22")
 pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="Chromium is not installed (Debian package "
                                 "chromium; scripts/install.sh --tests installs it)")
 

@@ -206,7 +206,7 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     def sample(patcher, cfg):
         recorded, calls = record_calls(patcher)
         noise = comfy.sample.prepare_noise(latent, 0)
-        out = comfy.sample.sample(recorded, noise, 2, cfg, "euler", "simple", positive, negative, latent, seed=0,
+        out = comfy.sample.sample(recorded, noise, 1, cfg, "euler", "simple", positive, negative, latent, seed=0,
                                   disable_pbar=True)
         return out, calls
 

@@ -8,8 +8,9 @@ Two ways to split a model call:
 
 Where a call cannot be split (one chunk, as with CFG 1; a ControlNet; other nodes' patches in the model; a family
 or shape sequence parallelism does not split; what the workers' copies lack) it runs here alone, and the log says
-why once. The workers stay up for later prompts with the same model file; a worker that dies fails that prompt with
-a clear error, and the next prompt starts fresh ones.
+why once. The workers stay up for later prompts: the same model is reused, another one (file, LoRA, settings) is loaded
+into the same processes; a worker that dies fails that prompt with a clear error, and the next prompt starts fresh
+ones.
 """
 import logging
 
@@ -68,21 +69,28 @@ class Pools:
 
     def get(self, init: tuple, processes: int, cuda: bool, patcher=None) -> WorkerPool:
         """The pool for the model file `init` as `patcher` (the ModelPatcher running the call) runs it: its weight
-        patches (LoRA) and Overdrive's compiled forward. Others (another LoRA or strength, another compile setting)
-        start fresh workers."""
+        patches (LoRA), quantization and Overdrive's compiled forward. Another model, LoRA, strength or setting is
+        loaded into the same worker processes (as many GPUs), else fresh ones start."""
         patches = patcher.patches if patcher is not None else {}
         stack = installed_stack(patcher) if patcher is not None else None
         quantize = quantize_recipe(patcher)
         key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None, stack, repr(quantize))
-        if self.pool is not None and (self.key != key or not self.pool.alive()):
+        if self.pool is not None and self.key == key and self.pool.alive():
+            return self.pool
+        same_processes = self.pool is not None and self.key[1:3] == key[1:3] and self.pool.alive()
+        if not same_processes:
             self.close()
-        if self.pool is None:
-            log.info("Overdrive: starting %d worker process(es) for Parallel Model (each loads the model once%s%s%s)",
-                     processes - 1, f", with {len(patches)} patched weights" if patches else "",
-                     ", quantized as here" if quantize is not None else "",
-                     ", compiled as here" if stack is not None else "")
-            reload = ComfyReload(init, patches, stack, quantize)
-            self.pool, self.key = WorkerPool(reload, processes, cuda).start(), key
+        log.info("Overdrive: %s %d worker process(es) for Parallel Model (each loads the model once%s%s%s)",
+                 "loading another model into its" if same_processes else "starting", processes - 1,
+                 f", with {len(patches)} patched weights" if patches else "",
+                 ", quantized as here" if quantize is not None else "", ", compiled as here" if stack is not None else "")
+        reload = ComfyReload(init, patches, stack, quantize)
+        try:
+            self.pool = self.pool.reload(reload) if same_processes else WorkerPool(reload, processes, cuda).start()
+        except BaseException:
+            self.pool, self.key = None, None  # closed by the pool itself
+            raise
+        self.key = key
         return self.pool
 
     def close(self) -> None:

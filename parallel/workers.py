@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import socket
 import sys
 import threading
@@ -120,6 +121,12 @@ def _worker_main(rank: int, placement: Placement, port: int, factory, connection
             message, header = connection.recv()
             if message == "stop":
                 break
+            if message == "load":  # another model into this process: the old copy goes first
+                model = None
+                _give_back(device)
+                model = header(device)
+                connection.send(("ready", None))
+                continue
             connection.send(("receiving", None))
             x, timestep, kwargs = _unpack(header, _receive(header, 0, device))
             with torch.inference_mode(), whole_group_call(message != "call"):
@@ -139,6 +146,15 @@ def _worker_main(rank: int, placement: Placement, port: int, factory, connection
             pass
     finally:
         leave_group()
+
+
+def _give_back(device) -> None:
+    """A worker's model let go: its CUDA graphs that held collectives dropped, its memory given back."""
+    from ..compiler.block_graphs import release_collective_graphs
+    release_collective_graphs()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def leave_group() -> None:
@@ -300,6 +316,20 @@ class WorkerPool:
             self.connections[rank - 1].send((message, header))
             self._expect(rank, "receiving")
             _send(tensors, rank, self.device)
+
+    def reload(self, factory) -> "WorkerPool":
+        """The same processes and group with another model: each worker drops its copy and builds `factory`'s (no
+        process start, no ComfyUI import). A worker that fails to fails this like `start`."""
+        try:
+            for connection in self.connections:
+                connection.send(("load", factory))
+            for rank in range(1, self.placement.world_size):
+                self._expect(rank, "ready", READY_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self.factory = factory
+        return self
 
     def alive(self) -> bool:
         return bool(self.processes) and all(p.is_alive() for p in self.processes)

@@ -191,14 +191,25 @@ def family_case(family, builtin_dit_files, builtin_checkpoints):
     return model, conditioning(family, 1), conditioning(family, 2), empty_latent(family, 64, 64, frames=5)
 
 
+@pytest.fixture(scope="module")
+def kept_workers():
+    """Worker processes kept from one test to the next (each loads the next test's model into them), stopped after
+    the last."""
+    from overdrive.nodes.parallel_model import POOLS
+    yield POOLS
+    POOLS.close()
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize("family", list(SPLITS))
 def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_files, builtin_checkpoints, caplog,
-                                                         family):
-    """Each family's tiny file as ComfyUI's loader loads it, sampled over two processes (the second reloads the file)
-    by each of its splits in turn (the same workers), every model call equal to the model's in this process alone."""
+                                                         kept_workers, family):
+    """Each family's tiny file as ComfyUI's loader loads it, sampled over two processes (the second loads the file
+    into the worker the previous family's test left) by each of its splits in turn, every model call equal to the
+    model's in this process alone."""
     import comfy.sample
 
-    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from overdrive.nodes.parallel_model import parallelize
     from test_dit_families import assert_calls_match, record_calls, relative_error
 
     model, positive, negative, latent = family_case(family, builtin_dit_files, builtin_checkpoints)
@@ -210,20 +221,16 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
                                   disable_pbar=True)
         return out, calls
 
-    try:
-        for mode, cfg in SPLITS[family]:
-            expected, expected_calls = sample(model, cfg)
-            with caplog.at_level("INFO", logger="overdrive"):
-                out, calls = sample(parallelize(model, 2, cuda=False, mode=mode), cfg)
-            assert POOLS.pool is not None and POOLS.pool.alive()
-            assert_calls_match(calls, expected_calls, 1e-5)
-            for part, expected_part in zip(getattr(out, "tensors", [out]), getattr(expected, "tensors", [expected])):
-                assert relative_error(part, expected_part) < 1e-5  # LTX-2: video and audio
-            assert f"{'cfg' if mode == 'cfg' else 'sequence'} parallelism over 2 processes" in caplog.text
-            caplog.clear()
-    finally:
-        POOLS.close()
-    assert not multiprocessing.active_children()
+    for mode, cfg in SPLITS[family]:
+        expected, expected_calls = sample(model, cfg)
+        with caplog.at_level("INFO", logger="overdrive"):
+            out, calls = sample(parallelize(model, 2, cuda=False, mode=mode), cfg)
+        assert kept_workers.pool is not None and kept_workers.pool.alive()
+        assert_calls_match(calls, expected_calls, 1e-5)
+        for part, expected_part in zip(getattr(out, "tensors", [out]), getattr(expected, "tensors", [expected])):
+            assert relative_error(part, expected_part) < 1e-5  # LTX-2: video and audio
+        assert f"{'cfg' if mode == 'cfg' else 'sequence'} parallelism over 2 processes" in caplog.text
+        caplog.clear()
 
 
 def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_the_workers(comfy, builtin_dit_files,
@@ -330,9 +337,10 @@ def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_
     assert not multiprocessing.active_children()
 
 
-def test_switch_diffusion_models_weights_reach_the_workers(comfy, builtin_dit_files):
-    """After Switch Diffusion Model the workers load the switched file (the model's reload recipe follows the switch):
-    split calls equal the switched model's in one process, not the first file's."""
+def test_switch_diffusion_models_weights_reach_the_workers(comfy, builtin_dit_files, caplog):
+    """After Switch Diffusion Model the workers load the switched file (the model's reload recipe follows the switch)
+    into the processes the first model ran in: split calls equal the switched model's in one process, not the first
+    file's."""
     import comfy.sample
     import comfy.sd
     import folder_paths
@@ -356,11 +364,17 @@ def test_switch_diffusion_models_weights_reach_the_workers(comfy, builtin_dit_fi
                                    conditioning("wan22", 1), conditioning("wan22", 2), latent, seed=0,
                                    disable_pbar=True)
     try:
-        out = sample(parallelize(switched, 2, cuda=False, mode="cfg"))
+        first = sample(parallelize(model, 2, cuda=False, mode="cfg"))
+        workers = [process.pid for process in POOLS.pool.processes]
+        with caplog.at_level("INFO", logger="overdrive"):
+            out = sample(parallelize(switched, 2, cuda=False, mode="cfg"))
+        assert [process.pid for process in POOLS.pool.processes] == workers  # loaded into the same processes
+        assert "loading another model into its 1 worker process(es)" in caplog.text
     finally:
         POOLS.close()
+    assert torch.allclose(first, sample(model), rtol=1e-4, atol=1e-5)
     assert torch.allclose(out, sample(switched), rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(out, sample(model), rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(out, first, rtol=1e-3, atol=1e-4)
     assert not multiprocessing.active_children()
 
 

@@ -99,7 +99,8 @@ def main():
     import comfyui_version
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, comfyui=comfyui_version.__version__,
                   dynamic_vram=True, world_size=1, backend="nccl", date=datetime.date.today().isoformat(), rows=rows)
-    out = options.out or f"bench/results/{datetime.date.today().isoformat()}_h200_comfy033_dynamic-on_parallel_one_gpu.json"
+    card = torch.cuda.get_device_name().split()[-1].lower()  # "NVIDIA H200" -> h200
+    out = options.out or f"bench/results/{datetime.date.today().isoformat()}_{card}_comfy033_dynamic-on_parallel_one_gpu.json"
     pathlib.Path(out).write_text(json.dumps(report, indent=1))
     print("wrote", out, flush=True)
     started = time.perf_counter()

@@ -92,7 +92,8 @@ def main():
             error = ((out - reference).norm() / reference.norm()).item()
             rows.append(dict(family=family, size=options.size, variant=name, steps=options.steps,
                              first_run_s=round(first_s, 3), step_s=round(step_s / options.steps, 4),
-                             relative_error_vs_plain=error, peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                             relative_error_vs_plain=error,
+                             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                              **size))
             print(json.dumps(rows[-1]), flush=True)
         del variants, compiled, base
@@ -100,7 +101,8 @@ def main():
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, comfyui=comfyui_version.__version__,
                   dynamic_vram=True, world_size=1, backend="nccl", date=datetime.date.today().isoformat(), rows=rows)
     card = torch.cuda.get_device_name().split()[-1].lower()  # "NVIDIA H200" -> h200
-    out = options.out or f"bench/results/{datetime.date.today().isoformat()}_{card}_comfy033_dynamic-on_parallel_one_gpu.json"
+    day = datetime.date.today().isoformat()
+    out = options.out or f"bench/results/{day}_{card}_comfy033_dynamic-on_parallel_one_gpu.json"
     pathlib.Path(out).write_text(json.dumps(report, indent=1))
     print("wrote", out, flush=True)
     started = time.perf_counter()

@@ -83,7 +83,8 @@ class Pools:
         log.info("Overdrive: %s %d worker process(es) for Parallel Model (each loads the model once%s%s%s)",
                  "loading another model into its" if same_processes else "starting", processes - 1,
                  f", with {len(patches)} patched weights" if patches else "",
-                 ", quantized as here" if quantize is not None else "", ", compiled as here" if stack is not None else "")
+                 ", quantized as here" if quantize is not None else "",
+                 ", compiled as here" if stack is not None else "")
         reload = ComfyReload(init, patches, stack, quantize)
         try:
             self.pool = self.pool.reload(reload) if same_processes else WorkerPool(reload, processes, cuda).start()

@@ -24,9 +24,12 @@ class SplitFamily:
     vec_per_token: bool = False  # the modulation may come per token (Wan 2.2)
 
 
+def _double_blocks(blocks) -> list:
+    return [("double_block", i) for i in range(len(blocks))]
+
+
 def _flux_blocks(model) -> list:
-    return ([("double_block", i) for i in range(len(model.double_blocks))]
-            + [("single_block", i) for i in range(len(model.single_blocks))])
+    return _double_blocks(model.double_blocks) + [("single_block", i) for i in range(len(model.single_blocks))]
 
 
 def _square(model) -> tuple:
@@ -34,14 +37,14 @@ def _square(model) -> tuple:
 
 
 FAMILIES = {  # ComfyUI's diffusion model classes whose blocks this splits
-    "WanModel": SplitFamily(lambda m: [("double_block", i) for i in range(len(m.blocks))],
+    "WanModel": SplitFamily(lambda m: _double_blocks(m.blocks),
                             lambda m: m.blocks[0].self_attn.num_heads, lambda m: tuple(m.patch_size),
                             joint=False, pe_dim=1, vec_per_token=True),
     "Flux": SplitFamily(_flux_blocks, lambda m: m.params.num_heads, _square, joint=True, pe_dim=2),
-    "QwenImageTransformer2DModel": SplitFamily(lambda m: [("double_block", i) for i in range(len(m.transformer_blocks))],
+    "QwenImageTransformer2DModel": SplitFamily(lambda m: _double_blocks(m.transformer_blocks),
                                                lambda m: m.transformer_blocks[0].attn.heads, _square, joint=True,
                                                pe_dim=2),
-    "OpenAISignatureMMDITWrapper": SplitFamily(lambda m: [("double_block", i) for i in range(len(m.joint_blocks))],
+    "OpenAISignatureMMDITWrapper": SplitFamily(lambda m: _double_blocks(m.joint_blocks),
                                                lambda m: m.joint_blocks[0].x_block.attn.num_heads, _square,
                                                joint=True, pe_dim=None),
 }

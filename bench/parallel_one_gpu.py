@@ -26,20 +26,6 @@ SIZES = {"flux": dict(width=1024, height=1024, frames=1, cfg=1.0),
          "wan22": dict(width=1280, height=704, frames=33, cfg=1.0)}
 
 
-def sequenced(patcher):
-    """A clone whose every model call runs as each process of Parallel Model's sequence split runs it."""
-    from overdrive.nodes.sequence_parallel import sequence_options
-    clone = patcher.clone()
-
-    def wrapper(apply_model, args):
-        c = dict(args["c"])
-        c["transformer_options"] = sequence_options(c.get("transformer_options", {}),
-                                                    clone.model.diffusion_model)
-        return apply_model(args["input"], args["timestep"], **c)
-    clone.set_model_unet_function_wrapper(wrapper)
-    return clone
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="flux,wan22")
@@ -53,6 +39,7 @@ def main():
 
     from overdrive.builtin_models import dit
     from overdrive.nodes import NODES
+    from overdrive.nodes.sequence_parallel import as_each_process_runs
     from overdrive.parallel.workers import leave_group
     log = logging.getLogger("overdrive")
     log.addHandler(logging.StreamHandler(sys.stdout))
@@ -79,8 +66,8 @@ def main():
             return dit.flat_latent(out).float(), time.perf_counter() - started
 
         compiled = NODES["OverdriveCompileModel"].execute(base)[0]
-        variants = {"eager": base.clone(), "eager, sequence path": sequenced(base),
-                    "compile": compiled, "compile, sequence path": sequenced(compiled)}
+        variants = {"eager": base.clone(), "eager, sequence path": as_each_process_runs(base),
+                    "compile": compiled, "compile, sequence path": as_each_process_runs(compiled)}
         outputs = {}
         for name, patcher in variants.items():
             torch.cuda.reset_peak_memory_stats()

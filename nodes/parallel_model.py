@@ -21,7 +21,7 @@ from comfy_api.latest import io
 
 from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
-from ..parallel.workers import WorkerDied, WorkerPool
+from ..parallel.workers import Placement, WorkerDied, WorkerPool
 from .comfy_call_options import ATTENTION_OVERRIDE
 from .forward_patch import installed_stack
 from .quantize_node import RECIPE
@@ -77,7 +77,8 @@ class Pools:
         key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None, stack, repr(quantize))
         if self.pool is not None and self.key == key and self.pool.alive():
             return self.pool
-        same_processes = self.pool is not None and self.key[1:3] == key[1:3] and self.pool.alive()
+        same_processes = (self.pool is not None and self.pool.placement == Placement(processes, cuda)
+                          and self.pool.alive())
         if not same_processes:
             self.close()
         log.info("Overdrive: %s %d worker process(es) for Parallel Model (each loads the model once%s%s%s)",

@@ -159,3 +159,12 @@ def sequence_options(transformer_options: dict, diffusion_model) -> dict:
                       for i, key in enumerate(keys)}
     previous = transformer_options.get(ATTENTION_OVERRIDE)
     return {**transformer_options, "patches_replace": replace, ATTENTION_OVERRIDE: ShardedAttention(previous)}
+
+
+def as_each_process_runs(patcher):
+    """A clone of `patcher` whose every call runs as each process of a sequence split runs its part (in a group of
+    one process: the whole path, each collective a copy), for measuring the split on one GPU."""
+    clone = patcher.clone()
+    clone.model_options["transformer_options"] = sequence_options(
+        clone.model_options.get("transformer_options", {}), clone.model.diffusion_model)
+    return clone

@@ -134,25 +134,20 @@ def test_sequence_parallel_blocks_replay_their_collectives_and_drop_them_before_
 
     import torch.distributed as dist
 
-    from overdrive.nodes.sequence_parallel import sequence_options
+    from overdrive.nodes.sequence_parallel import as_each_process_runs
     from overdrive.parallel.workers import leave_group
 
-    def sequenced(patcher):  # every call's options as each process of the split runs it
-        clone = patcher.clone()
-        clone.model_options["transformer_options"] = sequence_options(
-            clone.model_options.get("transformer_options", {}), clone.model.diffusion_model)
-        return clone
     with_graphs, without = compiled
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        _, reference = sample(sequenced(without))
+        _, reference = sample(as_each_process_runs(without))
         graphs = forward_of(with_graphs).graphs
         graphs.release()
         recorded, replays = graphs.recorded, graphs.replays
-        _, calls = sample(sequenced(with_graphs))
+        _, calls = sample(as_each_process_runs(with_graphs))
         assert graphs.recorded > recorded and graphs.replays > replays
         assert_calls_match(calls, reference)
     finally:

@@ -71,6 +71,8 @@ def test_forced_compile_failure_falls_back_to_eager_with_a_warning(tmp_path, bui
     try:
         client = ComfyClient(server.url)
         workflow = small(load_workflow("compile_model_sd15_api.json"))  # the UNet's compile alone is enough to fail
+        # One graph: regions would fail first and then the whole graph (tests/test_regions.py covers that path).
+        set_inputs(workflow, "OverdriveCompileModel", regional=False)
         eager = client.run(with_latent_output(without_overdrive(workflow), "eager"))
         compiled = client.run(with_latent_output(workflow, "fallback"))
         assert client.output_files(compiled, server.output_dir)[0].is_file()

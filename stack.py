@@ -11,7 +11,8 @@ Composition order, decided here only:
 - a family with a plug-in (families/: the DiTs) runs one BlockwiseForward holding its compiled blocks and its step
   cache, so both cache paths reuse the same compiled blocks;
 - a UNet with a step cache runs a DeepCacheRunner whose native forward and both paths are compiled;
-- a UNet without one runs a compiled forward.
+- a UNet without one runs a compiled forward;
+- a split over processes (the diffusers API's parallelize_) wraps that, and attention routing wraps everything.
 """
 from __future__ import annotations
 
@@ -23,17 +24,21 @@ from .blockwise import BlockwiseForward
 from .compiler import CompiledMethod, CompileOptions
 from .deepcache import DeepCacheConfig
 from .families import family_of
+from .parallel.config import ParallelConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
     """compile: CompileOptions (None: eager). cache: the step cache's DeepCacheConfig (None: every step full).
     attention: where the forward's SDPA calls go (AttentionConfig; None: torch's SDPA). ComfyUI's nodes route attention
-    through ComfyUI's own override instead (nodes/attention_override.py)."""
+    through ComfyUI's own override instead (nodes/attention_override.py).
+    parallel: how each call splits over the processes of the torch.distributed group (ParallelConfig; None: whole in
+    this one). The diffusers API only: ComfyUI's Parallel Model splits calls in ComfyUI's own wrapper."""
 
     compile: CompileOptions | None = None
     cache: DeepCacheConfig | None = None
     attention: AttentionConfig | None = None
+    parallel: ParallelConfig | None = None
 
     def with_compile(self, options: CompileOptions | None) -> "Stack":
         return dataclasses.replace(self, compile=options)
@@ -44,9 +49,12 @@ class Stack:
     def with_attention(self, config: AttentionConfig | None) -> "Stack":
         return dataclasses.replace(self, attention=config)
 
+    def with_parallel(self, config: ParallelConfig | None) -> "Stack":
+        return dataclasses.replace(self, parallel=config)
+
     @property
     def empty(self) -> bool:
-        return self.compile is None and self.cache is None and self.attention is None
+        return self.compile is None and self.cache is None and self.attention is None and self.parallel is None
 
 
 def stack_of(forward) -> Stack | None:
@@ -80,6 +88,10 @@ class Host:
     def percent_to_sigma(self, percent: float) -> float:
         raise NotImplementedError
 
+    def split(self, inner, config: ParallelConfig):
+        """`inner` (None: the module's own forward) run over the processes of the group, by `config`."""
+        raise NotImplementedError
+
     # (args, kwargs) of a model call -> a function giving (sigma, run key, branch, why not cacheable) when a DiT's
     # step cache decides (nodes/comfy_steps.py, diffusers_api/steps.py); a host whose DiTs take a step cache sets it.
     read_step = None
@@ -94,7 +106,10 @@ def build(stack: Stack, host: Host, keep=None):
     family = host.family()
     for fix in family.host_sync_fixes if family is not None else ():
         fix.install()
-    inner = _build(stack.with_attention(None), host, unwrapped(keep))
+    inner = _build(stack.with_attention(None).with_parallel(None), host, unwrapped(keep))
+    if stack.parallel is not None:  # inside the attention routing: the split's own SDPA calls are routed
+        inner = host.split(inner, stack.parallel)
+        inner.overdrive_stack = stack.with_attention(None)
     if stack.attention is None:
         return inner
     forward = RoutedForward(host.module, inner, stack.attention)

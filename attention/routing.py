@@ -51,6 +51,7 @@ class RoutedForward:
     module's own; that forward's attributes (a step cache's statistics) read through."""
 
     overdrive_stack = None  # set by stack.build
+    wraps_forward = True
 
     def __init__(self, module, inner, config: AttentionConfig):
         self.module, self.inner, self.mode = module, inner, RoutedSDPA(config)
@@ -69,5 +70,7 @@ class RoutedForward:
 
 
 def unwrapped(forward):
-    """The forward inside a RoutedForward (itself otherwise)."""
-    return forward.inner if isinstance(forward, RoutedForward) else forward
+    """The forward inside Overdrive's wrappers (this routing, a split over processes); itself otherwise."""
+    while getattr(type(forward), "wraps_forward", False):
+        forward = forward.inner
+    return forward

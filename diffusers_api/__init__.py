@@ -9,6 +9,7 @@ each function changes its target in place, all or nothing, and refuses what it c
     deepcache_(pipe, DeepCacheConfig(cache_interval=3))
     switch_weights_(pipe, "finetune.safetensors")  # same architecture: no recompile
     attention_(pipe, AttentionConfig(mode="auto"))  # the fastest attention kernel within the error bound, per shape
+    parallelize_(pipe, ParallelConfig(mode="auto"))  # under torchrun: each call over every process's GPU
 
 Supported pipelines: those with a diffusers UNet2DConditionModel `unet` (SD1.x/2.x, SDXL), and those with a DiT
 `transformer` of a known family (Flux.1, Wan 2.1/2.2, Qwen-Image, SD3/3.5, Z-Image: families/), compiled block by
@@ -18,12 +19,14 @@ torch.nn.Module; deepcache_ takes a UNet2DConditionModel or a family's transform
 from ..attention.choice import AttentionConfig
 from ..compiler import CompileOptions, WeightMismatchError
 from ..deepcache import DeepCacheConfig
+from ..parallel.config import ParallelConfig
 from ..quantization import QuantConfig
 from .attention import attention_
 from .compile import compile_
 from .deepcache import deepcache_
+from .parallelize import parallelize_
 from .quantize import quantize_
 from .switch import switch_weights_
 
-__all__ = ["compile_", "quantize_", "deepcache_", "switch_weights_", "attention_", "CompileOptions", "QuantConfig",
-           "DeepCacheConfig", "AttentionConfig", "WeightMismatchError"]
+__all__ = ["compile_", "quantize_", "deepcache_", "switch_weights_", "attention_", "parallelize_", "CompileOptions",
+           "QuantConfig", "DeepCacheConfig", "AttentionConfig", "ParallelConfig", "WeightMismatchError"]

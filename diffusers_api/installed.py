@@ -31,7 +31,11 @@ class DiffusersHost(Host):
                                                   native_forward=native)
 
     def eager_forward(self):
-        return self.foreign  # someone else's forward (e.g. their own torch.compile) keeps running on full steps
+        return self.foreign
+
+    def split(self, inner, config):
+        from .parallel import SplitForward
+        return SplitForward(self.module, inner if inner is not None else self.foreign, config, self.family())  # someone else's forward (e.g. their own torch.compile) keeps running on full steps
 
 
 def installed(module, method: str = "forward"):

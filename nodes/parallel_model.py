@@ -21,6 +21,7 @@ from comfy_api.latest import io
 
 from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
+from ..parallel.config import MODES
 from ..parallel.workers import Placement, WorkerDied, WorkerPool
 from .comfy_call_options import ATTENTION_OVERRIDE
 from .forward_patch import installed_stack
@@ -31,7 +32,7 @@ from .sequence_parallel import sequence_options, why_not_sequence
 
 log = logging.getLogger("overdrive")
 KEY = "overdrive_parallel"
-GPUS, MODES = 2, ("auto", "cfg", "sequence")
+GPUS = 2
 PLAIN = (torch.Tensor, int, float, str, bool, type(None), torch.dtype)
 
 

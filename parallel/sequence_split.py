@@ -29,10 +29,14 @@ def why_not_shard(tokens: int, heads: int, world: int) -> str | None:
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, world: int, lead: int = 0) -> torch.Tensor:
-    """The first `lead` entries of `dim` (text, whole on every rank) and this rank's contiguous shard of the rest."""
+    """The first `lead` entries of `dim` (text, whole on every rank) and this rank's contiguous shard of the rest, in
+    a tensor of its own with standard strides: a view's storage offset and strides differ by rank and from the
+    blocks' own outputs, and compiled blocks guard on them (a recompile each)."""
     size = (tensor.shape[dim] - lead) // world
     part = tensor.narrow(dim, lead + rank * size, size)
-    return torch.cat((tensor.narrow(dim, 0, lead), part), dim) if lead else part
+    if lead:
+        return torch.cat((tensor.narrow(dim, 0, lead), part), dim)
+    return part.clone(memory_format=torch.contiguous_format)
 
 
 def gather(tensor: torch.Tensor, dim: int, lead: int = 0) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""parallelize_ (overdrive.api) on real diffusers pipelines, in processes of a gloo group on the CPU as torchrun would
+start them: every transformer call split over 2 processes (the batch of SD3's CFG; the image tokens of Flux, Wan,
+SD3 and Qwen-Image) equals the transformer alone on the same inputs, also compiled and step-cached."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diffusers_tiny import dit_prompt, flux_prompt, tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline
+from diffusers_tiny import tiny_wan_pipeline
+from overdrive.api import CompileOptions, DeepCacheConfig, ParallelConfig, compile_, deepcache_, parallelize_
+from overdrive.compiler import dynamo_graph_count
+
+PIPELINES = {"flux": tiny_flux_pipeline, "wan": tiny_wan_pipeline, "qwen_image": tiny_qwen_image_pipeline,
+             "sd3": tiny_sd3_pipeline}
+# (family, mode, the split each call takes): SD3 batches its CFG passes, the others call the transformer per pass
+CASES = [("flux", "auto", "sequence"), ("wan", "auto", "sequence"), ("qwen_image", "sequence", "sequence"),
+         ("sd3", "auto", "cfg"), ("sd3", "sequence", "sequence")]
+STEPS = 2
+
+
+def relative_error(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def generate(pipe, family, steps=STEPS):
+    out = pipe(**(flux_prompt() if family == "flux" else dit_prompt(family)), height=32, width=32,
+               num_inference_steps=steps, output_type="latent", generator=torch.Generator().manual_seed(1))
+    return out.frames if family == "wan" else out.images
+
+
+def recorded(pipe, family, steps=STEPS) -> tuple:
+    """(latents, [(kwargs, output)] of every transformer call) of one generation through the installed forward."""
+    transformer, calls = pipe.transformer, []
+    installed = transformer.__dict__["forward"]
+
+    def record(*args, **kwargs):
+        assert not args  # the pipelines pass everything by name
+        out = installed(**kwargs)
+        calls.append((kwargs, out[0].clone()))
+        return out
+    transformer.forward = record
+    try:
+        return generate(pipe, family, steps), calls
+    finally:
+        transformer.forward = installed
+
+
+def in_group(rank: int, world: int, rendezvous: str, check) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        check()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_in_processes(tmp_path, check, world: int = 2) -> None:
+    mp.spawn(in_group, args=(world, str(tmp_path / "rendezvous"), check), nprocs=world)
+
+
+def each_family_split(caplog_path: str) -> None:
+    import logging
+    logging.getLogger("overdrive").addHandler(logging.FileHandler(f"{caplog_path}.{dist.get_rank()}"))
+    logging.getLogger("overdrive").setLevel(logging.INFO)
+    for family, mode, split in CASES:
+        pipe = PIPELINES[family]()
+        expected = generate(pipe, family)
+        parallelize_(pipe, ParallelConfig(mode=mode))
+        latents, calls = recorded(pipe, family)
+        transformer = pipe.transformer
+        with torch.no_grad():
+            errors = [relative_error(out, type(transformer).forward(transformer, **kwargs)[0])
+                      for kwargs, out in calls]
+        assert calls and max(errors) < 1e-5, (family, mode, errors)
+        assert relative_error(latents, expected) < 1e-5, family
+        with open(f"{caplog_path}.{dist.get_rank()}") as log:
+            assert f"{type(transformer).__name__}: {split} parallelism over 2 processes" in log.read(), family
+
+
+def test_each_familys_calls_split_over_two_processes_equal_the_transformer_alone(tmp_path):
+    run_in_processes(tmp_path, functools.partial(each_family_split, str(tmp_path / "log")))
+
+
+def compiled_and_step_cached() -> None:
+    """Wan's blocks compiled with the all-to-alls inside, the adaptive step cache deciding over both shards: the
+    same steps reused as the eager transformer in one process reuses, each call within compilation's error of it."""
+    pipe = tiny_wan_pipeline()
+    cache = deepcache_(pipe, DeepCacheConfig(mode="adaptive", threshold=0.5, cache_depth=1))
+    expected_latents, expected_calls = recorded(pipe, "wan", steps=4)
+    expected_decisions = list(cache.stats.decisions)
+    assert True in expected_decisions and False in expected_decisions
+    parallelize_(pipe, ParallelConfig(mode="sequence"))
+    compile_(pipe, CompileOptions(precompile=False))
+    before = dynamo_graph_count()
+    latents, calls = recorded(pipe, "wan", steps=4)
+    assert dynamo_graph_count() - before == 1, dynamo_graph_count() - before  # Wan's block, the all-to-alls traced into it
+    assert cache.stats.decisions == expected_decisions
+    assert len(calls) == len(expected_calls)
+    for (_, out), (_, expected) in zip(calls, expected_calls):
+        assert relative_error(out, expected) < 1e-4
+    assert relative_error(latents, expected_latents) < 1e-4
+    gathered = [torch.zeros(len(expected_decisions)) for _ in range(2)]
+    dist.all_gather(gathered, torch.tensor(cache.stats.decisions, dtype=torch.float32))
+    assert torch.equal(gathered[0], gathered[1])  # every process reused the same steps
+
+
+def test_compiled_and_step_cached_wan_split_by_tokens_equals_it_in_one_process(tmp_path):
+    run_in_processes(tmp_path, compiled_and_step_cached)
+
+
+def test_parallelize_needs_a_process_group_and_a_parallel_config_and_changes_nothing_otherwise():
+    pipe = tiny_flux_pipeline()
+    with pytest.raises(RuntimeError, match="torchrun"):
+        parallelize_(pipe)
+    with pytest.raises(TypeError, match="ParallelConfig"):
+        parallelize_(pipe, {"mode": "cfg"})
+    with pytest.raises(ValueError, match="unknown parallel mode 'both'"):
+        ParallelConfig(mode="both")
+    assert "forward" not in pipe.transformer.__dict__

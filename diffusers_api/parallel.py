@@ -22,7 +22,8 @@ from ..attention.routing import SDPA_ARGUMENTS
 from ..parallel.agreement import whole_group_call
 from ..parallel.batch_split import split_call
 from ..parallel.config import ParallelConfig
-from ..parallel.sequence_split import all_gather, gather, rank_and_world, shard, ulysses_attention, why_not_shard
+from ..parallel.sequence_split import (all_gather, attention_split, gather, over, rank_and_world, sequence_groups,
+                                       shard, sharded_attention, why_not_shard)
 
 log = logging.getLogger("overdrive")
 
@@ -90,10 +91,10 @@ def _replaced(function, args: tuple, kwargs: dict, name: str, value) -> tuple:
 
 
 # -- the attention ---------------------------------------------------------------------------------------------------
-class UlyssesSDPA(TorchFunctionMode):
+class ShardedSDPA(TorchFunctionMode):
     """Within a split call: every SDPA call whose keys are as many as its queries, this process's image tokens
     (`local`) with the text or without (Flux's and Qwen's joint attention, SD3's, SD3.5's second one, Wan's
-    self-attention), runs over every process's tokens; any other (Wan's cross-attention to the text) as it is. One
+    self-attention), runs over every process's tokens (parallel/sequence_split.sharded_attention); any other (Wan's cross-attention to the text) as it is. One
     instance per geometry: compiled blocks guard on the mode they traced."""
     _instances: dict = {}
 
@@ -126,9 +127,9 @@ class UlyssesSDPA(TorchFunctionMode):
             mask = self._whole_key_mask(mask, text, q.shape[-2] - text, world)
         first = self.text_first or not text
 
-        def text_first_order(t):  # SD3 puts its text after the image tokens; Ulysses takes it first
+        def text_first_order(t):  # SD3 puts its text after the image tokens; the split attention takes it first
             return t if first else torch.cat((t[:, :, self.local:], t[:, :, :self.local]), dim=2)
-        out = ulysses_attention(*(text_first_order(t) for t in (q, k, v)),
+        out = sharded_attention(*(text_first_order(t) for t in (q, k, v)),
                                 lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                                scale=given.get("scale")),
                                 text=text)
@@ -213,11 +214,18 @@ class SplitForward:
         given = call_arguments(type(self.module).forward, args, kwargs)
         world = dist.get_world_size() if dist.is_initialized() else 1
         split, why = self.choose(given, world)
-        self._tell(why or f"{split} parallelism over {world} processes")
+        heads = getattr(getattr(self.module, "config", None), "num_attention_heads", None)
+        tokens_over = world // given["hidden_states"].shape[0] if split == "both" else world
+        attention = f" ({attention_split(heads, tokens_over)} attention, {heads} heads)" if split != "cfg" else ""
+        self._tell(why or f"{split} parallelism over {world} processes{attention}")
         if split is None:
             return run(*args, **kwargs)
         with whole_group_call():
-            return self._by_batch(run, given, world) if split == "cfg" else self._by_tokens(run, given, world)
+            if split == "cfg":
+                return self._by_batch(run, given, world)
+            if split == "both":
+                return self._by_batch_and_tokens(run, given, world)
+            return self._by_tokens(run, given, world)
 
     def __getattr__(self, name):  # a step cache's statistics read through
         inner = self.__dict__.get("inner")
@@ -231,18 +239,26 @@ class SplitForward:
             log.info("Overdrive parallelize_: %s: %s", type(self.module).__name__, what)
 
     def choose(self, given: dict, world: int) -> tuple:
-        """("cfg" | "sequence", None), or (None, why the call runs whole in every process)."""
+        """("cfg" | "both" | "sequence", None), or (None, why the call runs whole in every process)."""
         if world < 2:
             return None, "a group of one process runs every call whole"
-        mode = self.config.mode
+        reasons = []
+        for split in ("cfg", "both", "sequence") if self.config.mode == "auto" else (self.config.mode,):
+            why = self.why_not(split, given, world)
+            if why is None:
+                return split, None
+            reasons.append(why)
+        return None, "; ".join(dict.fromkeys(reasons))
+
+    def why_not(self, split: str, given: dict, world: int) -> str | None:
         batch = given["hidden_states"].shape[0]
-        cfg = None if batch % world == 0 else f"its batch of {batch} does not divide over {world} processes"
-        if mode == "cfg" or (cfg is None and mode == "auto"):
-            return ("cfg", None) if cfg is None else (None, cfg)
-        sequence = self.why_not_sequence(given, world)
-        if sequence is None:
-            return "sequence", None
-        return None, sequence if mode == "sequence" else f"{cfg}; {sequence}"
+        if split == "cfg":
+            return f"its batch of {batch} does not divide over {world} processes" if batch % world else None
+        if split == "sequence":
+            return self.why_not_sequence(given, world)
+        if batch < 2 or world % batch or world == batch:
+            return f"{world} processes do not form a group of 2 or more for each of its {batch} batch entries"
+        return self.why_not_sequence(given, world // batch)
 
     def why_not_sequence(self, given: dict, world: int) -> str | None:
         split = split_of(self.module)
@@ -255,14 +271,29 @@ class SplitForward:
                        if isinstance(given.get(n), torch.Tensor)}
             if tokens // world in lengths or sum(lengths) == tokens // world:
                 return f"a shard of its tokens is as long as its text ({tokens // world} tokens)"
-        return why_not_shard(tokens, self.module.config.num_attention_heads, world)
+        return why_not_shard(tokens, world)
+
+    @staticmethod
+    def _batch_part(given: dict, parts: int, part: int) -> dict:
+        """The call's arguments for part `part` of its batch cut in `parts`."""
+        x, rest = given["hidden_states"], {k: v for k, v in given.items() if k not in ("hidden_states", "timestep")}
+        px, pt, pk = split_call(x, given.get("timestep"), rest, parts, parts)[part]
+        return {"hidden_states": px, **({"timestep": pt} if "timestep" in given else {}), **pk}
 
     def _by_batch(self, run, given: dict, world: int):
-        rank = dist.get_rank()
-        x, rest = given["hidden_states"], {k: v for k, v in given.items() if k not in ("hidden_states", "timestep")}
-        px, pt, pk = split_call(x, given.get("timestep"), rest, world, world)[rank]
-        out = run(hidden_states=px, **({"timestep": pt} if "timestep" in given else {}), **pk)
+        out = run(**self._batch_part(given, world, dist.get_rank()))
         return _each_sample(out, lambda sample: all_gather(sample, 0))
+
+    def _by_batch_and_tokens(self, run, given: dict, world: int):
+        """Batch entry r // size on the group of `size` processes r is in, which splits its tokens."""
+        batch = given["hidden_states"].shape[0]
+        size = world // batch
+        with over(sequence_groups(size)):
+            out = self._by_tokens(run, self._batch_part(given, batch, dist.get_rank() // size), size)
+
+        def each_entry_once(sample):  # every process of a group holds its entry's whole output
+            return all_gather(sample, 0).unflatten(0, (world, -1))[::size].flatten(0, 1)
+        return _each_sample(out, each_entry_once)
 
     def _by_tokens(self, run, given: dict, world: int):
         split = split_of(self.module)
@@ -270,7 +301,7 @@ class SplitForward:
         text = given["encoder_hidden_states"].shape[1] if split.text_first is not None else 0
         blocks = ShardedBlocks(self.module, self.family, split, tokens)
         try:
-            with UlyssesSDPA(tokens // world, text, bool(split.text_first)):
+            with ShardedSDPA(tokens // world, text, bool(split.text_first)):
                 return run(**given)
         finally:
             blocks.remove()

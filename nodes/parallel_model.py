@@ -28,7 +28,7 @@ from .forward_patch import installed_stack
 from .quantize_node import RECIPE
 from .quantize_patches import quantized_modules
 from .schema import node_schema, patched_copy_input
-from .sequence_parallel import sequence_options, why_not_sequence
+from .sequence_parallel import how_attention_splits, sequence_options, why_not_sequence
 
 log = logging.getLogger("overdrive")
 KEY = "overdrive_parallel"
@@ -162,18 +162,34 @@ def why_not_sequence_call(diffusion_model, x, control, transformer_options, proc
 
 
 def chosen_split(mode, diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs) -> tuple:
-    """("cfg" | "sequence", None), or (None, why the call runs here alone). auto: the passes apart where there are
-    as many as the processes, else the tokens."""
-    cfg = why_not_split(x, control, transformer_options) if mode != "sequence" else "sequence was asked for"
-    if cfg is None and (mode == "cfg" or len(transformer_options["cond_or_uncond"]) >= processes):
-        return "cfg", None
-    if mode == "cfg":
-        return None, cfg
-    sequence = why_not_sequence_call(diffusion_model, x, control, transformer_options, processes, c_crossattn,
-                                     kwargs)
-    if sequence is None:
-        return "sequence", None
-    return ("cfg", None) if cfg is None else (None, sequence if mode == "sequence" else f"{cfg}; {sequence}")
+    """("cfg" | "both" | "sequence", None), or (None, why the call runs here alone). auto: the passes apart where
+    there are as many as the processes, else each pass on its own group of processes that splits its tokens, else
+    the tokens."""
+    reasons = []
+    for split in ("cfg", "both", "sequence") if mode == "auto" else (mode,):
+        why = why_not_this_split(split, mode, diffusion_model, x, control, transformer_options, processes,
+                                 c_crossattn, kwargs)
+        if why is None:
+            return split, None
+        reasons.append(why)
+    return None, "; ".join(dict.fromkeys(reasons))
+
+
+def why_not_this_split(split, mode, diffusion_model, x, control, transformer_options, processes, c_crossattn,
+                       kwargs) -> str | None:
+    if split == "sequence":
+        return why_not_sequence_call(diffusion_model, x, control, transformer_options, processes, c_crossattn, kwargs)
+    why = why_not_split(x, control, transformer_options)
+    if why is not None:
+        return why
+    passes = len(transformer_options["cond_or_uncond"])
+    if split == "cfg":
+        return f"its {passes} passes leave some of the {processes} GPUs idle" \
+            if mode == "auto" and passes < processes else None
+    if processes % passes or processes == passes:
+        return f"{processes} processes do not form a group of 2 or more for each of its {passes} passes"
+    return why_not_sequence_call(diffusion_model, x, control, transformer_options, processes // passes, c_crossattn,
+                                 kwargs)
 
 
 def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MODES[0]):
@@ -200,9 +216,12 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
                 told.add(reason)
                 log.info("Overdrive Parallel Model: a call runs on this GPU alone: %s", reason)
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        passes = len(transformer_options.get("cond_or_uncond") or ())
         if split not in told:
             told.add(split)
-            log.info("Overdrive Parallel Model: %s parallelism over %d processes", split, processes)
+            tokens_over = processes // passes if split == "both" else processes
+            log.info("Overdrive Parallel Model: %s parallelism over %d processes%s", split, processes,
+                     f" ({how_attention_splits(diffusion_model, tokens_over)})" if split != "cfg" else "")
 
         def local(px, pt, transformer_options, **rest):
             return executor(px, pt, rest.pop("c_concat"), rest.pop("c_crossattn"), None, transformer_options, **rest)
@@ -212,8 +231,18 @@ def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MO
             there = sequence_options(carried(transformer_options), diffusion_model)
             return pool.run_everywhere((x, t, {**call, "transformer_options": there}),
                                        lambda: local(x, t, transformer_options=here, **call))
-        chunks = len(transformer_options["cond_or_uncond"])
-        parts = split_call(x, t, {**call, "transformer_options": transformer_options}, chunks, min(processes, chunks))
+        parts = split_call(x, t, {**call, "transformer_options": transformer_options}, passes, min(processes, passes))
+        if split == "both":  # process r runs pass r // size with its group, which splits the pass's tokens
+            size = processes // passes
+
+            def in_group(part, options):
+                px, pt, pk = part
+                return px, pt, {**pk, "transformer_options": sequence_options(options, diffusion_model, size)}
+            here = in_group(parts[0], transformer_options)
+            remote = [in_group(parts[r // size], carried(parts[r // size][2]["transformer_options"]))
+                      for r in range(1, processes)]
+            outputs = pool.run([here, *remote], local)
+            return join(outputs[::size])  # every process of a group holds its pass's whole output
         remote = [(px, pt, {**pk, "transformer_options": carried(pk["transformer_options"])})
                   for px, pt, pk in parts[1:]]
         return join(pool.run([parts[0], *remote], local))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..parallel.sequence_split import gather, rank_and_world, shard, ulysses_attention, why_not_shard
+from ..parallel.sequence_split import (attention_split, gather, over, rank_and_world, sequence_groups, shard,
+                                       sharded_attention, why_not_shard)
 from .comfy_call_options import ATTENTION_OVERRIDE, SEQUENCE_SHARD, active_patches
 
 
@@ -65,7 +66,13 @@ def why_not_sequence(diffusion_model, x, world: int, transformer_options: dict, 
     tokens = image_tokens(x, family.patch(diffusion_model))
     if not family.joint and tokens // world in cross_lengths:  # a cross-attention would read as a shard's own
         return f"a shard of its tokens is as long as its text ({tokens // world} tokens)"
-    return why_not_shard(tokens, family.heads(diffusion_model), world)
+    return why_not_shard(tokens, world)
+
+
+def how_attention_splits(diffusion_model, world: int) -> str:
+    """How the split attention of this model runs over `world` processes (for the log)."""
+    heads = FAMILIES[type(diffusion_model).__name__].heads(diffusion_model)
+    return f"{attention_split(heads, world)} attention, {heads} heads"
 
 
 def image_tokens(x, patch: tuple) -> int:
@@ -80,11 +87,17 @@ class ShardedBlock:
     The block itself runs as it would (the step cache may stand in for it: each process's residual is its shard's)."""
     overdrive_own = True  # nodes/comfy_steps.py
 
-    def __init__(self, family: SplitFamily, first: bool, last: bool, single: bool):
-        self.first, self.last, self.single = first, last, single
+    def __init__(self, family: SplitFamily, first: bool, last: bool, single: bool, group_size: int | None = None):
+        self.first, self.last, self.single, self.group_size = first, last, single, group_size
         self.joint, self.pe_dim, self.vec_per_token = family.joint, family.pe_dim, family.vec_per_token  # it pickles
 
     def __call__(self, args: dict, extra: dict) -> dict:
+        # With CFG split too ("both"), each pass's processes split its tokens among themselves: the block, its
+        # attention and its shards run over their group.
+        with over(sequence_groups(self.group_size) if self.group_size else None):
+            return self._split(args, extra)
+
+    def _split(self, args: dict, extra: dict) -> dict:
         rank, world = rank_and_world()
         options = args["transformer_options"]
         lead = options["img_slice"][0] if self.single else 0  # text tokens inside "img"
@@ -141,21 +154,22 @@ class ShardedAttention:
         if mask is not None:
             raise NotImplementedError("sequence parallelism does not split masked attention (Parallel Model "
                                       "refuses calls with an attention mask)")
-        b, world = q.shape[0], rank_and_world()[1]
+        b = q.shape[0]
         if not skip_reshape:
             q, k, v = (t.view(b, length, heads, -1).transpose(1, 2) for t in (q, k, v))
-        out = ulysses_attention(q, k, v, lambda q, k, v: attend(q, k, v, heads // world, True, True),
+        out = sharded_attention(q, k, v, lambda q, k, v: attend(q, k, v, q.shape[1], True, True),
                                 text=length - split[1])
         return out if skip_output_reshape else out.transpose(1, 2).reshape(b, length, -1)
 
 
-def sequence_options(transformer_options: dict, diffusion_model) -> dict:
-    """A copy of a call's options that runs it sequence-parallel (the original is left as it was); an attention
-    override already there (Overdrive's) runs each rank's share of the heads."""
+def sequence_options(transformer_options: dict, diffusion_model, group_size: int | None = None) -> dict:
+    """A copy of a call's options that runs it sequence-parallel over every process (`group_size`: over groups of
+    that many consecutive processes, each with its own part of the batch); the original is left as it was. An
+    attention override already there (Overdrive's) runs each rank's share of the heads."""
     family = FAMILIES[type(diffusion_model).__name__]
     keys = family.blocks(diffusion_model)
     replace = dict(transformer_options.get("patches_replace", {}))
-    replace["dit"] = {key: ShardedBlock(family, i == 0, i == len(keys) - 1, key[0] == "single_block")
+    replace["dit"] = {key: ShardedBlock(family, i == 0, i == len(keys) - 1, key[0] == "single_block", group_size)
                       for i, key in enumerate(keys)}
     previous = transformer_options.get(ATTENTION_OVERRIDE)
     return {**transformer_options, "patches_replace": replace, ATTENTION_OVERRIDE: ShardedAttention(previous)}

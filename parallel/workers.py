@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
 from .agreement import whole_group_call
+from .sequence_split import forget_sequence_groups
 
 READY_TIMEOUT_S = 600.0  # a worker loads its copy of the model before it is ready
 GROUP_TIMEOUT_S = 120.0  # the group's own limit on a transfer or joining: a backstop, the pipes notice deaths first
@@ -164,6 +165,7 @@ def leave_group() -> None:
         return
     from ..compiler.block_graphs import release_collective_graphs
     release_collective_graphs()
+    forget_sequence_groups()
     dist.destroy_process_group()
 
 

@@ -25,13 +25,13 @@ def relative_error(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def generate(pipe, family, steps=STEPS):
-    out = pipe(**(flux_prompt() if family == "flux" else dit_prompt(family)), height=32, width=32,
+def generate(pipe, family, steps=STEPS, height=32):
+    out = pipe(**(flux_prompt() if family == "flux" else dit_prompt(family)), height=height, width=32,
                num_inference_steps=steps, output_type="latent", generator=torch.Generator().manual_seed(1))
     return out.frames if family == "wan" else out.images
 
 
-def recorded(pipe, family, steps=STEPS) -> tuple:
+def recorded(pipe, family, steps=STEPS, height=32) -> tuple:
     """(latents, [(kwargs, output)] of every transformer call) of one generation through the installed forward."""
     transformer, calls = pipe.transformer, []
     installed = transformer.__dict__["forward"]
@@ -43,7 +43,7 @@ def recorded(pipe, family, steps=STEPS) -> tuple:
         return out
     transformer.forward = record
     try:
-        return generate(pipe, family, steps), calls
+        return generate(pipe, family, steps, height), calls
     finally:
         transformer.forward = installed
 
@@ -61,27 +61,45 @@ def run_in_processes(tmp_path, check, world: int = 2) -> None:
     mp.spawn(in_group, args=(world, str(tmp_path / "rendezvous"), check), nprocs=world)
 
 
-def each_family_split(caplog_path: str) -> None:
+def each_family_split(log_path: str, cases: list, height: int = 32) -> None:
     import logging
-    logging.getLogger("overdrive").addHandler(logging.FileHandler(f"{caplog_path}.{dist.get_rank()}"))
+    world = dist.get_world_size()
+    logging.getLogger("overdrive").addHandler(logging.FileHandler(f"{log_path}.{dist.get_rank()}"))
     logging.getLogger("overdrive").setLevel(logging.INFO)
-    for family, mode, split in CASES:
+    for family, mode, split in cases:
         pipe = PIPELINES[family]()
-        expected = generate(pipe, family)
+        expected = generate(pipe, family, height=height)
         parallelize_(pipe, ParallelConfig(mode=mode))
-        latents, calls = recorded(pipe, family)
+        latents, calls = recorded(pipe, family, height=height)
         transformer = pipe.transformer
         with torch.no_grad():
             errors = [relative_error(out, type(transformer).forward(transformer, **kwargs)[0])
                       for kwargs, out in calls]
         assert calls and max(errors) < 1e-5, (family, mode, errors)
         assert relative_error(latents, expected) < 1e-5, family
-        with open(f"{caplog_path}.{dist.get_rank()}") as log:
-            assert f"{type(transformer).__name__}: {split} parallelism over 2 processes" in log.read(), family
+        with open(f"{log_path}.{dist.get_rank()}") as log:
+            assert f"{type(transformer).__name__}: {split} parallelism over {world} processes" in log.read(), family
 
 
 def test_each_familys_calls_split_over_two_processes_equal_the_transformer_alone(tmp_path):
-    run_in_processes(tmp_path, functools.partial(each_family_split, str(tmp_path / "log")))
+    run_in_processes(tmp_path, functools.partial(each_family_split, str(tmp_path / "log"), CASES))
+    assert "(ulysses attention, 2 heads)" in (tmp_path / "log.0").read_text()
+
+
+def test_heads_that_do_not_divide_over_three_processes_attend_over_every_processs_keys(tmp_path):
+    """The tiny transformers' 2 heads over 3 processes: each gathers every process's keys and values (Flux's text
+    before the image tokens, SD3's after them); 96 image tokens at 48x32."""
+    cases = [("flux", "sequence", "sequence"), ("sd3", "sequence", "sequence")]
+    run_in_processes(tmp_path, functools.partial(each_family_split, str(tmp_path / "log"), cases, 48), world=3)
+    assert "(gathered keys attention, 2 heads)" in (tmp_path / "log.2").read_text()
+
+
+def test_four_processes_split_sd3s_cfg_batch_in_two_and_each_entrys_tokens_in_two(tmp_path):
+    """SD3's pipeline batches CFG's two passes: over 4 processes each pass goes to a group of 2 that splits its
+    tokens ("both", what auto picks here)."""
+    run_in_processes(tmp_path, functools.partial(each_family_split, str(tmp_path / "log"), [("sd3", "auto", "both")]),
+                     world=4)
+    assert "both parallelism over 4 processes (ulysses attention, 2 heads)" in (tmp_path / "log.3").read_text()
 
 
 def compiled_and_step_cached() -> None:
@@ -117,6 +135,6 @@ def test_parallelize_needs_a_process_group_and_a_parallel_config_and_changes_not
         parallelize_(pipe)
     with pytest.raises(TypeError, match="ParallelConfig"):
         parallelize_(pipe, {"mode": "cfg"})
-    with pytest.raises(ValueError, match="unknown parallel mode 'both'"):
-        ParallelConfig(mode="both")
+    with pytest.raises(ValueError, match="unknown parallel mode 'ring'"):
+        ParallelConfig(mode="ring")
     assert "forward" not in pipe.transformer.__dict__

@@ -85,7 +85,7 @@ class UlyssesNet:
     def __call__(self, device):
         import torch.distributed as dist
 
-        from overdrive.parallel.sequence_split import gather, shard, ulysses_attention
+        from overdrive.parallel.sequence_split import gather, shard, sharded_attention
 
         sdpa = torch.nn.functional.scaled_dot_product_attention  # (batch, heads, tokens, d)
 
@@ -95,15 +95,16 @@ class UlyssesNet:
                 return sdpa(q, k, v)
             rank, world = dist.get_rank(), dist.get_world_size()
             q, k, v = (shard(t, 2, rank, world, self.text) for t in (q, k, v))
-            return gather(ulysses_attention(q, k, v, sdpa, self.text), 2, self.text)
+            return gather(sharded_attention(q, k, v, sdpa, self.text), 2, self.text)
         return call
 
 
-@pytest.mark.parametrize("processes,text", [(2, 0), (3, 0), (2, 5), (3, 5)])
-def test_attention_over_tokens_split_between_processes_equals_attention_in_one(processes, text):
-    """Ulysses over 12 image tokens and 6 heads of 4, alone (Wan's self-attention) and after 5 text tokens every
-    process holds (Flux's, SD3's and Qwen-Image's joint attention)."""
-    x = torch.randn(2, 6, text + 12, 4, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("processes,text,heads", [(2, 0, 6), (3, 0, 6), (2, 5, 6), (3, 5, 6), (3, 0, 4), (3, 5, 4)])
+def test_attention_over_tokens_split_between_processes_equals_attention_in_one(processes, text, heads):
+    """Attention over 12 image tokens split between processes, alone (Wan's self-attention) and after 5 text tokens
+    every process holds (Flux's, SD3's and Qwen-Image's joint attention): Ulysses where the heads divide, every
+    process's keys gathered where they do not."""
+    x = torch.randn(2, heads, text + 12, 4, generator=torch.Generator().manual_seed(2))
     timestep = torch.tensor([0.5, 2.0])[:, None, None, None]
     net = UlyssesNet(text)
     expected = net(torch.device("cpu"))(x, timestep)
@@ -383,6 +384,7 @@ def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy,
 
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
     from overdrive.nodes.parallel_model import chosen_split
+    from overdrive.nodes.sequence_parallel import how_attention_splits
 
     wan = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
     chroma = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["chroma"][0]]))
@@ -394,14 +396,21 @@ def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy,
     video = torch.zeros(1, 48, 2, 4, 4)  # 8 tokens
     assert why(wan, video, 2) == ("sequence", None)
     assert "do not divide over 3" in why(wan, video, 3)[1]
-    assert "heads do not divide over 4" in why(wan, torch.zeros(1, 48, 1, 8, 8), 4)[1]  # 2 heads
+    assert why(wan, torch.zeros(1, 48, 1, 8, 8), 4) == ("sequence", None)  # 2 heads: every process's keys gathered
+    assert how_attention_splits(wan.model.diffusion_model, 4) == "gathered keys attention, 2 heads"
+    assert how_attention_splits(wan.model.diffusion_model, 2) == "ulysses attention, 2 heads"
     assert "as long as its text" in why(wan, torch.zeros(1, 48, 1, 64, 64), 2)[1]  # 1,024 tokens, 512 a process
     assert "reference latents" in why(wan, video, 2, reference_latent=torch.zeros(1))[1]
     assert "replace or patch its blocks" in why(wan, video, 2, {**one_pass, "patches_replace": {"dit": {0: 0}}})[1]
     assert "attention mask" in why(wan, video, 2, attention_mask=torch.ones(1, 512))[1]
     assert "Chroma is not among the families" in why(chroma, torch.zeros(1, 16, 8, 8), 2)[1]
-    both = why(wan, video, 3, mode="auto")[1]  # neither split applies: both reasons
-    assert "one pass" in both and "do not divide over 3" in both
+    every = why(wan, video, 3, mode="auto")[1]  # no split applies: every reason, once
+    assert "one pass" in every and "do not divide over 3" in every and every.count("one pass") == 1
+    two_passes = {"cond_or_uncond": [0, 1]}
+    video_pair = torch.zeros(2, 48, 2, 4, 4)
+    assert why(wan, video_pair, 4, two_passes, mode="auto") == ("both", None)  # each pass on 2 processes
+    assert why(wan, video_pair, 2, two_passes, mode="auto") == ("cfg", None)
+    assert "do not form a group of 2 or more" in why(wan, video_pair, 3, two_passes, mode="both")[1]
 
 
 def test_the_node_runs_on_one_gpu_with_a_warning_where_the_gpus_are_missing_and_names_bad_input(comfy, caplog):
@@ -482,3 +491,31 @@ def test_workers_that_cannot_start_leave_the_generation_on_one_process_with_a_wa
     assert torch.equal(out, sample(model))
     assert caplog.text.count("did not start") == 1, caplog.text
     assert POOLS.pool is None and not multiprocessing.active_children()
+
+
+def test_cfg_and_sequence_at_once_split_each_pass_over_its_own_two_of_four_processes(comfy, builtin_dit_files, caplog):
+    """Four processes, CFG's two passes: each pass on a group of two that splits its tokens ("both", what auto picks
+    here), Wan's cross-attention to its text and Flux's joint attention, each call equal to the model alone's."""
+    import comfy.sample
+
+    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from test_dit_families import assert_calls_match, record_calls
+
+    try:
+        for family, cfg in (("wan22", 5.0), ("flux", 3.0)):
+            model, positive, negative, latent = family_case(family, builtin_dit_files, None)
+
+            def sample(patcher):
+                recorded, calls = record_calls(patcher)
+                out = comfy.sample.sample(recorded, comfy.sample.prepare_noise(latent, 0), 1, cfg, "euler", "simple",
+                                          positive, negative, latent, seed=0, disable_pbar=True)
+                return out, calls
+            expected, expected_calls = sample(model)
+            with caplog.at_level("INFO", logger="overdrive"):
+                out, calls = sample(parallelize(model, 4, cuda=False, mode="auto"))
+            assert_calls_match(calls, expected_calls, 1e-5)
+            assert "both parallelism over 4 processes (ulysses attention" in caplog.text, family
+            caplog.clear()
+    finally:
+        POOLS.close()
+    assert not multiprocessing.active_children()

@@ -94,8 +94,8 @@ def _replaced(function, args: tuple, kwargs: dict, name: str, value) -> tuple:
 class ShardedSDPA(TorchFunctionMode):
     """Within a split call: every SDPA call whose keys are as many as its queries, this process's image tokens
     (`local`) with the text or without (Flux's and Qwen's joint attention, SD3's, SD3.5's second one, Wan's
-    self-attention), runs over every process's tokens (parallel/sequence_split.sharded_attention); any other (Wan's cross-attention to the text) as it is. One
-    instance per geometry: compiled blocks guard on the mode they traced."""
+    self-attention), runs over every process's tokens (parallel/sequence_split.sharded_attention); any other (Wan's
+    cross-attention to the text) as it is. One instance per geometry: compiled blocks guard on the mode they traced."""
     _instances: dict = {}
 
     def __new__(cls, local: int, text: int, text_first: bool):

@@ -1,4 +1,4 @@
-"""How a model call is split over processes: the settings Parallel Model (ComfyUI) and parallelize_ (diffusers) share."""
+"""How a model call is split over processes: settings Parallel Model (ComfyUI) and parallelize_ (diffusers) share."""
 from dataclasses import dataclass
 
 # auto: the batch (CFG's passes) where it holds a part for every process, else each pass on its own group of processes

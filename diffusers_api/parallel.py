@@ -207,6 +207,7 @@ class SplitForward:
 
     def __init__(self, module, inner, config: ParallelConfig, family):
         self.module, self.inner, self.config, self.family = module, inner, config, family
+        self.latent = next(iter(list(inspect.signature(type(module).forward).parameters)[1:]))  # UNet: "sample"
         self._told = set()
 
     def __call__(self, *args, **kwargs):
@@ -215,7 +216,7 @@ class SplitForward:
         world = dist.get_world_size() if dist.is_initialized() else 1
         split, why = self.choose(given, world)
         heads = getattr(getattr(self.module, "config", None), "num_attention_heads", None)
-        tokens_over = world // given["hidden_states"].shape[0] if split == "both" else world
+        tokens_over = world // given[self.latent].shape[0] if split == "both" else world
         attention = f" ({attention_split(heads, tokens_over)} attention, {heads} heads)" if split != "cfg" else ""
         self._tell(why or f"{split} parallelism over {world} processes{attention}")
         if split is None:
@@ -251,7 +252,7 @@ class SplitForward:
         return None, "; ".join(dict.fromkeys(reasons))
 
     def why_not(self, split: str, given: dict, world: int) -> str | None:
-        batch = given["hidden_states"].shape[0]
+        batch = given[self.latent].shape[0]
         if split == "cfg":
             return f"its batch of {batch} does not divide over {world} processes" if batch % world else None
         if split == "sequence":
@@ -265,7 +266,7 @@ class SplitForward:
         if split is None or self.family is None:
             return (f"{type(self.module).__name__} is not among the transformers sequence parallelism splits "
                     f"({', '.join(SPLITS)})")
-        tokens = split.tokens(self.module, given["hidden_states"])
+        tokens = split.tokens(self.module, given[self.latent])
         if split.text_first is None:  # a cross-attention as long as a shard would read as the shard's own
             lengths = {given[n].shape[1] for n in ("encoder_hidden_states", "encoder_hidden_states_image")
                        if isinstance(given.get(n), torch.Tensor)}
@@ -273,12 +274,11 @@ class SplitForward:
                 return f"a shard of its tokens is as long as its text ({tokens // world} tokens)"
         return why_not_shard(tokens, world)
 
-    @staticmethod
-    def _batch_part(given: dict, parts: int, part: int) -> dict:
+    def _batch_part(self, given: dict, parts: int, part: int) -> dict:
         """The call's arguments for part `part` of its batch cut in `parts`."""
-        x, rest = given["hidden_states"], {k: v for k, v in given.items() if k not in ("hidden_states", "timestep")}
+        x, rest = given[self.latent], {k: v for k, v in given.items() if k not in (self.latent, "timestep")}
         px, pt, pk = split_call(x, given.get("timestep"), rest, parts, parts)[part]
-        return {"hidden_states": px, **({"timestep": pt} if "timestep" in given else {}), **pk}
+        return {self.latent: px, **({"timestep": pt} if "timestep" in given else {}), **pk}
 
     def _by_batch(self, run, given: dict, world: int):
         out = run(**self._batch_part(given, world, dist.get_rank()))
@@ -286,7 +286,7 @@ class SplitForward:
 
     def _by_batch_and_tokens(self, run, given: dict, world: int):
         """Batch entry r // size on the group of `size` processes r is in, which splits its tokens."""
-        batch = given["hidden_states"].shape[0]
+        batch = given[self.latent].shape[0]
         size = world // batch
         with over(sequence_groups(size)):
             out = self._by_tokens(run, self._batch_part(given, batch, dist.get_rank() // size), size)
@@ -297,7 +297,7 @@ class SplitForward:
 
     def _by_tokens(self, run, given: dict, world: int):
         split = split_of(self.module)
-        tokens = split.tokens(self.module, given["hidden_states"])
+        tokens = split.tokens(self.module, given[self.latent])
         text = given["encoder_hidden_states"].shape[1] if split.text_first is not None else 0
         blocks = ShardedBlocks(self.module, self.family, split, tokens)
         try:

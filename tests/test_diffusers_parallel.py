@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from diffusers_tiny import dit_prompt, flux_prompt, tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline
-from diffusers_tiny import tiny_wan_pipeline
+from diffusers_tiny import tiny_unet, tiny_wan_pipeline
 from overdrive.api import CompileOptions, DeepCacheConfig, ParallelConfig, compile_, deepcache_, parallelize_
 from overdrive.compiler import dynamo_graph_count
 
@@ -81,8 +81,27 @@ def each_family_split(log_path: str, cases: list, height: int = 32) -> None:
             assert f"{type(transformer).__name__}: {split} parallelism over {world} processes" in log.read(), family
 
 
+def unet_cfg_split() -> None:
+    """A diffusers UNet (SD's, SDXL's) called on CFG's batch of 2, as its pipelines call it: a pass per process."""
+    unet = tiny_unet(0)
+    g = torch.Generator().manual_seed(2)
+    sample, context = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 16, 32, generator=g)
+    with torch.no_grad():
+        expected = unet(sample, torch.tensor(500.0), encoder_hidden_states=context).sample
+        parallelize_(unet, ParallelConfig(mode="auto"))
+        out = unet(sample, torch.tensor(500.0), encoder_hidden_states=context).sample
+    assert relative_error(out, expected) < 1e-5
+
+
+def both_checks(log_path: str) -> None:
+    each_family_split(log_path, CASES)
+    unet_cfg_split()
+
+
 def test_each_familys_calls_split_over_two_processes_equal_the_transformer_alone(tmp_path):
-    run_in_processes(tmp_path, functools.partial(each_family_split, str(tmp_path / "log"), CASES))
+    """Flux, Wan, Qwen-Image and SD3 pipelines by their tokens (SD3 by its CFG batch too), and a UNet by its batch."""
+    run_in_processes(tmp_path, functools.partial(both_checks, str(tmp_path / "log")))
+    assert "UNet2DConditionModel: cfg parallelism over 2 processes" in (tmp_path / "log.1").read_text()
     assert "(ulysses attention, 2 heads)" in (tmp_path / "log.0").read_text()
 
 

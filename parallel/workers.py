@@ -31,7 +31,7 @@ READY_TIMEOUT_S = 600.0  # a worker loads its copy of the model before it is rea
 GROUP_TIMEOUT_S = 120.0  # the group's own limit on a transfer or joining: a backstop, the pipes notice deaths first
 POLL_S = 0.05
 DOING = {"joining": "starting", "ready": "loading its model", "receiving": "receiving a call",
-         "done": "running its part of a call"}  # what a worker is doing until it sends each message
+         "done": "running its part of a call", "peak": "reading its peak memory"}  # what a worker is doing until it sends each message
 
 
 class WorkerDied(RuntimeError):
@@ -122,6 +122,12 @@ def _worker_main(rank: int, placement: Placement, port: int, factory, connection
             message, header = connection.recv()
             if message == "stop":
                 break
+            if message == "peak":  # its GPU's peak allocation since the last reading (benchmarks)
+                peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                connection.send(("peak", peak))
+                continue
             if message == "load":  # another model into this process: the old copy goes first
                 model = None
                 _give_back(device)
@@ -318,6 +324,17 @@ class WorkerPool:
             self.connections[rank - 1].send((message, header))
             self._expect(rank, "receiving")
             _send(tensors, rank, self.device)
+
+    def peak_memory(self) -> list:
+        """Each process's peak GPU allocation in bytes since the last reading (this one's first; 0 on the CPU), each
+        reset."""
+        peaks = [torch.cuda.max_memory_allocated(self.device) if self.placement.cuda else 0]
+        if self.placement.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for rank, connection in enumerate(self.connections, start=1):
+            connection.send(("peak", None))
+            peaks.append(self._expect(rank, "peak"))
+        return peaks
 
     def reload(self, factory) -> "WorkerPool":
         """The same processes and group with another model: each worker drops its copy and builds `factory`'s (no

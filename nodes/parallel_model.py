@@ -1,10 +1,11 @@
 """Parallel Model: one generation over several GPUs of this machine, each GPU's process holding its own copy of
 the model (worker processes, parallel/workers.py, reload it the way ComfyUI loaded it: its `cached_patcher_init`).
-Two ways to split a model call:
+Three ways to split a model call:
 - cfg: the step's conditional and unconditional passes (ComfyUI batches them into one call) on different GPUs; this
   process runs the first part through the model as it is, the workers the others, and the outputs are joined.
 - sequence: every process runs the whole call with its share of the image tokens (nodes/sequence_parallel.py), and
   this process's output is the call's.
+- both: each pass on its own group of processes, which splits its tokens; one output per group is joined.
 
 Where a call cannot be split (one chunk, as with CFG 1; a ControlNet; other nodes' patches in the model; a family
 or shape sequence parallelism does not split; what the workers' copies lack) it runs here alone, and the log says
@@ -261,9 +262,10 @@ def parallelize(model, processes: int, cuda: bool, mode: str = MODES[0]):
 
 
 DESCRIPTION = ("One generation over several GPUs of this machine: each step's conditional and unconditional passes "
-               "on different GPUs (CFG parallelism), or each GPU with its share of the image tokens (sequence "
-               "parallelism: Wan, Flux, SD3, Qwen-Image), each GPU holding its own copy of the model, loaded once "
-               "for the prompts that follow. Without the GPUs asked for it runs on one, with a warning.")
+               "on different GPUs (CFG parallelism), each GPU with its share of the image tokens (sequence "
+               "parallelism: Wan, Flux, SD3, Qwen-Image), or both at once, each GPU holding its own copy of the "
+               "model, loaded once for the prompts that follow. Without the GPUs asked for it runs on one, with a "
+               "warning.")
 
 
 class OverdriveParallelModel(io.ComfyNode):
@@ -277,9 +279,11 @@ class OverdriveParallelModel(io.ComfyNode):
                                  tooltip="How many GPUs of this machine share each generation (one process each)."),
                     io.Combo.Input("mode", options=list(MODES), default=MODES[0],
                                    tooltip="auto: the conditional and unconditional passes on different GPUs where "
-                                           "there are as many passes as GPUs, else each GPU with a share of the "
-                                           "image tokens where the model allows it (Wan, Flux, SD3, Qwen-Image). "
-                                           "cfg: the passes only. sequence: the tokens only.")],
+                                           "there are as many passes as GPUs, else each pass on its own group of "
+                                           "GPUs sharing its image tokens (4 GPUs, 2 passes), else every GPU with a "
+                                           "share of the image tokens where the model allows it (Wan, Flux, SD3, "
+                                           "Qwen-Image). cfg: the passes only. sequence: the tokens only. both: "
+                                           "passes and tokens at once.")],
             outputs=[io.Model.Output(tooltip="The model, its sampling steps split over the GPUs.")])
 
     @classmethod

@@ -2,6 +2,7 @@
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..families import family_of
@@ -57,10 +58,31 @@ def quantize_(target, config: QuantConfig | None = None, calibration=None, *, ca
     with contextlib.ExitStack() as eager:
         for _, denoiser in denoisers:
             eager.enter_context(eager_forward(denoiser))
-        report = quantize_module_(module, config, calibration, keeping_float(float_layers, filter_fn), cache=cache,
-                                  resolution=resolution)
+        report = _decided_once(module, config, calibration, keeping_float(float_layers, filter_fn), cache=cache,
+                               resolution=resolution)
     for _, denoiser in denoisers:
         rebuild(denoiser)  # compiled graphs keyed by the 8-bit layers now in the module
+    return report
+
+
+def _decided_once(module, config, calibration, filter_fn, **kwargs) -> QuantReport:
+    """quantize_module_, except in a torch.distributed group of several processes (parallelize_'s): process 0
+    calibrates and decides, the others take its decisions, so every process runs the same layers (decisions timed on
+    each would differ) and only one calibrates. Every process of the group must call it, as torchrun scripts do."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return quantize_module_(module, config, calibration, filter_fn, **kwargs)
+    if dist.get_rank() != 0:
+        decided = [None]
+        dist.broadcast_object_list(decided, src=0)
+        if isinstance(decided[0], str):
+            raise RuntimeError(f"quantize_: process 0 could not decide ({decided[0]}); nothing was changed")
+        return quantize_module_(module, config, None, filter_fn, decided=decided[0])
+    try:
+        report = quantize_module_(module, config, calibration, filter_fn, **kwargs)
+    except BaseException as error:
+        dist.broadcast_object_list([f"{type(error).__name__}: {error}"], src=0)  # the others must not wait forever
+        raise
+    dist.broadcast_object_list([report], src=0)
     return report
 
 

@@ -94,7 +94,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
         log.warning("Overdrive quantization: cached decisions %s do not match this model's layers; re-calibrating.",
                     key)
         return None
-    stored = store.load_weights(key, store_device) if report.quantized else {}
+    stored = store.load_weights(key, store_device) if report.quantized and store is not None else {}
     amax = {layer.name: layer.input_amax for layer in report.layers}
     weight_only = set(report.weight_only)
     modules = {}
@@ -125,7 +125,8 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
 
 def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calibration=None,
                       filter_fn: FilterFn | None = None, *, cache=None, resolution=None, device=None,
-                      weights_digest: str | None = None, between_layers=None, store_device=None) -> QuantPlan:
+                      weights_digest: str | None = None, between_layers=None, store_device=None,
+                      decided: QuantReport | None = None) -> QuantPlan:
     """Decide per layer and build the quantized replacements, without changing `model`.
 
     - calibration: a callable that runs the model for a few steps (called with the model if it takes an
@@ -138,12 +139,30 @@ def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calib
     - between_layers: called before each layer is measured (a host's stop check, which raises to end the plan).
     - store_device: where the quantized modules are returned (default: `device`). Each goes there as soon as it is
       built, so a host that loads them later (ComfyUI) never holds the float model and every 8-bit layer together.
+    - decided: another process's report for the same model and settings, taken instead of calibrating (the processes
+      of a parallelize_ group run the same layers).
     """
     # Built outside inference mode (even when called inside one, as ComfyUI runs nodes): the quantized buffers are
     # then ordinary tensors that `load_float_weight` may overwrite later from any mode.
     with torch.inference_mode(False), torch.no_grad():
+        if decided is not None:
+            return _plan_decided(model, config, decided, filter_fn, device, store_device)
         return _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
                      between_layers, store_device)
+
+
+def _plan_decided(model, config, decided: QuantReport, filter_fn, device, store_device) -> QuantPlan:
+    config = (config or QuantConfig()).validate()
+    device = torch.device(device) if device is not None else _model_device(model)
+    store_device = torch.device(store_device) if store_device is not None else device
+    fmt = config.resolve_format(device)
+    candidates = find_candidates(model, config, fmt if formats.get(fmt).bits >= 8 else None, filter_fn)
+    modules = _modules_from_cache(decided, {c.name: c for c in candidates}, None, "another process's decisions",
+                                  device, config, store_device)
+    if modules is None:
+        raise ValueError("quantize_: another process's decisions do not match this model's layers: every process "
+                         "must quantize the same model with the same settings")
+    return QuantPlan(modules, dataclasses.replace(decided, cache_hit=False, calibrated=False))
 
 
 def _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,

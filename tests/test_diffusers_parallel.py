@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 
 from diffusers_tiny import dit_prompt, flux_prompt, tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline
 from diffusers_tiny import tiny_unet, tiny_wan_pipeline
-from overdrive.api import CompileOptions, DeepCacheConfig, ParallelConfig, compile_, deepcache_, parallelize_
+from overdrive.api import (CompileOptions, DeepCacheConfig, ParallelConfig, QuantConfig, compile_, deepcache_,
+                           parallelize_, quantize_)
 from overdrive.compiler import dynamo_graph_count
 
 PIPELINES = {"flux": tiny_flux_pipeline, "wan": tiny_wan_pipeline, "qwen_image": tiny_qwen_image_pipeline,
@@ -93,13 +94,33 @@ def unet_cfg_split() -> None:
     assert relative_error(out, expected) < 1e-5
 
 
+def quantized_by_process_0s_decisions() -> None:
+    """quantize_ in every process of the group: process 0 calibrates and decides, the other takes its decisions, so
+    the shards run the same 8-bit layers; split by tokens, each call equals the quantized transformer alone."""
+    pipe = tiny_flux_pipeline()
+    report = quantize_(pipe, QuantConfig(format="int8", compute_density_threshold=0),
+                       calibration={**flux_prompt(), "height": 32, "width": 32, "num_inference_steps": 2})
+    reports = [None, None]
+    dist.all_gather_object(reports, (sorted(report.quantized), report.calibrated))
+    assert reports[0][0] == reports[1][0] and reports[0][0]  # the same layers, some of them
+    assert [calibrated for _, calibrated in reports] == [True, False]
+    parallelize_(pipe, ParallelConfig(mode="sequence"))
+    _, calls = recorded(pipe, "flux")
+    transformer = pipe.transformer
+    with torch.no_grad():
+        errors = [relative_error(out, type(transformer).forward(transformer, **kwargs)[0]) for kwargs, out in calls]
+    assert max(errors) < 1e-5, errors
+
+
 def both_checks(log_path: str) -> None:
     each_family_split(log_path, CASES)
     unet_cfg_split()
+    quantized_by_process_0s_decisions()
 
 
 def test_each_familys_calls_split_over_two_processes_equal_the_transformer_alone(tmp_path):
-    """Flux, Wan, Qwen-Image and SD3 pipelines by their tokens (SD3 by its CFG batch too), and a UNet by its batch."""
+    """Flux, Wan, Qwen-Image and SD3 pipelines by their tokens (SD3 by its CFG batch too), a UNet by its batch, and
+    Flux quantized by process 0's decisions."""
     run_in_processes(tmp_path, functools.partial(both_checks, str(tmp_path / "log")))
     assert "UNet2DConditionModel: cfg parallelism over 2 processes" in (tmp_path / "log.1").read_text()
     assert "(ulysses attention, 2 heads)" in (tmp_path / "log.0").read_text()

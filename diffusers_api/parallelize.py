@@ -18,7 +18,8 @@ def parallelize_(target, config: ParallelConfig | None = None) -> None:
     SD3/3.5 and Qwen-Image; heads and tokens must divide by the number of processes. "auto": the batch where it
     divides, else the tokens. A call that cannot be split runs whole in every process; the log says why, once.
     Composes with compile_ (the all-to-alls are traced into the compiled blocks), deepcache_ (every process reuses
-    the same steps: the adaptive measure is summed over all of them), attention_ and quantize_, in any order.
+    the same steps: the adaptive measure is summed over all of them), attention_ and quantize_ (process 0 decides
+    for all, so every process runs the same 8-bit layers), in any order.
     """
     config = ParallelConfig() if config is None else config
     if not isinstance(config, ParallelConfig):

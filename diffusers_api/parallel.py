@@ -75,16 +75,20 @@ def split_of(module) -> DiffusersSplit | None:
     return SPLITS.get(type(module).__name__)
 
 
+@functools.lru_cache(maxsize=None)
+def parameter_names(function) -> tuple:
+    """A module method's parameters after self (read once per class: the hooks run at every block call)."""
+    return tuple(inspect.signature(function).parameters)[1:]
+
+
 def call_arguments(function, args: tuple, kwargs: dict) -> dict:
     """A call's arguments by name (the module's own `function`'s parameters, after self)."""
-    names = list(inspect.signature(function).parameters)[1:]
-    return {**dict(zip(names, args)), **kwargs}
+    return {**dict(zip(parameter_names(function), args)), **kwargs}
 
 
 def _replaced(function, args: tuple, kwargs: dict, name: str, value) -> tuple:
     """(args, kwargs) with argument `name` set to `value`, passed the way the call passed it."""
-    names = list(inspect.signature(function).parameters)[1:]
-    position = names.index(name)
+    position = parameter_names(function).index(name)
     if name not in kwargs and position < len(args):
         return args[:position] + (value,) + args[position + 1:], kwargs
     return args, {**kwargs, name: value}
@@ -207,7 +211,7 @@ class SplitForward:
 
     def __init__(self, module, inner, config: ParallelConfig, family):
         self.module, self.inner, self.config, self.family = module, inner, config, family
-        self.latent = next(iter(list(inspect.signature(type(module).forward).parameters)[1:]))  # UNet: "sample"
+        self.latent = parameter_names(type(module).forward)[0]  # a UNet's is "sample"
         self._told = set()
 
     def __call__(self, *args, **kwargs):
@@ -215,12 +219,15 @@ class SplitForward:
         given = call_arguments(type(self.module).forward, args, kwargs)
         world = dist.get_world_size() if dist.is_initialized() else 1
         split, why = self.choose(given, world)
-        heads = getattr(getattr(self.module, "config", None), "num_attention_heads", None)
-        tokens_over = world // given[self.latent].shape[0] if split == "both" else world
-        attention = f" ({attention_split(heads, tokens_over)} attention, {heads} heads)" if split != "cfg" else ""
-        self._tell(why or f"{split} parallelism over {world} processes{attention}")
         if split is None:
+            self._tell(why)
             return run(*args, **kwargs)
+        attention = ""
+        if split != "cfg":
+            heads = self.module.config.num_attention_heads
+            tokens_over = world // given[self.latent].shape[0] if split == "both" else world
+            attention = f" ({attention_split(heads, tokens_over)} attention, {heads} heads)"
+        self._tell(f"{split} parallelism over {world} processes{attention}")
         with whole_group_call():
             if split == "cfg":
                 return self._by_batch(run, given, world)

@@ -91,7 +91,9 @@ def unet_cfg_split() -> None:
         expected = unet(sample, torch.tensor(500.0), encoder_hidden_states=context).sample
         parallelize_(unet, ParallelConfig(mode="auto"))
         out = unet(sample, torch.tensor(500.0), encoder_hidden_states=context).sample
+        alone = unet(sample[:1], torch.tensor(500.0), encoder_hidden_states=context[:1]).sample  # runs whole
     assert relative_error(out, expected) < 1e-5
+    assert relative_error(alone, expected[:1]) < 1e-5
 
 
 def quantized_by_process_0s_decisions() -> None:
@@ -122,7 +124,9 @@ def test_each_familys_calls_split_over_two_processes_equal_the_transformer_alone
     """Flux, Wan, Qwen-Image and SD3 pipelines by their tokens (SD3 by its CFG batch too), a UNet by its batch, and
     Flux quantized by process 0's decisions."""
     run_in_processes(tmp_path, functools.partial(both_checks, str(tmp_path / "log")))
-    assert "UNet2DConditionModel: cfg parallelism over 2 processes" in (tmp_path / "log.1").read_text()
+    log = (tmp_path / "log.1").read_text()
+    assert "UNet2DConditionModel: cfg parallelism over 2 processes" in log
+    assert "UNet2DConditionModel: its batch of 1 does not divide over 2 processes; 2 processes do not form" in log
     assert "(ulysses attention, 2 heads)" in (tmp_path / "log.0").read_text()
 
 

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from ..attention.routing import SDPA_ARGUMENTS
 from ..parallel.agreement import whole_group_call
 from ..parallel.batch_split import split_call
-from ..parallel.config import ParallelConfig
+from ..parallel.config import ParallelConfig, chosen, why_not_groups
 from ..parallel.sequence_split import (all_gather, attention_split, gather, over, rank_and_world, sequence_groups,
                                        shard, sharded_attention, why_not_shard)
 
@@ -156,8 +156,8 @@ class ShardedBlocks:
     """Hooks, for one call, on the blocks of a transformer of a known family: the first block's image stream is
     sharded, every block's per-token arguments too, the last block's image stream gathered."""
 
-    def __init__(self, module, family, split: DiffusersSplit, tokens: int):
-        self.split, self.tokens, self.handles = split, tokens, []
+    def __init__(self, module, family, split: DiffusersSplit, tokens: int, text: int):
+        self.split, self.tokens, self.text, self.handles = split, tokens, text, []
         blocks = family.blocks(module)
         first_stack, _, first = blocks[0]
         last_stack, _, last = blocks[-1]
@@ -178,11 +178,10 @@ class ShardedBlocks:
         given = call_arguments(function, args, kwargs)
         if first:
             args, kwargs = _replaced(function, args, kwargs, self.image, shard(given[self.image], 1, rank, world))
-        text = given["encoder_hidden_states"].shape[1] if self.split.text_first else 0
         for entry in self.split.per_token:
             value = given.get(entry.name)
             if value is not None:
-                sharded = self._sharded(value, entry, text if entry.text else 0, rank, world)
+                sharded = self._sharded(value, entry, self.text if entry.text else 0, rank, world)
                 args, kwargs = _replaced(function, args, kwargs, entry.name, sharded)
         return args, kwargs
 
@@ -250,13 +249,7 @@ class SplitForward:
         """("cfg" | "both" | "sequence", None), or (None, why the call runs whole in every process)."""
         if world < 2:
             return None, "a group of one process runs every call whole"
-        reasons = []
-        for split in ("cfg", "both", "sequence") if self.config.mode == "auto" else (self.config.mode,):
-            why = self.why_not(split, given, world)
-            if why is None:
-                return split, None
-            reasons.append(why)
-        return None, "; ".join(dict.fromkeys(reasons))
+        return chosen(self.config.mode, lambda split: self.why_not(split, given, world))
 
     def why_not(self, split: str, given: dict, world: int) -> str | None:
         batch = given[self.latent].shape[0]
@@ -264,9 +257,7 @@ class SplitForward:
             return f"its batch of {batch} does not divide over {world} processes" if batch % world else None
         if split == "sequence":
             return self.why_not_sequence(given, world)
-        if batch < 2 or world % batch or world == batch:
-            return f"{world} processes do not form a group of 2 or more for each of its {batch} batch entries"
-        return self.why_not_sequence(given, world // batch)
+        return why_not_groups(world, batch, "batch entries") or self.why_not_sequence(given, world // batch)
 
     def why_not_sequence(self, given: dict, world: int) -> str | None:
         split = split_of(self.module)
@@ -306,7 +297,7 @@ class SplitForward:
         split = split_of(self.module)
         tokens = split.tokens(self.module, given[self.latent])
         text = given["encoder_hidden_states"].shape[1] if split.text_first is not None else 0
-        blocks = ShardedBlocks(self.module, self.family, split, tokens)
+        blocks = ShardedBlocks(self.module, self.family, split, tokens, text)
         try:
             with ShardedSDPA(tokens // world, text, bool(split.text_first)):
                 return run(**given)

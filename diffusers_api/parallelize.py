@@ -14,9 +14,11 @@ def parallelize_(target, config: ParallelConfig | None = None) -> None:
     same seed in every process; each ends with the whole result.
 
     mode "cfg": a call's batch split (the pipelines that batch classifier-free guidance's two passes: SD3, SDXL,
-    LTX-Video). mode "sequence": its image tokens, the attention over all of them (Ulysses), for Flux.1, Wan 2.1/2.2,
-    SD3/3.5 and Qwen-Image; heads and tokens must divide by the number of processes. "auto": the batch where it
-    divides, else the tokens. A call that cannot be split runs whole in every process; the log says why, once.
+    LTX-Video). mode "sequence": its image tokens, the attention over all of them, for Flux.1, Wan 2.1/2.2, SD3/3.5
+    and Qwen-Image (Ulysses where the heads divide by the number of processes, else every process's keys gathered;
+    the tokens must divide). "both": each batch entry on its own group of processes, which splits its tokens.
+    "auto": cfg, both, sequence, the first that applies. A call that cannot be split runs whole in every process;
+    the log says why, once.
     Composes with compile_ (the all-to-alls are traced into the compiled blocks), deepcache_ (every process reuses
     the same steps: the adaptive measure is summed over all of them), attention_ and quantize_ (process 0 decides
     for all, so every process runs the same 8-bit layers), in any order.

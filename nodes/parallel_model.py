@@ -22,7 +22,7 @@ from comfy_api.latest import io
 
 from ..harness.comfy_worker import ComfyReload
 from ..parallel.batch_split import join, split_call
-from ..parallel.config import MODES
+from ..parallel.config import MODES, chosen, why_not_groups
 from ..parallel.workers import Placement, WorkerDied, WorkerPool
 from .comfy_call_options import ATTENTION_OVERRIDE
 from .forward_patch import installed_stack
@@ -166,14 +166,8 @@ def chosen_split(mode, diffusion_model, x, control, transformer_options, process
     """("cfg" | "both" | "sequence", None), or (None, why the call runs here alone). auto: the passes apart where
     there are as many as the processes, else each pass on its own group of processes that splits its tokens, else
     the tokens."""
-    reasons = []
-    for split in ("cfg", "both", "sequence") if mode == "auto" else (mode,):
-        why = why_not_this_split(split, mode, diffusion_model, x, control, transformer_options, processes,
-                                 c_crossattn, kwargs)
-        if why is None:
-            return split, None
-        reasons.append(why)
-    return None, "; ".join(dict.fromkeys(reasons))
+    return chosen(mode, lambda split: why_not_this_split(split, mode, diffusion_model, x, control,
+                                                        transformer_options, processes, c_crossattn, kwargs))
 
 
 def why_not_this_split(split, mode, diffusion_model, x, control, transformer_options, processes, c_crossattn,
@@ -187,9 +181,7 @@ def why_not_this_split(split, mode, diffusion_model, x, control, transformer_opt
     if split == "cfg":
         return f"its {passes} passes leave some of the {processes} GPUs idle" \
             if mode == "auto" and passes < processes else None
-    if processes % passes or processes == passes:
-        return f"{processes} processes do not form a group of 2 or more for each of its {passes} passes"
-    return why_not_sequence_call(diffusion_model, x, control, transformer_options, processes // passes, c_crossattn,
+    return why_not_groups(processes, passes, "passes") or why_not_sequence_call(diffusion_model, x, control, transformer_options, processes // passes, c_crossattn,
                                  kwargs)
 
 

@@ -181,8 +181,8 @@ def why_not_this_split(split, mode, diffusion_model, x, control, transformer_opt
     if split == "cfg":
         return f"its {passes} passes leave some of the {processes} GPUs idle" \
             if mode == "auto" and passes < processes else None
-    return why_not_groups(processes, passes, "passes") or why_not_sequence_call(diffusion_model, x, control, transformer_options, processes // passes, c_crossattn,
-                                 kwargs)
+    return why_not_groups(processes, passes, "passes") or why_not_sequence_call(
+        diffusion_model, x, control, transformer_options, processes // passes, c_crossattn, kwargs)
 
 
 def parallel_apply_model(processes: int, cuda: bool, init: tuple, mode: str = MODES[0]):

@@ -3,8 +3,9 @@
 Dynamic VRAM keeps every weight of a model in host memory and has each layer fetch its weights onto the GPU inside its
 own call. A compiled block then traces ComfyUI's fetching code instead of a plain GEMM, and its weights are host tensors,
 so it can be replayed as no CUDA graph: compiled Flux ran slower than eager that way. Where the model fits the GPU whole,
-Compile Model therefore takes ComfyUI's classic loader for its clone, as ComfyUI's own TorchCompileModel does
-(`clone(disable_dynamic=True)`: ComfyUI reloads the file through the loader that made the model), and logs it. So does
+Compile Model therefore takes ComfyUI's classic loader for its clone, as ComfyUI's own TorchCompileModel does, over a copy
+of the model that shares its tensors (model_copies.classic_clone: ComfyUI's own way reloads the file into host memory at
+every run), and logs it. So does
 a quantized model whose quantized layers do not all fit: Overdrive streams those itself. Any other model that does not
 fit keeps dynamic VRAM and its blocks run as ComfyUI runs them (never slower than eager); the log says so.
 """
@@ -12,9 +13,8 @@ import logging
 
 import torch
 
-import comfy.model_management
-
 from .gpu_budget import gpu_budget_bytes
+from .model_copies import classic_clone
 from .quantize_patches import quantized_modules, resident_bytes
 from .quantized_streaming import tensor_bytes
 
@@ -86,11 +86,7 @@ def compile_clone(model):
                     "keeps ComfyUI's dynamic VRAM (weights streamed per layer) and its blocks run uncompiled.%s",
                     name, needed, budget, quantize_first_hint(model, budget))
         return model.clone(), False
-    try:
-        clone = model.clone(disable_dynamic=True)
-    except RuntimeError as error:  # a model no loader can make again (built by another node): nothing to reload
-        log.warning("Overdrive Compile Model: %s stays on dynamic VRAM (%s); its blocks run uncompiled.", name, error)
-        return model.clone(), False
+    clone = classic_clone(model)
     cast = cast_to_layer_dtypes_(clone.model)
     if streamed:
         log.info("Overdrive Compile Model: %s needs %.1f GiB with its working memory and this GPU allows %.1f: loaded "

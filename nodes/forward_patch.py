@@ -11,6 +11,7 @@ from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 
 from ..compiler import CompiledMethod
 from ..deepcache import DeepCacheRunner
+from ..quantization.low_rank import LowRankSidePath
 from ..stack import Host, Stack, build, stack_of
 from . import conds_on_device, step_clock, traceable_ops
 from .comfy_steps import ComfySteps
@@ -21,12 +22,19 @@ FORWARD = "diffusion_model.forward"
 
 def swapped_layers(model, prefix: str = "diffusion_model.") -> str:
     """The layers (and module classes) `model`'s object patches swap in under `prefix` at load (QuantizeModel's 8-bit
-    layers, its fused MLPs' activations): a module with them compiles to another graph than the same architecture
-    without, so they key the graph."""
-    swaps = sorted(f"{key[len(prefix):]}:{value.__name__ if isinstance(value, type) else type(value).__name__}"
-                   for key, value in model.object_patches.items()
+    layers and their LoRA side paths' rank, its fused MLPs' activations): a module with them compiles to another graph
+    than the same architecture without, so they key the graph."""
+    swaps = sorted(f"{key[len(prefix):]}:{swapped_name(value)}" for key, value in model.object_patches.items()
                    if key.startswith(prefix) and isinstance(value, (torch.nn.Module, type)))
     return hashlib.sha256("|".join(swaps).encode()).hexdigest()[:16] if swaps else ""
+
+
+def swapped_name(value) -> str:
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, LowRankSidePath):
+        return f"{type(value).__name__}{value.rank}({type(value.base).__name__})"
+    return type(value).__name__
 
 
 class ComfyHost(Host):

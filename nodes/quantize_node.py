@@ -1,6 +1,7 @@
 """QuantizeModel: measured int8/fp8 quantization of the diffusion model, applied as ModelPatcher object patches."""
-import hashlib
 import logging
+import time
+import uuid
 
 import comfy.model_management
 from comfy_api.latest import io
@@ -8,7 +9,8 @@ from comfy_api.latest import io
 from ..attention.choice import MODES as ATTENTION_MODES
 from ..attention.choice import AttentionConfig
 from ..families import family_of
-from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization, weights_digest
+from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization
+from ..quantization.cache import weights_fingerprint
 from ..quantization.candidates import keeping_float
 from ..quantization.formats import bit_widths
 from . import checkpoint_formats
@@ -17,7 +19,10 @@ from .attention_override import install_attention
 from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
-from .quantize_patches import bake_weight_patches, install_quantized, patches_digest
+from . import quantized_sets
+from .quantize_patches import bake_weight_patches, compute_dtype, float_view, install_quantized
+from .quantized_lora import SidePaths, low_rank_layers, weight_key
+from .quantized_sets import QuantizedSet, set_key
 from .schema import node_schema, patched_copy_input
 
 log = logging.getLogger("overdrive")
@@ -80,53 +85,99 @@ def quant_cache_dir() -> str:
     return str(comfy_cache_dir("quantization"))
 
 
-def eager_clone(model):
-    """A clone for calibration: every layer runs eager on every step (the calibration hooks see all the real inputs),
-    so Compile Model's and DeepCache's forwards, if they come before this node, are left out of it."""
+def calibration_clone(model):
+    """A clone for calibration: the weights without their LoRAs (the decisions are keyed by them, so that a LoRA or a
+    strength change reuses them; a LoRA runs beside the quantized layers), every layer eager on every step (the
+    calibration hooks see all the real inputs), so Compile Model's and DeepCache's forwards, if they come before this
+    node, are left out of it."""
     calib = model.clone()
+    calib.patches = {}
+    calib.patches_uuid = uuid.uuid4()
     if installed_stack(calib) is not None:
         calib.object_patches = {k: v for k, v in calib.object_patches.items() if k != FORWARD}
     return calib
 
 
+def base_tensors(model, tree) -> list:
+    """(name, tensor) of the diffusion model's weights as its file has them: where ComfyUI patched one in place (a
+    loaded LoRA), its backup."""
+    pairs = []
+    for name, tensor in (*tree.named_parameters(), *tree.named_buffers()):
+        held = model.backup.get(f"diffusion_model.{name}")
+        pairs.append((name, held.weight if held is not None else tensor))
+    return pairs
+
+
 def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, attention: AttentionConfig,
                     resolution: str | None = None, folder: str | None = None):
-    """(patched clone, report): calibrate if the cache has no decisions, quantize, install as object patches.
+    """(patched clone, report): the quantized layers of `model`'s weights at these settings, taken from an earlier run
+    in this process where one made them (quantized_sets.py), else made: calibrated unless the cache has the decisions,
+    and quantized. `model`'s LoRAs run beside them (quantized_lora.py). Without a `run` the decisions for `resolution`
+    must be cached (another process's copy of a model quantized here: Parallel Model's workers), in `folder` (default:
+    quant_cache_dir())."""
+    started = time.perf_counter()
+    context = run.cache_context() if run is not None else resolution
+    fmt = config.resolve_format(model.load_device)
+    tree = float_view(model)
+    float_layers = dict(getattr(family_of(tree), "float_layers", ()))
+    fingerprint = weights_fingerprint(base_tensors(model, tree))
+    key = set_key(fingerprint, config.to_dict(), fmt, context, model.load_device, float_layers)
+    quantized = quantized_sets.live(key)
+    reused = quantized is not None
+    if not reused:
+        quantized = quantized_sets.keep(quantize_once(model, config, run, attention, context, folder, fingerprint,
+                                                      float_layers, key))
+    patched = model.clone()
+    layers = dict(quantized.layers)
+    side, baked_names = low_rank_layers(patched, layers)
+    layers.update(bake_weight_patches(patched, layers, baked_names, tree, model.load_device))
+    install_quantized(patched, quantized, layers)
+    rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
+    beside = sum(weight_key(name) in patched.patches for name in side)
+    lora = [f"LoRAs run beside {beside} quantized layer(s)"] if beside else []
+    lora += [f"LoRA/weight patches baked into {len(baked_names)} quantized layer(s)"] if baked_names else []
+    if reused:
+        log.info("%s [the layers quantized earlier in this process for these weights and settings: no calibration, no "
+                 "quantizing, %.2f s]%s", quantized.report.summary(), time.perf_counter() - started,
+                 "; " + "; ".join(lora) if lora else "")
+    elif lora:
+        log.info("Overdrive quantization: %s.", "; ".join(lora))
+    return patched, quantized.report
+
+
+def quantize_once(model, config, run, attention, context, folder, fingerprint, float_layers, key) -> QuantizedSet:
+    """The quantized layers of `model`'s weights without their LoRAs: calibrated unless the cache has the decisions.
     The calibration runs with Overdrive's attention, so that its shapes are measured before Compile Model traces the
-    blocks (attention/e4m3_output.py). Without a `run` the decisions for `resolution` must be cached (another
-    process's copy of a model quantized here: Parallel Model's workers), in `folder` (default: quant_cache_dir())."""
+    blocks (attention/e4m3_output.py)."""
+    started = time.perf_counter()
     with peak_memory(model.load_device) as peak:
-        calib = eager_clone(model)
+        calib = calibration_clone(model)
         install_attention(calib, attention)
-        # Loaded, the module tree holds this model's weights with its LoRAs applied: what is hashed and quantized.
+        # Loaded, the module tree holds this model's float weights (other clones' 8-bit layers and LoRAs taken out).
         comfy.model_management.load_models_gpu([calib])
+        loaded = time.perf_counter()
         diffusion = calib.model.diffusion_model
-        digest = hashlib.sha256(f"{weights_digest(diffusion)}|{patches_digest(calib.patches)}".encode()).hexdigest()
         cache = QuantCache(folder or quant_cache_dir())
-        float_layers = dict(getattr(family_of(diffusion), "float_layers", ()))
         # The 8-bit layers wait where ComfyUI keeps offloaded weights until the quantized model loads: beside a float
         # model that a short card holds only partly, they would run it out of memory.
         plan = plan_quantization(diffusion, config, calibration=(lambda: run(calib)) if run is not None else None,
-                                 filter_fn=keeping_float(float_layers), cache=cache,
-                                 resolution=run.cache_context() if run is not None else resolution,
-                                 device=model.load_device, weights_digest=digest, store_device=model.offload_device,
+                                 filter_fn=keeping_float(float_layers), cache=cache, resolution=context,
+                                 device=model.load_device, weights_digest=fingerprint,
+                                 store_device=model.offload_device,
                                  between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
-        patched = model.clone()
-        baked = bake_weight_patches(patched, plan.modules, model.load_device)
-    install_quantized(patched, plan.modules)
-    rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
     report = plan.report
     path = cache.decisions_path(report.cache_key)
     if report.cache_hit:
         source = f"cache hit, no calibration ({path})"
     else:
-        source = (f"cache miss, calibrated with {run.describe()} in {report.seconds.get('total', 0.0):.1f} s; "
+        seconds = report.seconds
+        source = (f"cache miss, calibrated with {run.describe()} in {seconds.get('calibration_run', 0.0):.1f} s, "
+                  f"measured in {seconds.get('measure', 0.0):.1f} s; "
                   + (f"decisions saved to {path}" if path.is_file() else "decisions not saved (see the warning)"))
-    log.info("%s [%s]%s%s", report.summary(), source,
-             f"; LoRA/weight patches baked into {len(baked)} quantized layer(s)" if baked else "",
-             f"; GPU memory while quantizing: {peak['text']}" if peak["text"] else "")
+    log.info("%s [%s; float model loaded in %.1f s; %.1f s in all]%s", report.summary(), source, loaded - started,
+             time.perf_counter() - started, f"; GPU memory while quantizing: {peak['text']}" if peak["text"] else "")
     log.debug("%s", report.table())
-    return patched, report
+    return QuantizedSet(plan.modules, report, SidePaths(plan.modules, compute_dtype(model)), key)
 
 
 REPORT = "overdrive_quantization_report"  # the returned model's attachment: what Quantize Model did, for callers

@@ -1,12 +1,12 @@
 """Quantized layers as ComfyUI ModelPatcher object patches.
 
-- Weight patches (LoRA) applied BEFORE quantizing are baked into the quantized weights and dropped from the
-  clone's patches (ComfyUI could not apply them to an int8/fp8 layer: it has no `weight`).
-- Weight patches added AFTER quantizing to a quantized layer are refused with a clear error when they are added
-  (LoraLoader), instead of ComfyUI skipping them with "could not patch" at load.
-- The quantized layers follow the model between devices (QuantizedModules), and the float layers they replace
-  leave the GPU while they run.
+- Weight patches (LoRA) on a quantized layer run beside it as a low-rank side path (nodes/quantized_lora.py), added
+  before or after Quantize Model; one that is not low-rank is baked into a copy of the layer where Quantize Model sees it
+  and refused with a clear error after it.
+- The quantized layers follow the model between devices (QuantizedModules), and the float layers they replace leave
+  the GPU while they run, for the file they were loaded from where it holds them (nodes/file_weights.py).
 """
+import copy
 import hashlib
 import logging
 import uuid
@@ -24,28 +24,30 @@ from ..quantization import gelu_fusion
 from ..quantization.cache import tensor_hash
 from ..quantization.kernels import fp8_gemm_gelu_runs_as
 from ..quantization.linear_layers import dequantized, float_weight
+from ..quantization.low_rank import LowRankSidePath, layer_shape
 from ..quantization.modules import requantize
+from . import file_weights
 from .load_state import LAYER_LOADER_STATE, forget_load_state
-from .quantized_streaming import StreamedBlocks, place, tensor_bytes
+from .quantized_lora import PREFIX, NotLowRank, bias_key, place_side_paths, term_of, weight_key
+from .quantized_lora import SidePaths
+from .quantized_sets import QuantizedSet
+from .quantized_streaming import place, tensor_bytes
 
 log = logging.getLogger("overdrive.quantization")
-PREFIX = "diffusion_model."
 CLASS_PATCH = ".__class__"  # the key suffix of the object patches that give the fused MLPs' modules their classes
-LORA_AFTER_QUANTIZE = (
-    "{key} belongs to a layer that Quantize Model (Overdrive) replaced with an 8-bit layer, so this LoRA (or other "
-    "weight patch) cannot be applied to it after quantizing. Put LoraLoader before QuantizeModel: LoRAs applied "
-    "before it are baked into the quantized weights."
-)
+ROUTER_KEY = "overdrive_quantized_patches"  # the ON_CLONE callback that routes each clone's add_patches
+LOAD_KEY = "overdrive_quantized_load"  # the ON_LOAD callback that sends float layers to their file
 
 
 def patch_keys(name: str) -> tuple:
-    return f"{PREFIX}{name}.weight", f"{PREFIX}{name}.bias"
+    return weight_key(name), bias_key(name)
 
 
-def patched_tensor(patcher, key: str, device):
-    """The tensor at `key` with `patcher`'s weight patches applied, as ModelPatcher.patch_weight_to_device
-    computes it (in float32 from the unpatched original, then cast to the original's dtype)."""
-    original = patcher.backup[key] if key in patcher.backup else comfy.utils.get_attr(patcher.model, key)
+def patched_tensor(patcher, key: str, device, float_tree):
+    """The tensor at `key` with `patcher`'s weight patches applied, as ModelPatcher.patch_weight_to_device computes it
+    (in float32 from the unpatched original, then cast to the original's dtype). `float_tree`: the diffusion model with
+    its float layers (float_view)."""
+    original = patcher.backup[key] if key in patcher.backup else comfy.utils.get_attr(float_tree, key[len(PREFIX):])
     original = getattr(original, "weight", original)  # the backup holds (weight, inplace_update) tuples
     if original is None or key not in patcher.patches:
         return original
@@ -54,49 +56,80 @@ def patched_tensor(patcher, key: str, device):
     return comfy.lora.calculate_weight(patcher.patches[key], weight, key).to(original.dtype)
 
 
-def bake_weight_patches(patcher, modules: dict, device) -> list:
-    """Re-quantize each quantized layer that has weight patches from its patched weight, and drop those patches.
-    Returns the names of the layers baked."""
-    baked = []
-    for name, module in modules.items():
-        keys = patch_keys(name)
-        if any(key in patcher.patches for key in keys):
-            weight, bias = (patched_tensor(patcher, key, device) for key in keys)
-            home = on_device(module)  # quantized where the patched weight was computed, then back where it waits
-            module.to(device).load_float_weight(weight, bias).to(home)
-            baked.append(name)
+def bake_weight_patches(patcher, layers: dict, names, float_tree, device) -> dict:
+    """Copies of `layers`' `names` ({name: quantized layer}) re-quantized from their float weights in `float_tree`
+    with `patcher`'s weight patches applied, those patches dropped from `patcher`: for the patches no side path runs
+    (LoHa, LoKr, DoRA, full or bias differences). The shared layers stay as they are. Returns {name: baked copy}."""
+    baked = {}
+    for name in names:
+        weight, bias = (patched_tensor(patcher, key, device, float_tree) for key in patch_keys(name))
+        home = on_device(layers[name])  # quantized where the patched weight was computed, then back where it waits
+        baked[name] = copy.deepcopy(layers[name]).to(device).load_float_weight(dequantized(weight), bias).to(home)
     for name in baked:
         for key in patch_keys(name):
             patcher.patches.pop(key, None)
-    if baked:
-        patcher.patches_uuid = uuid.uuid4()  # other weights than the input MODEL's: ComfyUI must not share them
     return baked
 
 
-class RefuseQuantizedPatches:
-    """Refuses LoRA (weight patches) on quantized layers: ModelPatcher.add_patches checks the model's state_dict, where
-    a quantized layer still has its float keys, so the patch would be accepted, then could not apply to the 8-bit
-    layer at load.
-    An ON_CLONE callback, copied to every clone, gives each clone an add_patches that checks every key first and
-    raises before anything is added."""
+class QuantizedPatchRouter:
+    """Weight patches added to a clone of a quantized model (LoraLoader after Quantize Model): ModelPatcher.add_patches
+    checks keys against the model's state_dict, where a quantized layer still has its float keys, so they would be
+    accepted and then dropped at load. Each clone's add_patches (set through an ON_CLONE callback, copied to every
+    clone) checks every key on a quantized layer first: a low-rank LoRA is added and runs beside the layer (the clone's
+    object patches take the side paths); anything else raises before anything is added."""
 
-    def __init__(self, keys):
-        self.keys = frozenset(keys)
+    def __init__(self, quantized: QuantizedSet):
+        self.quantized = quantized
 
     def guard(self, patcher) -> None:
-        add_patches, refused = type(patcher).add_patches, self.keys
+        add_patches, layers = type(patcher).add_patches, self.quantized.layers
 
-        def checked_add_patches(patches, *args, **kwargs):
+        def routed_add_patches(patches, strength_patch=1.0, strength_model=1.0):
+            touched = False
             for k in patches:
-                key = k if isinstance(k, str) else k[0]
-                if key in refused:
-                    raise ValueError(LORA_AFTER_QUANTIZE.format(key=key))
-            return add_patches(patcher, patches, *args, **kwargs)
+                key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2
+                                                                                     else None)
+                name = quantized_name(key)
+                if name in layers:
+                    if quantized_modules(patcher).get(name) is not layers[name]:
+                        raise NotLowRank(f"{key}: this layer's earlier patches were baked into its 8-bit weights by "
+                                         "Quantize Model (Overdrive), so no other LoRA can be added to it after "
+                                         "quantizing. Put this LoRA loader before Quantize Model too.")
+                    if key == bias_key(name):
+                        raise NotLowRank(f"{key}: a bias patch on a layer Quantize Model (Overdrive) replaced. Put "
+                                         "this LoRA loader before Quantize Model: it is baked into the quantized "
+                                         "weights there.")
+                    term_of((strength_patch, patches[k], strength_model, offset, function), key,
+                            layer_shape(layers[name]))
+                    touched = True
+            added = add_patches(patcher, patches, strength_patch, strength_model)
+            if touched:
+                place_quantized(patcher, self.quantized)
+            return added
 
-        patcher.add_patches = checked_add_patches
+        patcher.add_patches = routed_add_patches
 
     def on_clone(self, source, clone) -> None:
         self.guard(clone)
+
+
+def quantized_name(key: str) -> str | None:
+    if not key.startswith(PREFIX):
+        return None
+    for suffix in (".weight", ".bias"):
+        if key.endswith(suffix):
+            return key[len(PREFIX):-len(suffix)]
+    return None
+
+
+def place_quantized(patcher, quantized: QuantizedSet) -> None:
+    """`patcher`'s object patches for the quantized layers (side paths where its LoRAs need them), its patch identity,
+    and its forward rebuilt over them (compiled graphs are keyed by the layers swapped in)."""
+    from .forward_patch import rebuild
+    layers = quantized_modules(patcher)
+    place_side_paths(patcher, quantized.side_paths, layers)
+    set_patches_uuid(patcher, layers)
+    rebuild(patcher)
 
 
 FOLLOWER = "overdrive_quantized"  # the name of QuantizedModules in model_options' patches
@@ -111,38 +144,50 @@ class QuantizedModules:
     """Where the 8-bit layers and the float layers they replace live, as ComfyUI loads and unloads the model.
 
     It rides in model_options["transformer_options"]["patches"] (ComfyUI's model code only reads its own patch names
-    there), so ModelPatcher.model_patches_to calls `.to(device)` on it at every load and detach; ON_DETACH and
+    there), so ModelPatcher.model_patches_to calls `.to(device)` on it at every load and detach; ON_LOAD, ON_DETACH and
     ON_CLEANUP callbacks tell it more. Clones share it (and the layers).
-    - Loading: the 8-bit layers go to the load device; the float layers they replace (out of the module tree while the
-      quantized model runs, shared with the input MODEL) go to the CPU, whatever ComfyUI's offload device, so 8-bit
-      weights lower VRAM in every memory mode (--gpu-only and --highvram offload to the GPU).
-    - Detaching: ComfyUI 0.7 detaches a loaded model without unpatching before every sampling run (it pops the model
-      as a clone of itself and loads it again), when another clone of the model loads, and when a clone is collected.
-      None of these moves weights, so nothing moves here either (moving on each copied Flux's fp8 weights to and fro
+    - Loading: the 8-bit layers (and their LoRA side paths) go to the load device; the float layers they replace (out
+      of the module tree while the quantized model runs, shared with the input MODEL) leave the GPU, whatever ComfyUI's
+      offload device, so 8-bit weights lower VRAM in every memory mode (--gpu-only and --highvram offload to the GPU):
+      to the file they were loaded from where it holds them, else to a host copy (nodes/file_weights.py). Once more
+      after the load: ComfyUI's unpatching may have copied them to the host meanwhile.
+    - Detaching: ComfyUI detaches a loaded model without unpatching before every sampling run (it pops the model as a
+      clone of itself and loads it again), when another clone of the model loads, and when a clone is collected. None
+      of these moves weights, so nothing moves here either (moving on each copied Flux's fp8 weights to and fro
       several times per image). Only a real unload sends the 8-bit layers to the offload device.
     - A float clone of the same checkpoint that ComfyUI runs right after (it reuses the loaded weights without moving
-      them) finds its layers on the CPU: a pre-hook on the diffusion model puts them beside the input at its first
+      them) finds its layers on the host: a pre-hook on the diffusion model puts them beside the input at its first
       call, once.
     """
 
     forward_inert = True  # never called by the model's forward: DeepCache may run around it
 
-    def __init__(self, modules: dict, originals: dict | None = None, load_device=None, offload_device=None,
-                 tree: torch.nn.Module | None = None, owner=None):
+    def __init__(self, quantized: QuantizedSet, modules: dict, originals: dict | None = None, load_device=None,
+                 offload_device=None, tree: torch.nn.Module | None = None, owner=None, source_path=None,
+                 backup=None):
+        self.quantized = quantized
         self.modules = modules
         self.owner = None if owner is None else weakref.ref(owner)  # ComfyUI's BaseModel: its dynamic-VRAM cache
         self.originals = originals or {}
         self.load_device = torch.device(load_device) if load_device is not None else None
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
         self.tree = tree
-        self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the CPU (its way back)
-        self.streaming = StreamedBlocks()  # the 8-bit layers a short card has no room for
-        self.streamed_bytes = 0  # of them, copied in at each model call since the last load
+        self.source_path = source_path  # the file ComfyUI's loader read the model from (file_weights.source_file)
+        self.backup = backup if backup is not None else {}  # the patchers' shared record of weights patched in place
+        self.file_tensors = None  # {key: the file's tensor} of the float layers, read once
+        self.dynamic = False  # the model is on ComfyUI's dynamic VRAM (its host tensors are the file's already)
+        self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the host (its way back)
+        self.streamed_bytes = 0  # of the 8-bit layers, copied in at each model call since the last load
         self.activations_bytes = 0  # ComfyUI's estimate of one model call's activations in this sampling
         self.workspace_bytes = 0  # the sampled model's compiled working memory (WORKSPACE_KEY), 0 uncompiled
         self.float_size = 0  # the checkpoint's size with its float layers (install_quantized sets it)
+        self.logged = False  # where the float layers went, logged once
         self.return_hook = None
         self._slots = (None, [])  # (tree, [(parent, attribute, 8-bit layer, float layer)]): see slots()
+
+    @property
+    def streaming(self):
+        return self.quantized.streaming  # the layers' pinned host copies: one per layer, whichever clone runs them
 
     def to(self, device_or_dtype):
         if isinstance(device_or_dtype, torch.dtype):  # the 8-bit storage keeps its dtypes
@@ -156,14 +201,15 @@ class QuantizedModules:
             for name, original in self.originals.items():
                 if (home := on_device(original)) not in (None, FLOAT_HOME):
                     self.homes[name] = home
-            move(self.originals.values(), FLOAT_HOME)
+            self.float_layers_off_gpu()
             # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and
-            # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers were
-            # baked, and the model was unpatched before this load), so nothing is lost.
+            # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers run
+            # beside them or were baked, and the model was unpatched before this load), so nothing is lost.
             forget_load_state(self.originals.values())
             if self.tree is not None and self.originals and self.return_hook is None:
                 self.return_hook = return_hook(self)
         self.streamed_bytes = 0
+        self.quantized.side_paths.to(device)
         if self.tree is None or device.type != "cuda":
             move(self.modules.values(), device)
         elif streamed := place(self.tree, self.modules, device, self.streaming, move, self.free_cache(device),
@@ -173,6 +219,27 @@ class QuantizedModules:
                      "them stay in pinned host memory and are copied in block by block at each model call.",
                      streamed / 2**30)
         return self
+
+    def float_layers_off_gpu(self) -> None:
+        """The float layers pointed at their file where it holds them, else copied to the host; logged once."""
+        if self.file_tensors is None:
+            self.file_tensors = file_weights.file_tensors(self.owner() if self.owner else None, self.source_path,
+                                                          self.originals)
+        patched = {key for key in self.backup if key.startswith(PREFIX)}
+        to_file = file_weights.point_at_file(self.originals, self.file_tensors, patched, not self.dynamic)
+        away = [layer for layer in self.originals.values() if on_device(layer) not in (None, FLOAT_HOME)]
+        copied = sum(tensor_bytes(layer) for layer in away)
+        move(away, FLOAT_HOME)
+        if (to_file or copied) and not self.logged:
+            self.logged = True
+            log.info("Overdrive quantization: the float layers the quantized ones replace left the GPU: %.2f GiB back to "
+                     "the file they were loaded from%s.", to_file / 2**30,
+                     f", {copied / 2**30:.2f} GiB copied to host memory (not found in the file)" if copied else "")
+
+    def on_load(self, patcher, *args) -> None:
+        """After ComfyUI's load: float layers its unpatching copied to the host meanwhile go back to their file."""
+        if self in followers(patcher) and self.originals:
+            self.float_layers_off_gpu()
 
     def free_cache(self, device):
         """What frees ComfyUI's dynamic-VRAM cache of this model's float weights on `device` (comfy-aimdo's VBAR keeps
@@ -186,6 +253,7 @@ class QuantizedModules:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
             self.streaming.stop()
             move(self.modules.values(), self.offload_device)  # unloaded: the float layers went with the tree
+            self.quantized.side_paths.to(self.offload_device)
 
     def on_cleanup(self, patcher) -> None:
         """After each sampling run (also a stopped one): the checkpoint's float layers and classes back into the
@@ -210,7 +278,7 @@ class QuantizedModules:
         for look_up_again in (False, True):  # again: a layer not where it was found (a container replaced since)
             missed = False
             for parent, attribute, quantized, original in self.slots(tree, look_up_again):
-                if parent._modules.get(attribute) is quantized:
+                if runs(parent._modules.get(attribute), quantized):
                     setattr(parent, attribute, original)
                 else:
                     missed = True
@@ -231,6 +299,11 @@ class QuantizedModules:
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
         return self
+
+
+def runs(module, layer) -> bool:
+    """Whether `module` (in the tree) is quantized `layer` or its LoRA side path."""
+    return module is layer or (isinstance(module, LowRankSidePath) and module.base is layer)
 
 
 def return_hook(follower: QuantizedModules):
@@ -288,38 +361,58 @@ def compute_dtype(patcher) -> torch.dtype:
     return getattr(model, "manual_cast_dtype", None) or model.get_dtype()
 
 
-def install_quantized(patcher, modules: dict, float_size: int | None = None) -> None:
-    """Object patches for the quantized layers (and for the activations of the MLPs whose two fp8 GEMMs run as one
-    fused pair, quantization/gelu_fusion.py), the LoRA-after guard and the device follower, on `patcher`; its size as
-    ComfyUI reads it (ModelPatcher.size) becomes the quantized model's. `float_size`: the checkpoint's float size where
-    `patcher` already reports a quantized one (a re-install)."""
+def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size: int | None = None) -> None:
+    """`quantized`'s layers installed on `patcher` as object patches (`layers`: {name: the layer this patcher runs, the
+    set's own or a copy baked for it}; LoRA side paths where its patches need them), with the activations of the MLPs
+    whose two fp8 GEMMs run as one fused pair (quantization/gelu_fusion.py), the LoRA router and the device follower;
+    its size as ComfyUI reads it (ModelPatcher.size) becomes the quantized model's. `float_size`: the checkpoint's float
+    size where `patcher` already reports a quantized one (a re-install)."""
     float_size = patcher.model_size() if float_size is None else float_size
     tree = patcher.model.diffusion_model
-    originals = {name: tree.get_submodule(name) for name in modules}
-    originals = {name: module for name, module in originals.items() if not hasattr(module, "load_float_weight")}
-    for name, module in modules.items():
-        patcher.add_object_patch(PREFIX + name, module)
-    fused = gelu_fusion.fuse(tree, modules, compute_dtype(patcher))
+    originals = {name: tree.get_submodule(name) for name in layers}
+    originals = {name: module for name, module in originals.items() if not is_quantized(module)}
+    for name, layer in layers.items():
+        patcher.add_object_patch(PREFIX + name, layer)
+    place_side_paths(patcher, quantized.side_paths, layers)
+    fused = gelu_fusion.fuse(tree, {name: patcher.object_patches[PREFIX + name] for name in layers},
+                             compute_dtype(patcher))
     for name, cls in fused.items():
         patcher.add_object_patch(f"{PREFIX}{name}{CLASS_PATCH}", cls)
     if fused:
         log.info("Overdrive quantization: %d MLP(s) run their first fp8 GEMM, tanh-GELU and the second GEMM's input "
                  "cast %s.", gelu_fusion.mlp_count(fused),
                  fp8_gemm_gelu_runs_as(patcher.load_device))
-    guard = RefuseQuantizedPatches([key for name in modules for key in patch_keys(name)])
-    guard.guard(patcher)
-    patcher.add_callback(CallbacksMP.ON_CLONE, guard.on_clone)
-    follower = QuantizedModules(modules, originals, patcher.load_device, patcher.offload_device, tree, patcher.model)
-    follower.float_size = float_size
-    patcher.add_callback(CallbacksMP.ON_DETACH, follower.on_detach)
-    patcher.add_callback(CallbacksMP.ON_CLEANUP, follower.on_cleanup)
+    router = QuantizedPatchRouter(quantized)
+    router.guard(patcher)
+    follower = QuantizedModules(quantized, layers, originals, patcher.load_device, patcher.offload_device, tree,
+                                patcher.model, file_weights.source_file(patcher), patcher.backup)
+    follower.float_size, follower.dynamic = float_size, patcher.is_dynamic()
+    for kind, callback in ((CallbacksMP.ON_CLONE, router.on_clone), (CallbacksMP.ON_DETACH, follower.on_detach),
+                           (CallbacksMP.ON_CLEANUP, follower.on_cleanup), (CallbacksMP.ON_LOAD, follower.on_load)):
+        patcher.remove_callbacks_with_key(kind, ROUTER_KEY)
+        patcher.add_callback_with_key(kind, ROUTER_KEY, callback)
     patcher.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY)
     patcher.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY, record_activations)
     patcher.set_model_patch(follower, FOLLOWER)
+    set_patches_uuid(patcher, layers)
     # ComfyUI loads a model whole (model.to(device), every tensor) only where its size fits; told the float size, it
     # loaded a 4-bit Wan 14B that fits a short card partially, leaving the blocks' own modulation tensors in host
     # memory, which kept every compiled block off CUDA graphs.
     patcher.size = resident_bytes(patcher)
+
+
+def is_quantized(module) -> bool:
+    """A layer Quantize Model made (or its LoRA side path)."""
+    return hasattr(module, "load_float_weight") or isinstance(module, LowRankSidePath)
+
+
+def set_patches_uuid(patcher, layers: dict) -> None:
+    """`patcher`'s patch identity, which ComfyUI compares with the loaded one to decide whether to unpatch and patch
+    the model's weights again: a digest of the patches ComfyUI applies itself, without those on `layers` (which run
+    beside them). Two clones that differ only in the strengths or files of LoRAs on quantized layers then load as the
+    same weights: a strength change moves nothing."""
+    own = {key: value for key, value in patcher.patches.items() if quantized_name(key) not in layers}
+    patcher.patches_uuid = uuid.uuid5(uuid.NAMESPACE_OID, f"overdrive-quantized|{patches_digest(own)}")
 
 
 def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
@@ -334,15 +427,27 @@ def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
     return executor(model, noise_shape, conds, *args, **kwargs)
 
 
+_TENSOR_HASHES: dict = {}  # id(tensor) -> (weak reference, hash): a LoRA's tensors are hashed once per load
+
+
+def cached_tensor_hash(tensor: torch.Tensor) -> int:
+    held = _TENSOR_HASHES.get(id(tensor))
+    if held is not None and held[0]() is tensor:
+        return held[1]
+    value = tensor_hash(tensor)
+    _TENSOR_HASHES[id(tensor)] = (weakref.ref(tensor, lambda _, key=id(tensor): _TENSOR_HASHES.pop(key, None)), value)
+    return value
+
+
 def patches_digest(patches: dict) -> str:
-    """sha256 of a ModelPatcher's weight patches (keys, strengths and tensors): part of the cache key. Equal for the
-    same LoRA loaded twice: ComfyUI's weight adapters (LoRAAdapter, ...) and patch functions are fed by class or name
-    and their tensors, never by repr (which holds the object's address, so no LoRA'd model ever hit the cache)."""
+    """sha256 of a ModelPatcher's weight patches (keys, strengths and tensors). Equal for the same LoRA loaded twice:
+    ComfyUI's weight adapters (LoRAAdapter, ...) and patch functions are fed by class or name and their tensors, never
+    by repr (which holds the object's address)."""
     digest = hashlib.sha256()
 
     def feed(value):
         if isinstance(value, torch.Tensor):
-            digest.update(f"T{value.dtype}{tuple(value.shape)}{tensor_hash(value)}".encode())
+            digest.update(f"T{value.dtype}{tuple(value.shape)}{cached_tensor_hash(value)}".encode())
         elif isinstance(value, (list, tuple)):
             digest.update(b"[")
             for item in value:
@@ -363,27 +468,37 @@ def patches_digest(patches: dict) -> str:
 
 
 def quantized_modules(patcher) -> dict:
-    """{layer name: quantized module} that Quantize Model installed on `patcher` (empty if none)."""
-    return {key[len(PREFIX):]: value for key, value in patcher.object_patches.items()
-            if key.startswith(PREFIX) and hasattr(value, "load_float_weight")}
+    """{layer name: quantized layer} that Quantize Model installed on `patcher` (empty if none); a side path's layer."""
+    layers = {}
+    for key, value in patcher.object_patches.items():
+        if key.startswith(PREFIX) and is_quantized(value):
+            layers[key[len(PREFIX):]] = value.base if isinstance(value, LowRankSidePath) else value
+    return layers
+
+
+def quantized_set_of(patcher) -> QuantizedSet | None:
+    follower = next(iter(followers(patcher)), None)
+    return None if follower is None else follower.quantized
 
 
 def resident_bytes(patcher) -> int:
     """What `patcher`'s model holds on the GPU loaded whole: ComfyUI's model_size (the checkpoint's layers, as the
-    shared module tree holds them between runs) with the layers Quantize Model replaced at their 8-bit size."""
+    shared module tree holds them between runs) with the layers Quantize Model replaced at their 8-bit size (and
+    their side paths')."""
     follower = next(iter(followers(patcher)), None)
     size = follower.float_size if follower is not None and follower.float_size else patcher.model_size()
     tree = patcher.model.diffusion_model
     for name, module in quantized_modules(patcher).items():
         original = patcher.object_patches_backup.get(PREFIX + name) or tree.get_submodule(name)
-        size += tensor_bytes(module) - (0 if original is module else tensor_bytes(original))
+        size += tensor_bytes(patcher.object_patches[PREFIX + name]) - (0 if is_quantized(original) else
+                                                                       tensor_bytes(original))
     return size
 
 
 def requantize_onto(patcher, diffusion_model) -> list:
     """SwitchWeights on a quantized model: the same layers, the same format and scales rule, quantized again from
-    `diffusion_model`'s weights (the new checkpoint's), without re-measuring. New modules, so the model that was
-    running keeps its own. Returns the names of the layers re-quantized."""
+    `diffusion_model`'s weights (the new checkpoint's), without re-measuring. New layers, so the model that was
+    running keeps its own; its LoRAs run beside them as before. Returns the names of the layers re-quantized."""
     old = quantized_modules(patcher)
     if not old:
         return []
@@ -392,26 +507,28 @@ def requantize_onto(patcher, diffusion_model) -> list:
         layer = diffusion_model.get_submodule(name)
         state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
     fresh = requantize(old, state, copy=True)
-    reinstall(patcher, fresh)
+    previous = quantized_set_of(patcher)
+    switched = QuantizedSet(fresh, previous.report, SidePaths(fresh, previous.side_paths.dtype))
+    reinstall(patcher, switched, fresh)
     return sorted(fresh)
 
 
 def retarget(patcher) -> int:
-    """After ComfyUI made `patcher`'s model anew (Compile Model's loader change, nodes/dynamic_vram.py): the same
-    quantized layers installed over the new module tree, whose float layers they now stand in for. Returns how many."""
-    modules = quantized_modules(patcher)
-    if modules:
-        reinstall(patcher, modules)
-    return len(modules)
+    """After `patcher`'s model was made anew (Compile Model's classic copy, nodes/dynamic_vram.py): the same quantized
+    layers installed over the new module tree, whose float layers they now stand in for. Returns how many."""
+    layers = quantized_modules(patcher)
+    if layers:
+        reinstall(patcher, quantized_set_of(patcher), layers)
+    return len(layers)
 
 
-def reinstall(patcher, modules: dict) -> None:
-    """`modules` installed on `patcher` in place of the quantized layers it has (their follower dropped), its float
-    size carried over."""
+def reinstall(patcher, quantized: QuantizedSet, layers: dict) -> None:
+    """`layers` of `quantized` installed on `patcher` in place of the quantized layers it has (their follower dropped),
+    its float size carried over."""
     old = followers(patcher)
     float_size = old[0].float_size if old else None
     patcher.model_options["transformer_options"]["patches"][FOLLOWER] = []
-    install_quantized(patcher, modules, float_size)
+    install_quantized(patcher, quantized, layers, float_size)
 
 
 def float_view(patcher):

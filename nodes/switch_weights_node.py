@@ -1,9 +1,7 @@
 """SwitchWeights: another checkpoint's diffusion-model weights through the already compiled graph."""
-import copy
 import logging
 import time
 
-import comfy.model_patcher
 import comfy.utils
 import folder_paths
 from comfy_api.latest import io
@@ -12,57 +10,13 @@ from ..compiler import twin_with_weights
 from ..compiler.switch_weights import (SWITCH_LOCK, check_compatible, module_keys, read_safetensors_subset,
                                        reference_tensors, unreadable)
 from . import checkpoint_formats
-from .load_state import LAYER_LOADER_STATE, MODEL_LOADER_STATE, forget_load_state
+from .load_state import LAYER_LOADER_STATE
+from .model_copies import with_diffusion_model
 from .forward_patch import rebuild
 from .quantize_patches import float_view, requantize_onto
 from .schema import node_schema
 
 log = logging.getLogger("overdrive")
-
-
-def with_diffusion_model(model, diffusion_model):
-    """A clone of `model` around a new BaseModel that holds `diffusion_model` (the rest copied, it is small).
-
-    ComfyUI treats clones of one BaseModel as sharing weights: it would keep the old weights on the GPU and skip
-    moving the new ones. A BaseModel of its own makes the switched model a separate model to ComfyUI's memory
-    management (loaded, offloaded and accounted for like any checkpoint), and leaves `model` untouched."""
-    old = model.model.diffusion_model
-    replace = {id(old): diffusion_model}
-    config = getattr(model.model, "model_config", None)
-    if config is not None:  # the architecture's, the same for both; it cannot be deep-copied
-        replace[id(config)] = config
-    loader_state = [name for name in MODEL_LOADER_STATE if hasattr(model.model, name)]
-    for name, value in vars(model.model).items():
-        if isinstance(value, comfy.model_patcher.ModelPatcher) or name in loader_state:
-            replace[id(value)] = None  # the patcher of a prompt running now; dynamic VRAM's state of this model
-    base = copy.deepcopy(model.model, replace)
-    for name in loader_state:
-        delattr(base, name)  # the new patcher makes its own
-    # ComfyUI's clone convention: the model and the loader's records of what it changed on it (weights and buffers
-    # moved or patched, object patches applied, pinned weights), none yet for the new model.
-    switched = model.clone(model_override=(base, ({}, {}, {}, set())))
-    mark_unloaded(switched)
-    return switched
-
-
-
-# What ComfyUI's loader records about a loaded model (on the BaseModel and on each layer), as it is before any load.
-_UNLOADED_BASE_MODEL = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,
-                        "current_weight_patches_uuid": None}
-
-
-def mark_unloaded(switched) -> None:
-    """The switched model's weights are fresh tensors on the offload device, with no patch applied, but the copies
-    of a loaded model say "loaded". Left so, ComfyUI counts the switched model as already on the GPU: it neither
-    unloads other models to make room (an SDXL run went out of memory after a few switches) nor
-    applies LoRA patches to layers marked as patched."""
-    base = switched.model
-    if hasattr(base, "model_loaded_weight_memory"):
-        base.device = switched.offload_device
-    for name, value in _UNLOADED_BASE_MODEL.items():
-        if hasattr(base, name):
-            setattr(base, name, value)
-    forget_load_state([base.diffusion_model])
 
 
 # ComfyUI's loaders that reload a model from its file (ModelPatcher.cached_patcher_init, whose first argument is the

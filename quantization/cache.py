@@ -24,10 +24,10 @@ from ..storage import (CorruptEntry, atomic_file, cache_dir, cache_key, discard,
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 7  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
+SCHEMA = 8  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
 #            4: storage's framing; 5: decisions carry each layer's calibration amax; 6: a memory-bound layer may run
 #            its 8-bit GEMM where that measured faster than weight-only storage; 7: each layer's own format (4 bits
-#            fall back to 8 per layer)
+#            fall back to 8 per layer); 8: ComfyUI keys decisions by the weights without their LoRAs
 REQUANTIZE = "its cached decisions stand, and the chosen layers are quantized again from the model's weights (no calibration)"
 _TENSOR_NAMES = ("weight_q", "weight_scale", "group_scale", "bias", "input_scale")
 
@@ -86,6 +86,29 @@ def weights_digest(model: torch.nn.Module) -> str:
             continue
         seen.add(name)
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{tensor_hash(tensor)}\n".encode())
+    return digest.hexdigest()
+
+
+FINGERPRINT_CHUNK = 4096  # elements read at each of a tensor's start, middle and end
+
+
+def weights_fingerprint(named_tensors) -> str:
+    """sha256 over `(name, tensor)` pairs: names, dtypes, shapes and `tensor_hash` of three short chunks of each
+    tensor (its start, middle and end). Two checkpoints of one architecture (fine-tunes, merges) differ in every chunk;
+    reading a few pages per tensor keeps it fast where the weights are a memory-mapped file on the host, where hashing
+    every byte took tens of seconds for Flux. Tensor subclasses (a checkpoint's stored low-bit layers) are hashed
+    whole."""
+    digest = hashlib.sha256()
+    for name, tensor in named_tensors:
+        if tensor is None:
+            continue
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.numel() > 3 * FINGERPRINT_CHUNK:
+            flat, middle = tensor.detach().reshape(-1), tensor.numel() // 2
+            sample = torch.cat([flat[:FINGERPRINT_CHUNK], flat[middle:middle + FINGERPRINT_CHUNK],
+                                flat[-FINGERPRINT_CHUNK:]])
+        else:
+            sample = tensor
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{tensor_hash(sample)}\n".encode())
     return digest.hexdigest()
 
 

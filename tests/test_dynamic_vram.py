@@ -83,6 +83,8 @@ def test_a_quantized_model_too_large_for_the_card_compiles_with_its_quantized_la
     import comfy.sd
     from overdrive.nodes.dynamic_vram import streams_quantized_layers, with_workspace
     from overdrive.nodes.quantize_patches import install_quantized, resident_bytes
+    from overdrive.nodes.quantized_lora import SidePaths
+    from overdrive.nodes.quantized_sets import QuantizedSet
     from overdrive.nodes.quantized_streaming import tensor_bytes
     from overdrive.quantization import Int8Linear
 
@@ -90,8 +92,9 @@ def test_a_quantized_model_too_large_for_the_card_compiles_with_its_quantized_la
     assert not streams_quantized_layers(model, 2**50)  # nothing of Overdrive's to stream
     quantized = model.clone()
     tree = quantized.model.diffusion_model
-    install_quantized(quantized, {name: Int8Linear.from_float(layer) for name, layer in tree.named_modules()
-                                  if isinstance(layer, torch.nn.Linear) and name.startswith("double_blocks.")})
+    eight_bit = {name: Int8Linear.from_float(layer) for name, layer in tree.named_modules()
+                 if isinstance(layer, torch.nn.Linear) and name.startswith("double_blocks.")}
+    install_quantized(quantized, QuantizedSet(eight_bit, None, SidePaths(eight_bit, torch.float32)), eight_bit)
     layers = [module for key, module in quantized.object_patches.items() if hasattr(module, "load_float_weight")]
     float_part = with_workspace(resident_bytes(quantized) - sum(tensor_bytes(layer) for layer in layers))
     assert streams_quantized_layers(quantized, float_part)

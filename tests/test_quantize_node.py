@@ -83,8 +83,8 @@ def quantize(node, model, prompt, **settings):
 
 
 def quantized_names(model):
-    return {key[len("diffusion_model."):] for key, value in model.object_patches.items()
-            if isinstance(value, QUANTIZED_TYPES)}
+    from overdrive.nodes.quantize_patches import quantized_modules
+    return set(quantized_modules(model))
 
 
 def eligible(float_layers, kinds=("linear", "conv")):
@@ -138,7 +138,9 @@ def snapshot(model):
 
 
 def quantized_layers(model):
-    return {name: model.object_patches[f"diffusion_model.{name}"] for name in sorted(quantized_names(model))}
+    """{name: 8-bit layer} that `model` runs (the layer itself where a LoRA side path holds it)."""
+    from overdrive.nodes.quantize_patches import quantized_modules
+    return dict(sorted(quantized_modules(model).items()))
 
 
 # -------------------------------------------------------------------------------------------- what is quantized
@@ -179,15 +181,42 @@ def test_the_input_model_is_never_changed(comfy, quantized, quantized_latent, ba
     assert snapshot(base) == quantized["before"]
 
 
-def test_a_second_run_with_the_same_settings_uses_the_cache_without_calibrating(quantized, node, base, prompt):
+@pytest.fixture
+def new_process(monkeypatch):
+    """No quantized layers alive from earlier runs, as in a new process (the disk cache stays)."""
+    import weakref
+    from overdrive.nodes import quantized_sets
+    monkeypatch.setattr(quantized_sets, "_LIVE", weakref.WeakValueDictionary())
+
+
+def runs_of(model):
+    """A list that grows by one at each call of `model`'s diffusion model (a calibration or a load would call it)."""
     calls = []
-    hook = base.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls, model.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+
+
+def test_a_second_run_with_the_same_weights_and_settings_takes_the_same_layers(quantized, node, base, prompt):
+    """A LoRA, a prompt or a seed changes Quantize Model's inputs, so ComfyUI runs it again on the same model: it takes
+    the layers it made before (no calibration, no quantizing, no second copy in memory)."""
+    calls, hook = runs_of(base)
+    try:
+        again, report = quantize(node, base, {**prompt, "positive": prompt["negative"]}, **EVERYTHING)
+    finally:
+        hook.remove()
+    assert calls == [] and report is quantized["report"]
+    first = quantized_layers(quantized["model"])
+    assert all(layer is first[name] for name, layer in quantized_layers(again).items())
+
+
+def test_a_new_process_takes_the_cached_decisions_without_calibrating(quantized, node, base, prompt, new_process):
+    """After a restart the layers are gone with the process; the decisions on disk give the same layers again."""
+    calls, hook = runs_of(base)
     try:
         again, report = quantize(node, base, prompt, **EVERYTHING)
     finally:
         hook.remove()
     first = quantized["report"]
-    assert report.cache_hit and not report.calibrated and calls == []  # no sampling pass ran
+    assert report.cache_hit and not report.calibrated and len(calls) == 0  # loaded, but no sampling pass ran
     assert report.quantized == first.quantized and report.cache_key == first.cache_key
     cached, fresh = quantized_layers(again), quantized_layers(quantized["model"])
     assert cached.keys() == fresh.keys()
@@ -198,9 +227,9 @@ def test_a_second_run_with_the_same_settings_uses_the_cache_without_calibrating(
             assert torch.equal(value, expected[key]), f"{name}.{key}"
 
 
-def test_quantized_layers_follow_the_model_between_devices(quantized, node, base, prompt):
+def test_quantized_layers_follow_the_model_between_devices(quantized, node, base, prompt, new_process):
     from overdrive.nodes import quantize_patches
-    again, _ = quantize(node, base, prompt, **EVERYTHING)  # from the cache: layers of its own
+    again, _ = quantize(node, base, prompt, **EVERYTHING)
     layers = list(quantized_layers(again).values())
     again.model_patches_to(torch.float16)  # ComfyUI also passes the model dtype: the 8-bit storage keeps its dtype
     assert {b.dtype for m in layers for b in m.buffers()} == {torch.int8, torch.float32}
@@ -265,10 +294,18 @@ def moves(monkeypatch):
     return tracked
 
 
-def follower_of_one_layer(load, offload):
+def follower_for(layers, originals, load, offload, tree=None):
+    """Quantize Model's follower of `layers` ({name: 8-bit layer}) standing in for `originals` (float layers)."""
     from overdrive.nodes.quantize_patches import QuantizedModules
-    return QuantizedModules({"layer": Int8Linear.from_float(torch.nn.Linear(32, 32))},
-                            {"layer": torch.nn.Linear(32, 32)}, torch.device(load), torch.device(offload))
+    from overdrive.nodes.quantized_lora import SidePaths
+    from overdrive.nodes.quantized_sets import QuantizedSet
+    quantized = QuantizedSet(layers, None, SidePaths(layers, torch.float32))
+    return QuantizedModules(quantized, layers, originals, torch.device(load), torch.device(offload), tree)
+
+
+def follower_of_one_layer(load, offload):
+    return follower_for({"layer": Int8Linear.from_float(torch.nn.Linear(32, 32))}, {"layer": torch.nn.Linear(32, 32)},
+                        load, offload)
 
 
 def test_loading_a_quantized_model_sends_the_float_layers_it_replaced_off_the_gpu(quantized, moves):
@@ -317,11 +354,9 @@ def test_a_float_clone_run_after_the_quantized_model_gets_its_float_layers_back_
     """ComfyUI runs another clone of the checkpoint on the loaded weights without moving them; the float layers the
     quantized model sent to the CPU come back beside the input at the first call."""
     from collections import OrderedDict
-    from overdrive.nodes.quantize_patches import QuantizedModules
     float_layer, eight_bit = torch.nn.Linear(32, 32), Int8Linear.from_float(torch.nn.Linear(32, 32))
     tree = torch.nn.Sequential(OrderedDict(layer=float_layer))
-    follower = QuantizedModules({"layer": eight_bit}, {"layer": float_layer}, torch.device("meta"),
-                                torch.device("cpu"), tree)
+    follower = follower_for({"layer": eight_bit}, {"layer": float_layer}, "meta", "cpu", tree)
     moves.place([float_layer], "meta")
     follower.to(torch.device("meta"))  # the quantized model loads: its float layer to the CPU, a return hook set
     assert moves.devices(follower) == ("meta", "cpu") and follower.return_hook is not None
@@ -342,11 +377,9 @@ def test_a_dropped_quantized_model_is_freed_though_its_return_hook_never_fired(c
     import gc
     import weakref
     from collections import OrderedDict
-    from overdrive.nodes.quantize_patches import QuantizedModules
     float_layer, eight_bit = torch.nn.Linear(32, 32), Int8Linear.from_float(torch.nn.Linear(32, 32))
     tree = torch.nn.Sequential(OrderedDict(layer=float_layer))
-    follower = QuantizedModules({"layer": eight_bit}, {"layer": float_layer}, torch.device("meta"),
-                                torch.device("cpu"), tree)
+    follower = follower_for({"layer": eight_bit}, {"layer": float_layer}, "meta", "cpu", tree)
     moves.place([float_layer], "meta")  # ComfyUI had loaded it on the "GPU"
     follower.to(torch.device("meta"))
     assert len(tree._forward_pre_hooks) == 1
@@ -364,12 +397,10 @@ def test_float_layers_comfyui_left_in_host_memory_stay_there_when_a_float_clone_
     streams them: a float clone run after the quantized model must not pull every float layer onto the GPU (at a
     16 GiB budget that ran Flux out of memory)."""
     from collections import OrderedDict
-    from overdrive.nodes.quantize_patches import QuantizedModules
     streamed, resident = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
     tree = torch.nn.Sequential(OrderedDict(streamed=streamed, resident=resident))
     eight_bit = {name: Int8Linear.from_float(torch.nn.Linear(32, 32)) for name in ("streamed", "resident")}
-    follower = QuantizedModules(eight_bit, {"streamed": streamed, "resident": resident}, torch.device("meta"),
-                                torch.device("cpu"), tree)
+    follower = follower_for(eight_bit, {"streamed": streamed, "resident": resident}, "meta", "cpu", tree)
     moves.place([streamed], "cpu")
     moves.place([resident], "meta")
     follower.to(torch.device("meta"))
@@ -403,41 +434,50 @@ LORA_LAYERS = ["input_blocks.1.1.proj_in", "input_blocks.1.1.transformer_blocks.
 CONV3X3 = "input_blocks.1.0.in_layers.2"
 
 
-def test_the_same_lora_loaded_twice_keys_the_same_cached_decisions(base, float_layers):
-    """The weight-patch digest (part of the decisions' cache key) follows the LoRA's tensors and strength, not the
-    Python objects ComfyUI's loader makes: a restarted ComfyUI loading the same LoRA hits the cache."""
+def with_lora(model, lora, strength=1.0):
+    """`model` with `lora` (a LoRA file's tensors) at `strength`, as LoraLoaderModelOnly makes it."""
     import comfy.sd
-    from overdrive.nodes.quantize_patches import patches_digest
-    lora = lora_for(base, float_layers, LORA_LAYERS)
-
-    def loaded(strength, tensors=lora):
-        return comfy.sd.load_lora_for_models(base, None, {k: v.clone() for k, v in tensors.items()}, strength, 0)[0]
-
-    first = patches_digest(loaded(1.0).patches)
-    assert patches_digest(loaded(1.0).patches) == first
-    assert patches_digest(loaded(0.5).patches) != first
-    other = dict(lora)
-    key = next(k for k in lora if k.endswith("lora_up.weight"))
-    other[key] = lora[key] * 1.01
-    assert patches_digest(loaded(1.0, other).patches) != first
+    return comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0]
 
 
-def test_a_lora_before_quantize_is_baked_into_the_quantized_weights(quantized_latent, node, base, prompt,
-                                                                    float_layers, sample, float_latent):
-    import comfy.sd
+def test_a_lora_before_quantize_runs_beside_the_same_quantized_layers(quantized, quantized_latent, node, base, prompt,
+                                                                      float_layers, sample, float_latent):
+    """The decisions and 8-bit layers are those of the weights without the LoRA (no calibration, no quantizing); the
+    LoRA's patches stay on the model and run beside the layers at their own precision."""
+    from overdrive.nodes.quantized_lora import side_paths_of
     lora = lora_for(base, float_layers, LORA_LAYERS + [CONV3X3])
-    float_lora = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]
-    quantized_lora, report = quantize(node, float_lora, prompt, **EVERYTHING)
-    assert set(LORA_LAYERS) <= set(report.quantized)
-    # Baked in and dropped from the clone's weight patches; the 3x3 conv stays float and keeps its patch.
-    assert set(quantized_lora.patches) == {f"diffusion_model.{CONV3X3}.weight"}
-    # The LoRA moves the latent well beyond the quantization tolerance (measured 0.16 with ComfyUI 0.7's sampling),
-    # so a quantized model that dropped it could not pass the middle check.
+    float_lora = with_lora(base, lora)
+    calls, hook = runs_of(base)
+    try:
+        quantized_lora, report = quantize(node, float_lora, prompt, **EVERYTHING)
+    finally:
+        hook.remove()
+    assert calls == [] and report is quantized["report"]
+    assert set(quantized_lora.patches) == set(float_lora.patches)  # the 3x3 conv's for ComfyUI, the rest beside
+    layers, paths = quantized_layers(quantized["model"]), side_paths_of(quantized_lora)
+    assert set(paths) == set(layers) and all(paths[name].base is layers[name] for name in paths)
+    # The LoRA moves the latent well beyond the quantization tolerance, so a quantized model that dropped it could not
+    # pass the middle check.
     expected = sample(float_lora)
     assert relative_error(expected, float_latent) > 2 * TOLERANCE  # the LoRA matters ...
     out = sample(quantized_lora)
     assert relative_error(out, expected) < TOLERANCE  # ... and the quantized model honours it
     assert relative_error(out, quantized_latent) > 2 * TOLERANCE
+
+
+def test_a_lora_strength_change_rewrites_only_the_strengths_beside_the_same_layers(quantized, node, base, prompt,
+                                                                                  float_layers, sample, caplog):
+    """LoraLoader keeps its file's tensors: another strength is another clone with the same factors, whose strengths
+    alone are written into the same side paths at its sampling's start (no recompile, no re-quantization)."""
+    from overdrive.nodes.quantized_lora import side_paths_of
+    lora = lora_for(base, float_layers, LORA_LAYERS, seed=6)
+    strong, weak = (quantize(node, with_lora(base, lora, strength), prompt, **EVERYTHING)[0] for strength in (1.0, 0.4))
+    assert all(side_paths_of(strong)[name] is path for name, path in side_paths_of(weak).items())
+    with caplog.at_level(logging.INFO, logger="overdrive.quantization"):
+        assert relative_error(sample(weak), sample(with_lora(base, lora, 0.4))) < TOLERANCE
+        caplog.clear()
+        assert relative_error(sample(strong), sample(with_lora(base, lora, 1.0))) < TOLERANCE
+    assert "LoRA strengths written" in caplog.text and "LoRA factors written" not in caplog.text
 
 
 @pytest.mark.parametrize("unloaded", [True, False], ids=["quantized-model-unloaded", "quantized-model-loaded"])
@@ -447,43 +487,56 @@ def test_a_lora_model_run_after_a_quantized_model_gets_its_lora_on_every_layer(c
     latent differed from the same LoRA on a fresh model by 0.29): LoraLoader checks keys against the shared module
     tree, which still held the 8-bit layers; and the float layers, out of the tree while ComfyUI unpatched it, came
     back marked "weights patched", so the next load skipped them."""
-    import comfy.sd
     lora = lora_for(base, float_layers, LORA_LAYERS)
     fresh = build_model(comfy, "sd15", "tiny", torch.float32, seed=0)  # the same weights, never quantized
-    expected = sample(comfy.sd.load_lora_for_models(fresh, None, lora, 1.0, 0)[0])
+    expected = sample(with_lora(fresh, lora))
     sample(quantized["model"])  # a prompt with the quantized model: ComfyUI keeps it loaded, 8-bit layers in place
     if unloaded:
         comfy.model_management.unload_all_models()
-    out = sample(comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0])
+    out = sample(with_lora(base, lora))
     assert relative_error(out, expected) < 1e-5
 
 
-def test_a_lora_after_quantize_is_refused_on_quantized_layers_and_applies_elsewhere(quantized, quantized_latent, base,
-                                                                                    float_layers, sample):
-    import comfy.sd
+def test_a_lora_after_quantize_runs_beside_the_quantized_layers_and_applies_elsewhere(quantized, quantized_latent,
+                                                                                    base, float_layers, sample):
+    from overdrive.nodes.quantized_lora import side_paths_of
     patched = quantized["model"]
-    patches = dict(patched.patches)
-    with pytest.raises(ValueError, match="Put LoraLoader before QuantizeModel"):
-        comfy.sd.load_lora_for_models(patched, None, lora_for(base, float_layers, LORA_LAYERS), 1.0, 0)
-    assert patched.patches == patches
-    on_float_layer = comfy.sd.load_lora_for_models(patched, None, lora_for(base, float_layers, [CONV3X3]), 1.0, 0)[0]
-    assert set(on_float_layer.patches) == {f"diffusion_model.{CONV3X3}.weight"}
-    assert relative_error(sample(on_float_layer), quantized_latent) > 0.05
+    object_patches = dict(patched.object_patches)
+    lora = lora_for(base, float_layers, LORA_LAYERS + [CONV3X3], seed=7)
+    after = with_lora(patched, lora)  # LoraLoader after Quantize Model
+    assert patched.object_patches == object_patches and not side_paths_of(patched)  # its input is untouched
+    assert set(side_paths_of(after)) == set(quantized_layers(patched))
+    assert relative_error(sample(after), sample(with_lora(base, lora))) < TOLERANCE
 
 
-
-def test_the_lora_guard_checks_every_key_before_adding_any(base):
-    """Each clone of a quantized model gets this guarded add_patches (through an ON_CLONE callback; the test above
-    covers that wiring)."""
-    from overdrive.nodes.quantize_patches import RefuseQuantizedPatches, patch_keys
-    clone = base.clone()
-    RefuseQuantizedPatches(patch_keys(LORA_LAYERS[0])).guard(clone)
-    float_key, quantized_key = f"diffusion_model.{CONV3X3}.weight", patch_keys(LORA_LAYERS[0])[0]
+def test_a_patch_no_side_path_runs_is_refused_after_quantize_before_anything_is_added(quantized):
+    """Each clone of a quantized model routes its add_patches (through an ON_CLONE callback)."""
+    from overdrive.nodes.quantized_lora import NotLowRank
+    clone = quantized["model"].clone()
+    float_key, quantized_key = f"diffusion_model.{CONV3X3}.weight", f"diffusion_model.{LORA_LAYERS[1]}.weight"
     before = {k: list(v) for k, v in clone.patches.items()}
-    with pytest.raises(ValueError, match="Put LoraLoader before QuantizeModel"):
+    with pytest.raises(NotLowRank, match="Put this LoRA loader before Quantize Model"):
         clone.add_patches({float_key: ("diff", (torch.zeros(1),)), quantized_key: ("diff", (torch.zeros(1),))})
     assert {k: list(v) for k, v in clone.patches.items()} == before  # nothing half-applied
     assert clone.add_patches({float_key: ("diff", (torch.zeros(1),))}) == [float_key]
+
+
+def test_a_patch_no_side_path_runs_before_quantize_is_baked_into_a_copy_of_its_layer(quantized, node, base, prompt,
+                                                                                     sample, float_layers):
+    """A full weight difference (or LoHa, LoKr, DoRA) is no low-rank term: Quantize Model bakes it into a copy of that
+    layer; every other clone keeps running the shared one."""
+    name = LORA_LAYERS[1]
+    (out_dim, in_dim), _ = float_layers[name]
+    diff = torch.randn(out_dim, in_dim, generator=torch.Generator().manual_seed(3)) * 0.5
+    patched_float = base.clone()
+    patched_float.add_patches({f"diffusion_model.{name}.weight": ("diff", (diff,))})
+    baked, _ = quantize(node, patched_float, prompt, **EVERYTHING)
+    shared = quantized_layers(quantized["model"])
+    assert quantized_layers(baked)[name] is not shared[name]
+    assert all(layer is shared[n] for n, layer in quantized_layers(baked).items() if n != name)
+    assert f"diffusion_model.{name}.weight" not in baked.patches
+    assert relative_error(sample(baked), sample(patched_float)) < TOLERANCE
+
 
 # -------------------------------------------------------------------------------------------- with Compile Model
 def test_quantize_then_compile_runs_the_int8_layers_through_torch_compile(quantized, quantized_latent, base,
@@ -593,7 +646,7 @@ def test_fp8_on_a_device_without_fp8_matmul_is_refused(node, base):
 
 
 def test_a_failure_while_quantizing_returns_the_unquantized_model_with_a_warning(node, base, prompt, caplog,
-                                                                                  monkeypatch, tmp_path):
+                                                                                  monkeypatch, tmp_path, new_process):
     monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))  # a cache miss: calibration must run
     wrong = [[torch.zeros(1, 77, 512), {}]]  # SD1.5 takes 768-wide text embeddings: the calibration run fails
     with caplog.at_level(logging.WARNING, logger="overdrive"):

@@ -1,0 +1,53 @@
+"""The quantized layers of one model at one setting, made once per process and shared by every Quantize Model run that
+asks for them again.
+
+A LoRA strength, a LoRA file, the prompt or the seed changes Quantize Model's inputs, so ComfyUI runs the node again;
+the model underneath is the same. Keyed by the weights without their LoRAs (quantize_patches.base_tensors) and the
+settings, the second run takes the layers of the first: no load of the float model, no calibration, no quantizing,
+and no second copy of the 8-bit weights in memory. The registry holds the sets weakly: a set lives as long as a model
+ComfyUI keeps (its output cache, a loaded model) runs it, and goes with the last of them.
+"""
+import dataclasses
+import hashlib
+import json
+import weakref
+
+from ..quantization.report import QuantReport
+from .quantized_lora import SidePaths
+from .quantized_streaming import StreamedBlocks
+
+_LIVE: "weakref.WeakValueDictionary[str, QuantizedSet]" = weakref.WeakValueDictionary()
+
+
+@dataclasses.dataclass(eq=False)
+class QuantizedSet:
+    """`layers`: {name: quantized layer}, shared by every clone that runs them (never written after they are made);
+    `report`: the decisions; `side_paths`: their LoRA side paths; `streaming`: the pinned host copies of those a short
+    card streams (one per layer, whichever clone runs it)."""
+
+    layers: dict
+    report: QuantReport
+    side_paths: SidePaths
+    key: str = ""
+    streaming: StreamedBlocks = dataclasses.field(default_factory=StreamedBlocks)
+
+
+def set_key(fingerprint: str, config: dict, fmt: str, context: str, device, float_layers) -> str:
+    """The registry's key: the weights' fingerprint, the settings, the format, the calibration context (resolution,
+    steps, prompt or empty conditioning), the device and the layers a family keeps in 16 bits."""
+    text = json.dumps([fingerprint, config, fmt, context, str(device), sorted(map(str, float_layers))], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def live(key: str) -> QuantizedSet | None:
+    return _LIVE.get(key)
+
+
+def keep(quantized: QuantizedSet) -> QuantizedSet:
+    _LIVE[quantized.key] = quantized
+    return quantized
+
+
+def live_sets() -> list:
+    """The quantized sets alive in this process (for the log and the soak's memory figures)."""
+    return list(_LIVE.values())

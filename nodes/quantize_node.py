@@ -121,7 +121,7 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, atte
     tree = float_view(model)
     float_layers = dict(getattr(family_of(tree), "float_layers", ()))
     fingerprint = weights_fingerprint(base_tensors(model, tree))
-    key = set_key(fingerprint, config.to_dict(), fmt, context, model.load_device, float_layers)
+    key = set_key(fingerprint, config.to_dict(), fmt, model.load_device, float_layers)
     quantized = quantized_sets.live(key)
     reused = quantized is not None
     if not reused:

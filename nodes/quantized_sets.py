@@ -32,10 +32,11 @@ class QuantizedSet:
     streaming: StreamedBlocks = dataclasses.field(default_factory=StreamedBlocks)
 
 
-def set_key(fingerprint: str, config: dict, fmt: str, context: str, device, float_layers) -> str:
-    """The registry's key: the weights' fingerprint, the settings, the format, the calibration context (resolution,
-    steps, prompt or empty conditioning), the device and the layers a family keeps in 16 bits."""
-    text = json.dumps([fingerprint, config, fmt, context, str(device), sorted(map(str, float_layers))], default=str)
+def set_key(fingerprint: str, config: dict, fmt: str, device, float_layers) -> str:
+    """The registry's key: the weights' fingerprint, the settings, the format, the device and the layers a family keeps
+    in 16 bits. Not the calibration's resolution or prompt: layers measured at one size serve the others (a user
+    changing the size mid-session waits for no calibration; a new process calibrates at its own)."""
+    text = json.dumps([fingerprint, config, fmt, str(device), sorted(map(str, float_layers))], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

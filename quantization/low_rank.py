@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .modules import QuantConv2d1x1, gemm_of
 
-MIN_RANK = 16  # the smallest bucket: most LoRAs are rank 4-16, and buffers of one bucket serve all of them
+MIN_RANK = 32  # the smallest bucket: most LoRAs are rank 4-16, and one bucket serves two of them stacked
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The iteration soak (bench/iteration_soak.py) on the GPU machine, from the repository root, with ComfyUI's archive,
+# whl, whl_kitchen.tar.xz, whl_av.tar.xz, whl_fa3.tar.xz and whl_cudnn.tar.xz carried (bench/device_carry.sh):
+#   bash bench/gpu_iteration_soak.sh OUT SIZE BUDGET_GIB on|off [CYCLES]
+# Its result and log go to OUT, named after the card, ComfyUI, dynamic VRAM and the budget.
+set -uo pipefail
+out="$1"; size="$2"; budget="$3"; dynamic="$4"; cycles="${5:-2}"; day=$(date +%F)
+source bench/device_env.sh
+name="${day}_${gpu}_comfy033_dynamic-${dynamic}_budget-${budget}gib_flux_${size}_iteration_soak"
+python3 bench/iteration_soak.py --size "$size" --budget-gib "$budget" --dynamic-vram "$dynamic" --cycles "$cycles" \
+  --workdir "/tmp/soak-$dynamic-$budget" --out "$out/$name.json" > "$out/$name.log" 2>&1
+echo "$name rc $?"
+grep -E "^(eager|Quantize|\+ step|\[|restart)|Traceback|Error" "$out/$name.log" | cut -c1-170 | tail -${TAIL:-50}

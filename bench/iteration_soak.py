@@ -1,0 +1,100 @@
+"""The iteration soak (harness/iteration_soak.py) on Flux.1: one long-lived ComfyUI (its own prompt executor and output
+cache, started as main.py starts it, dynamic VRAM on by default on NVIDIA; harness/executor.py), a card of --budget-gib
+emulated, 40+ prompts that change LoRA strengths and files, the prompt, the size and the model, eager prompts between,
+stops while compiling and calibrating, /free. Per prompt: time, host memory (anonymous and file-backed), GPU memory in
+use, compiles, calibrations and leak warnings; then the summary the issue asks for. Last, a new process on the same
+caches: a file never quantized, then the first one.
+
+    python bench/iteration_soak.py --size full --budget-gib 16 --dynamic-vram on --out bench/results/x.json
+
+Everything starts cold: the caches live under --workdir (default: a new temporary folder).
+"""
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+
+
+def soak_files(size: str, directory: pathlib.Path):
+    """(Files, {ComfyUI folder: [directories]}, GiB of the block linears' weights in 8 bits)."""
+    from overdrive.builtin_models.dit import ensure_diffusion_model, ensure_vae
+    from overdrive.builtin_models.lora import block_linears, ensure_lora
+    from overdrive.harness.iteration_soak import Files
+    model, other = (ensure_diffusion_model("flux", size, seed, directory) for seed in (0, 1))
+    vae = ensure_vae("flux", size, 0, directory)
+    loras = [ensure_lora(model, directory, rank=16, seed=seed) for seed in (0, 1)]
+    eight_bit = sum(out * inp for _, out, inp in block_linears(model)) / 2**30
+    folders = {folder: [directory] for folder in ("diffusion_models", "vae", "loras")}
+    return Files(model.name, other.name, vae.name, tuple(p.name for p in loras)), folders, eight_bit
+
+
+def run(args) -> tuple:
+    """(rows, GiB of the quantized layers) of this process's phase."""
+    import torch
+    from overdrive.harness.executor import InProcessComfy
+    from overdrive.harness.inprocess import import_comfy
+    from overdrive.harness.iteration_soak import Soak, plan, restart_plan
+
+    cpu = not torch.cuda.is_available()
+    import_comfy(cpu=cpu, dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
+    files, folders, eight_bit_gib = soak_files(args.size, pathlib.Path(args.files_dir))
+    comfy = InProcessComfy(pathlib.Path(args.workdir) / "output", folders, cpu=cpu,
+                           dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
+    info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items()
+            if name in USED}
+    steps = (plan(info, files, args.res, args.steps, args.cycles, not args.no_stops) if args.phase == "soak"
+             else restart_plan(info, files, args.res, args.steps))
+    return Soak(comfy, log=lambda line: print(line, flush=True)).run(steps), eight_bit_gib
+
+
+USED = ("LoraLoaderModelOnly", "OverdriveQuantizeModel", "OverdriveCompileModel", "OverdriveDeepCache",
+        "OverdriveSwitchDiffusionModel", "OverdriveBuiltinConditioning")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="full", choices=("tiny", "quarter", "full"))
+    parser.add_argument("--res", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cycles", type=int, default=2)
+    parser.add_argument("--budget-gib", type=float)
+    parser.add_argument("--dynamic-vram", default="on", choices=("on", "off"))
+    parser.add_argument("--no-stops", action="store_true", help="leave out the stops and /free")
+    parser.add_argument("--workdir", help="caches, files and images (default: a new temporary folder)")
+    parser.add_argument("--files-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "overdrive-soak-files"),
+                        help="the generated diffusion models, VAE and LoRAs (kept between runs)")
+    parser.add_argument("--phase", default="soak", choices=("soak", "restart"))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="overdrive-soak-")
+    os.environ["OVERDRIVE_CACHE_DIR"] = str(pathlib.Path(args.workdir) / "cache")  # cold, and shared by the restart
+
+    rows, eight_bit_gib = run(args)
+    if args.phase == "restart":
+        pathlib.Path(args.out).write_text(json.dumps(rows))
+        return
+    restart_out = pathlib.Path(args.workdir) / "restart.json"
+    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--phase", "restart", "--workdir", args.workdir,
+                    "--out", str(restart_out)], check=True)
+    restart = json.loads(restart_out.read_text())
+
+    from overdrive.harness.iteration_soak import summary, write
+    from overdrive.harness.server import find_comfyui
+    result = summary(rows, eight_bit_gib)
+    result["restart_seconds"] = {row["label"]: row["seconds"] for row in restart}
+    import torch
+    meta = {"bench": "iteration_soak", "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "comfyui": (find_comfyui() / "comfyui_version.py").read_text().split('"')[1],
+            "torch": torch.__version__, "python": platform.python_version(), "dynamic_vram": args.dynamic_vram,
+            "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res, "steps": args.steps,
+            "quantized_gib_estimate": round(eight_bit_gib, 2), "summary": result}
+    write(args.out, rows + restart, meta)
+    print(json.dumps(result, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -331,7 +331,7 @@ def main():
             mode = "8bit" if attn.startswith("attn8bit") else "auto"
             bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
             attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
-        # "int4mse0.03": Quantize Model with bits 4 (int4_fp8) and that linear_mse_threshold ("int4": the node's)
+        # "int4mse0.03": Quantize Model with bits 4 (int4_fp8) and that int4_mse_threshold ("int4": the node's)
         int4 = next((p for p in parts if p.startswith("int4")), None)
         unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", int4, fixed, "easycache", adaptive, attn,
                                  "float-memory-bound", window, "comfy-syncs"}
@@ -346,7 +346,7 @@ def main():
                 if fmt == int4:
                     settings["bits"] = 4
                     if fmt[len("int4mse"):]:
-                        settings["linear_mse_threshold"] = float(fmt[len("int4mse"):])
+                        settings["int4_mse_threshold"] = float(fmt[len("int4mse"):])
                 patcher = run_node("OverdriveQuantizeModel", model=patcher, **settings, positive=positive,
                                    negative=negative, latent={"samples": latent}, **attention,
                                    weight_only="float-memory-bound" not in parts)

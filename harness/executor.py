@@ -1,5 +1,5 @@
-"""ComfyUI's own prompt executor in this process, started as main.py starts it: its arguments (dynamic VRAM where main.py
-turns it on), its nodes with Overdrive's, its output cache (RAM pressure, with main.py's default headroom), its
+"""ComfyUI's own prompt executor in this process, started as main.py starts it: its arguments (dynamic VRAM where
+main.py turns it on), its nodes with Overdrive's, its output cache (RAM pressure, with main.py's default headroom), its
 progress hook (which is where a stop reaches a sampler); prompts validated and executed as its prompt worker does, a
 stop as /interrupt makes it and a /free as the prompt worker performs it. No HTTP server: the figures are the
 process's own (host memory, the device's memory), and nothing of a web server is needed where the GPU is.
@@ -84,7 +84,8 @@ class InProcessComfy:
 
     def run(self, prompt: dict, stop_in: str | None = None, stop_after: float = 0.0) -> tuple:
         """Validate and execute `prompt`; (success | interrupted | error | invalid, seconds from ComfyUI's start to
-        end messages). `stop_in`: the class of a node during whose run the prompt is stopped, `stop_after` seconds in."""
+        end messages). `stop_in`: the class of a node during whose run the prompt is stopped, `stop_after` seconds
+        in."""
         prompt_id = uuid.uuid4().hex
         valid = asyncio.run(self.execution.validate_prompt(prompt_id, prompt, None))
         if not valid[0]:
@@ -100,7 +101,8 @@ class InProcessComfy:
                 timer.start()
         self.server.on_executing = on_executing if stop_node else None
         self.server.last_prompt_id = prompt_id
-        self.executor.execute(prompt, prompt_id, {"client_id": "in-process"}, valid[2])  # node progress is sent to a client
+        # a client id: the executor tells a client which node runs (the stop above waits for it)
+        self.executor.execute(prompt, prompt_id, {"client_id": "in-process"}, valid[2])
         if timer is not None:
             timer.cancel()
         return ended(self.executor.status_messages)

@@ -1,11 +1,11 @@
 """Compile Model under ComfyUI's dynamic VRAM (ModelPatcherDynamic with comfy-aimdo, ComfyUI's default on NVIDIA GPUs).
 
-Dynamic VRAM keeps every weight of a model in host memory and has each layer fetch its weights onto the GPU inside its
-own call. A compiled block then traces ComfyUI's fetching code instead of a plain GEMM, and its weights are host tensors,
-so it can be replayed as no CUDA graph: compiled Flux ran slower than eager that way. Where the model fits the GPU whole,
-Compile Model therefore takes ComfyUI's classic loader for its clone, as ComfyUI's own TorchCompileModel does, over a copy
-of the model that shares its tensors (model_copies.classic_clone: ComfyUI's own way reloads the file into host memory at
-every run), and logs it. So does
+Dynamic VRAM keeps every weight of a model in host memory and has each layer fetch its weights onto the GPU inside
+its own call. A compiled block then traces ComfyUI's fetching code instead of a plain GEMM, and its weights are host
+tensors, so it can be replayed as no CUDA graph: compiled Flux ran slower than eager that way. Where the model fits the
+GPU whole, Compile Model therefore takes ComfyUI's classic loader for its clone, as ComfyUI's own TorchCompileModel does,
+over a copy of the model that shares its tensors (model_copies.classic_clone: ComfyUI's own way reloads the file into
+host memory at every run), and logs it. So does
 a quantized model whose quantized layers do not all fit: Overdrive streams those itself. Any other model that does not
 fit keeps dynamic VRAM and its blocks run as ComfyUI runs them (never slower than eager); the log says so.
 """

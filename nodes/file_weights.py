@@ -1,8 +1,8 @@
 """Float weights sent back to the file they were loaded from instead of into a copy in host memory.
 
 Quantize Model's layers replace float layers that stay part of ComfyUI's model (a float clone of it may run next), but
-must leave the GPU while the quantized model runs. Copied to the host, the float layers of Flux.1 took 23 GB of anonymous
-memory per quantized model, on desktops of 32-64 GB. The file they came from is on disk, memory-mapped by ComfyUI or by
+must leave the GPU while the quantized model runs. Copied to the host, the float layers of Flux.1 took 23 GB of
+anonymous memory per quantized model, on desktops of 32-64 GB. The file they came from is on disk, memory-mapped by ComfyUI or by
 safetensors: a float layer whose tensors are found there, equal to what the model holds, points at the file's tensors
 (page cache: the kernel reclaims it under pressure, nothing is copied) and is read back from the file when a float clone
 loads it. What is found nowhere is copied to the host as before, and the log says how much.

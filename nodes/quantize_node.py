@@ -30,10 +30,11 @@ DEFAULTS = QuantConfig()
 ATTENTION_DEFAULTS = AttentionConfig()
 
 TOOLTIPS = {
-    "model": "Apply LoRAs before this node: they are baked into the quantized weights.",
+    "model": "LoRAs before or after this node run beside its quantized layers (a strength change quantizes nothing "
+             "again); decisions are made on the weights without them.",
     "bits": "Bits per weight. 8: int8 or fp8 tensor-core kernels. 4: int4 weights (half the VRAM of 8 bits, for "
             "cards that cannot hold the model in 8 bits) computed in fp8, on GPUs with fp8; a layer whose 4-bit error "
-            "is above its threshold gets the 8-bit decision instead (raise the thresholds for more 4-bit layers).",
+            "is above int4_mse_threshold gets the 8-bit decision instead.",
     "format": "auto: fp8 (e4m3) on GPUs that have it (Ada, Hopper, Blackwell), int8 on Ampere and on the CPU; with "
               "bits 4, int4_fp8. int8 / fp8_e4m3 / int4_fp8: force one (its bits must match); on a GPU without it "
               "(fp8 before Ada, int8 before Ampere) an error says so. The CPU runs them through PyTorch's reference "
@@ -45,6 +46,10 @@ TOOLTIPS = {
                           "measured on your calibration inputs. 0.01 = noise 20 dB below the signal; 0 quantizes none.",
     "linear_mse_threshold": "Largest error a linear layer may add to be quantized (as for convs). Lower keeps more "
                             "layers in full precision; 0 quantizes none.",
+    "int4_mse_threshold": "bits 4 only: largest error a layer's 4-bit weights may add (as for linear_mse_threshold). "
+                          "4 bits are for cards that do not hold the model in 8 bits, where every layer left in 8 bits "
+                          "is copied in at each step: a looser bound than 8 bits' is what pays there. Lower it for "
+                          "fewer 4-bit layers, 0 for none.",
     "compute_density_threshold": "FLOP per byte a layer must reach to be quantized: below it the layer is "
                                  "memory-bound: its time is reading its weight, which weight_only halves (a GPU's "
                                  "ridge point: its FLOP/s over its memory bandwidth). 0 accepts every layer whose "
@@ -209,8 +214,9 @@ class OverdriveQuantizeModel(io.ComfyNode):
             ("Runs the diffusion model's compute-heavy linear and 1x1-conv layers with int8 or fp8 kernels (or int4 "
              "weights in fp8 where memory is short). A short calibration run measures each layer's error on real "
              "inputs; only layers below the error threshold and dense enough to gain are quantized (the log lists every"
-             " decision). Decisions are cached per model, settings, resolution and GPU. Put LoRAs before this node. If "
-             "quantizing fails, the model runs unquantized with a warning in the log."),
+             " decision). Decisions are cached per model, settings, resolution and GPU, and within ComfyUI the layers "
+             "serve every LoRA, strength, prompt and size; LoRAs run beside them. If quantizing fails, the model runs "
+             "unquantized with a warning in the log."),
             inputs=[
                 patched_copy_input(io.Model, "model", "diffusion model", "quantize", TOOLTIPS["model"]),
                 io.Int.Input("bits", default=DEFAULTS.bits, min=min(bit_widths()), max=max(bit_widths()),
@@ -228,6 +234,8 @@ class OverdriveQuantizeModel(io.ComfyNode):
                                max=100000.0, step=1.0, tooltip=TOOLTIPS["compute_density_threshold"]),
                 io.Int.Input("calibration_steps", default=DEFAULT_STEPS, min=1, max=MAX_STEPS,
                              tooltip=TOOLTIPS["calibration_steps"]),
+                io.Float.Input("int4_mse_threshold", default=DEFAULTS.int4_mse_threshold, **threshold,
+                               tooltip=TOOLTIPS["int4_mse_threshold"], optional=True),
                 io.Float.Input("min_speedup", default=DEFAULTS.min_speedup, min=0.0, max=10.0, step=0.05,
                                tooltip=TOOLTIPS["min_speedup"], optional=True),
                 io.Boolean.Input("weight_only", default=DEFAULTS.weight_only, tooltip=TOOLTIPS["weight_only"],
@@ -251,12 +259,12 @@ class OverdriveQuantizeModel(io.ComfyNode):
                 compute_density_threshold=DEFAULTS.compute_density_threshold, calibration_steps=DEFAULT_STEPS,
                 positive=None, negative=None, latent=None, min_speedup=DEFAULTS.min_speedup,
                 attention=ATTENTION_DEFAULTS.mode, attention_max_error=ATTENTION_DEFAULTS.max_error,
-                weight_only=DEFAULTS.weight_only) -> io.NodeOutput:
+                weight_only=DEFAULTS.weight_only, int4_mse_threshold=DEFAULTS.int4_mse_threshold) -> io.NodeOutput:
         # Bad settings are the user's to fix: clear errors, before any work.
         config = QuantConfig(bits=bits, format=format, quantize_conv=quantize_conv, quantize_linear=quantize_linear,
                              conv_mse_threshold=conv_mse_threshold, linear_mse_threshold=linear_mse_threshold,
                              compute_density_threshold=compute_density_threshold, min_speedup=min_speedup,
-                             weight_only=weight_only)
+                             weight_only=weight_only, int4_mse_threshold=int4_mse_threshold)
         config.resolve_format(model.load_device)
         attention_config = AttentionConfig(attention, attention_max_error)
         run = CalibrationRun.build(model, positive, negative, latent, calibration_steps)

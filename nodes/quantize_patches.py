@@ -1,8 +1,8 @@
 """Quantized layers as ComfyUI ModelPatcher object patches.
 
 - Weight patches (LoRA) on a quantized layer run beside it as a low-rank side path (nodes/quantized_lora.py), added
-  before or after Quantize Model; one that is not low-rank is baked into a copy of the layer where Quantize Model sees it
-  and refused with a clear error after it.
+  before or after Quantize Model; one that is not low-rank is baked into a copy of the layer where Quantize Model sees
+  it and refused with a clear error after it.
 - The quantized layers follow the model between devices (QuantizedModules), and the float layers they replace leave
   the GPU while they run, for the file they were loaded from where it holds them (nodes/file_weights.py).
 """
@@ -232,8 +232,8 @@ class QuantizedModules:
         move(away, FLOAT_HOME)
         if (to_file or copied) and not self.logged:
             self.logged = True
-            log.info("Overdrive quantization: the float layers the quantized ones replace left the GPU: %.2f GiB back to "
-                     "the file they were loaded from%s.", to_file / 2**30,
+            log.info("Overdrive quantization: the float layers the quantized ones replace left the GPU: %.2f GiB "
+                     "back to the file they were loaded from%s.", to_file / 2**30,
                      f", {copied / 2**30:.2f} GiB copied to host memory (not found in the file)" if copied else "")
 
     def on_load(self, patcher, *args) -> None:

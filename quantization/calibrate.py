@@ -332,13 +332,14 @@ def _decide_narrow(candidate: Candidate, sample: LayerSample | None, config: Qua
     why = candidate.skip_reason or formats.get(fmt).shape_problem(candidate.in_features, candidate.out_features)
     if why is None and sample is not None and sample.rows is not None:
         quantized, error = measure_layer(candidate.module, sample.rows, fmt, config, sample.amax)
-        if error < config.threshold_for(candidate.kind):
+        if error < config.int4_mse_threshold:
             decision = _new_decision(candidate, sample, config)
             decision.decision, decision.error, decision.format = QUANTIZE, error, fmt
+            decision.threshold = config.int4_mse_threshold
             decision.reason = f"{fmt}: error {error:.2e} < {decision.threshold:g} (4 bits for memory: not timed)"
             decision.input_amax = None if sample.amax is None else float(sample.amax)
             return decision, quantized
-        why = f"{fmt} error {error:.2e} >= threshold {config.threshold_for(candidate.kind):g}"
+        why = f"{fmt} error {error:.2e} >= int4_mse_threshold {config.int4_mse_threshold:g}"
     device = sample.rows.device if sample is not None and sample.rows is not None else candidate.module.weight.device
     fallback = formats.best_supported(device, 8)
     if fallback is None:

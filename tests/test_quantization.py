@@ -641,7 +641,7 @@ def test_4_bits_where_the_error_passes_else_the_8_bit_decision_and_the_cache_kee
     """A layer 4 bits cannot take (K = 64) or whose 4-bit error is too high gets the 8-bit format's decision (int8
     on the CPU); the report says which format each runs in, and the cache rebuilds the same layers (from the stored
     quantized tensors, group scales included, or quantized again)."""
-    config = QuantConfig(**INT4, linear_mse_threshold=threshold, compute_density_threshold=0)
+    config = QuantConfig(**INT4, int4_mse_threshold=threshold, compute_density_threshold=0)
     model, x = Wide().eval().requires_grad_(False), torch.randn(64, 64)
     expected = model(x)
     cache = QuantCache(tmp_path, store_weights=store_weights)

@@ -1,0 +1,60 @@
+"""The iteration soak on the CPU (bench/iteration_soak.py at the tiny Flux's size, in a process of its own, as the GPU
+runs it): ComfyUI's own prompt executor and output cache, two cycles of LoRA, prompt, size and model changes, stops,
+/free and a restart. Every prompt ends as it should, a LoRA change neither calibrates nor compiles, the second cycle
+holds no more host memory than the first, and ComfyUI reports no leak."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+UNCHANGED_STRUCTURE = ("LoRA 0.4 (strength change)", "LoRA 0.4, next seed", "another LoRA file", "LoRA removed",
+                       "prompt changed", "size back", "back to the first file")
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("soak")
+    out = workdir / "soak.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "iteration_soak.py"), "--size", "tiny", "--res", "64",
+                    "--steps", "2", "--cycles", "2", "--workdir", str(workdir), "--files-dir", str(workdir / "files"),
+                    "--out", str(out)], check=True, timeout=1800, cwd=REPO)
+    result = json.loads(out.read_text())
+    return result, {row["label"]: row for row in result["rows"]}
+
+
+def test_every_prompt_ends_as_it_should_and_comfyui_reports_no_leak(soak):
+    result, rows = soak
+    assert result["summary"]["failed"] == [] and result["summary"]["leak_warnings"] == 0
+    assert rows["[1] stopped while compiling"]["status"] == rows["[1] stopped while calibrating"]["status"] \
+        == "interrupted"
+    assert all(row["status"] in ("success", "freed", "interrupted") for row in result["rows"])
+
+
+def test_only_new_weights_or_settings_calibrate_and_lora_changes_compile_nothing(soak):
+    _, rows = soak
+    assert rows["Quantize + Compile, first"]["calibrations"] == 1
+    for cycle in ("[1]", "[2]"):
+        for change in UNCHANGED_STRUCTURE:
+            row = rows[f"{cycle} {change}"]
+            assert row["calibrations"] == 0 and row["graphs_compiled"] == 0, row
+        assert rows[f"{cycle} LoRA 0.4 (strength change)"]["lora_strengths_written"] >= 1
+        assert rows[f"{cycle} another LoRA file"]["lora_factors_written"] >= 1
+    assert all(row["graphs_compiled"] == 0 and row["calibrations"] == 0
+               for label, row in rows.items() if label.startswith("[2]"))
+    assert rows["[1] the same, queued again"]["status"] == "success"
+
+
+def test_the_second_cycle_holds_no_more_host_memory_than_the_first(soak):
+    result, _ = soak
+    by_cycle = result["summary"]["anon_by_cycle_gib"]
+    assert by_cycle["[2]"] <= by_cycle["[1]"] + 0.5
+
+
+def test_a_restart_on_the_same_caches_calibrates_only_the_file_never_quantized(soak):
+    _, rows = soak
+    new, cached = rows["restart: a file never quantized (graphs cached)"], rows["restart: the first file (all cached)"]
+    assert new["calibrations"] == 1 and new["graphs_compiled"] == 0
+    assert cached["calibrations"] == 0 and cached["graphs_compiled"] == 0 and cached["status"] == "success"

@@ -1,5 +1,10 @@
 """Overdrive inside a real ComfyUI server, driven over its HTTP API as users' clients do."""
 import copy
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -46,6 +51,21 @@ def test_nodes_are_registered_through_the_v3_entrypoint_with_tooltips(client):
         for input_name, spec in {**node["input"]["required"], **node["input"].get("optional", {})}.items():
             assert len(spec) > 1 and spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
     assert info["OverdriveCompileModel"]["input"]["required"]["mode"][1]["options"][0] == "default"
+
+
+def test_the_server_runs_this_repositorys_overdrive_with_folders_of_its_own(server):
+    """Another clone or a worktree on the machine (or ComfyUI's own custom_nodes link) is not what the server loads:
+    its custom node and its `import overdrive` are this repository, its user folder is its own, and no database lock
+    is shared with another ComfyUI."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    loaded = re.findall(r"seconds: (\S*custom_nodes\S*)$", server.log_text(), re.M)
+    assert [pathlib.Path(path).resolve() for path in loaded] == [repo], loaded
+    environ = dict(item.split("=", 1) for item in
+                   pathlib.Path(f"/proc/{server.process.pid}/environ").read_text().split("\0") if "=" in item)
+    probe = subprocess.run([sys.executable, "-c", "import overdrive; print(overdrive.__file__)"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": environ["PYTHONPATH"]}, check=True)
+    assert pathlib.Path(probe.stdout.strip()).resolve().parent == repo
+    assert (server.workdir / "user").is_dir() and "lock on database" not in server.log_text()
 
 
 def test_compiled_workflow_runs_to_an_image_equal_to_eager(client, server):

@@ -6,6 +6,7 @@ import logging
 import torch
 
 from ..cuda_streams import capturing, out_of_memory
+from ..errors import error_line
 from ..interrupts import raise_if_interrupt
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
@@ -154,7 +155,7 @@ class CompiledMethod:
         raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
         if capturing():
             raise error  # the recorder (block_graphs) runs this block without a graph
-        reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        reason = error_line(error, 500)
         if out_of_memory(error):
             graph.out_of_memory_in_a_row += 1
             if graph.out_of_memory_in_a_row < OUT_OF_MEMORY_LIMIT:

@@ -39,6 +39,7 @@ import weakref
 import torch
 
 from .. import call_options
+from ..errors import error_line
 from ..weights_watch import weights_generation
 from ..storage import discard, read_framed, write_framed
 from .traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
@@ -303,7 +304,7 @@ class PrecompiledFrames:
             code = GlobalsRead.from_guards(self.guards_dropped)
             values = ValuesRead.from_guards(self.guards_dropped, (module, method, args, kwargs))
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
-            self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            self.failure = error_line(error)
             log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
                         "traces the model again).", method, self.failure)
             return None

@@ -19,6 +19,7 @@ import types
 import torch
 
 from ..cuda_streams import capturing, out_of_memory
+from ..errors import error_line
 from ..interrupts import raise_if_interrupt
 from . import precompiled
 from .activations import FastActivations
@@ -199,7 +200,7 @@ class SharedGraph:
                     raise  # the recorder (block_graphs) runs it without a graph; the caller, eager for this call
                 if attempt == 1 and isinstance(error, AttributeError) and precompiled.flatten_weight_subclasses(module):
                     continue  # weights made since tracing, whose inner tensors' attributes a flatten sets
-                self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                self.frames.failure = error_line(error)
                 log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",
                             self.description, self.method, self.frames.failure)
                 return _NOT_RUN

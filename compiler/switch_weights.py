@@ -12,10 +12,12 @@ import threading
 import torch
 from safetensors import safe_open
 
+from ..errors import OverdriveError
+
 SWITCH_LOCK = threading.RLock()
 
 
-class WeightMismatchError(ValueError):
+class WeightMismatchError(OverdriveError, ValueError):
     """The checkpoint does not fit the running architecture; the message names the keys and shapes."""
 
 

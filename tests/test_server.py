@@ -102,6 +102,26 @@ def test_forced_compile_failure_falls_back_to_eager_with_a_warning(tmp_path, bui
         server.stop()
 
 
+def test_overdrives_errors_reach_the_api_under_a_stable_type(client):
+    """ComfyUI reports an error's type as its class's module and name, and names a custom node's modules by the
+    folder's path: Overdrive's own errors read `overdrive.<module>.<class>` there, on every machine, and their
+    message starts with the class name."""
+    from overdrive.builtin_models import learned
+
+    switched = load_workflow("compile_stepcache_scenes_api.json")  # the video DiT switched onto the MMDiT's file
+    switched["10"] = {"class_type": "OverdriveSwitchDiffusionModel",
+                      "inputs": {"model": ["2", 0], "unet_name": learned.MODELS["sd35"].model_name}}
+    set_inputs(switched, "OverdriveDeepCache", model=["10", 0])
+    misspelled = set_inputs(load_workflow("compile_stepcache_scenes_api.json"), "OverdriveBuiltinConditioning",
+                            prompt="large crimson circle")
+    for workflow, module, name in ((switched, "overdrive.compiler.switch_weights", "WeightMismatchError"),
+                                   (misspelled, "overdrive.builtin_models.scenes", "SceneError")):
+        status = client.finished(client.queue(workflow))["status"]
+        (error,) = [data for kind, data in status["messages"] if kind == "execution_error"]
+        assert error["exception_type"] == f"{module}.{name}", error["exception_type"]
+        assert error["exception_message"].startswith(f"{name}: "), error["exception_message"]
+
+
 def test_bad_input_is_refused_with_a_clear_message(client):
     from overdrive.harness.client import PromptFailed
 

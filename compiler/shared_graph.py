@@ -30,7 +30,28 @@ from .options import CompileOptions
 log = logging.getLogger("overdrive.compiler")
 
 
+# By a name of this module's, not `torch.compiler.is_compiling`: a `torch` read by the traced function would root
+# the guard sources of torch's own attributes (dtypes) at this module, which a precompiled frame cannot read back.
+_is_compiling = torch.compiler.is_compiling
+
+
+class _EagerRuns(threading.local):
+    """How often this thread ran `_call_method` as Python rather than as compiled code: a call under a stance that
+    refuses a new graph tells this way whether a compiled graph served it."""
+    count = 0
+
+
+_eager_runs = _EagerRuns()
+_no_new_graphs = functools.partial(torch.compiler.set_stance, "eager_on_recompile")  # cached graphs or eager
+
+
+def eager_runs() -> int:
+    return _eager_runs.count
+
+
 def _call_method(module, method, args, kwargs):
+    if not _is_compiling():  # True while Dynamo traces this: compiled code never counts
+        _eager_runs.count += 1
     # The class's method, not `module.<method>`: the instance attribute may be our own forwarder. `method` is its
     # name, or the function itself for a class Dynamo cannot look methods up on (see _method_argument).
     function = getattr(type(module), method) if isinstance(method, str) else method
@@ -93,6 +114,9 @@ class SharedGraph:
         self.shapes_seen: set = set()
         self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
         self.specialised_shapes: set = set()  # the shapes seen before sealing: they get precompiled frames
+        self.generic_classes: set = set()  # size classes (compiled_method.size_class) with a shape-generic graph
+        self.served_shapes: set = set()  # later sizes a shape-generic graph served, with no graph of their own
+        self.eager_shapes: set = set()  # later sizes that graph does not cover, which run eager rather than compile
         self.failure: str | None = None  # set once compiling or running compiled code failed
         self.out_of_memory_in_a_row = 0  # compiled calls that ran out of memory since the last one that ran
         self.disk_keys_loaded: set = set()
@@ -106,10 +130,11 @@ class SharedGraph:
         self.frames = precompiled.PrecompiledFrames(fn, options) if (
             options.precompile and precompiled.supported()) else None
 
-    def call(self, module, args, kwargs, disk=None, known_shape=False):
+    def call(self, module, args, kwargs, disk=None, known_shape=False, allow_new_graphs=True):
         """`disk`: the caller's CompileDiskCache (its options' cache_dir), or None for memory only. `known_shape`: the
         call's tensor shapes are among the specialised ones (called before with other settings, e.g. another attention
-        mode)."""
+        mode). `allow_new_graphs` False: a compiled graph whose guards accept the call runs it, else the eager method
+        does (eager_runs() counts that), never a new graph."""
         key = None
         if disk is not None:
             device = _first_device(args, kwargs)
@@ -130,7 +155,8 @@ class SharedGraph:
                 _mark_step_begin()  # each call is a new inference step, not a continuation
             out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
             if out is _NOT_RUN:
-                out = self.compiled(module, method, args, kwargs)
+                with contextlib.nullcontext() if allow_new_graphs else _no_new_graphs():
+                    out = self.compiled(module, method, args, kwargs)
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before

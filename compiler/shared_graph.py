@@ -20,7 +20,7 @@ import torch
 
 from ..cuda_streams import capturing, out_of_memory
 from ..errors import error_line
-from ..interrupts import raise_if_interrupt
+from ..interrupts import raise_if_interrupt, stop_in
 from . import precompiled
 from .activations import FastActivations
 from .disk_cache import compile_key
@@ -135,28 +135,15 @@ class SharedGraph:
         call's tensor shapes are among the specialised ones (called before with other settings, e.g. another attention
         mode). `allow_new_graphs` False: a compiled graph whose guards accept the call runs it, else the eager method
         does (eager_runs() counts that), never a new graph."""
-        key = None
-        if disk is not None:
-            device = _first_device(args, kwargs)
-            key = self.disk_keys.get(device)
-            if key is None:  # hashing the GPU identity and versions is too slow for every step
-                key = self.disk_keys[device] = compile_key(self.fingerprint, self.options.as_key(), device)
-            if (disk.directory, key) not in self.disk_keys_loaded:
-                self.disk_keys_loaded.add((disk.directory, key))
-                disk.load(key)
+        key = self._disk_key(disk, args, kwargs)
         before = dynamo_graph_count()
         start = time.perf_counter()
-        method = _method_argument(module, self.method)
-        with self._recompile_limit(), attention_preference(self.options):
-            # Precompiled frames key the method by name: a class passed by function takes torch.compile's path.
-            frame, built = (self._precompiled_frame(module, args, kwargs, disk, key, known_shape)
-                            if method is self.method else (None, False))
-            if self.options.cuda_graphs:
-                _mark_step_begin()  # each call is a new inference step, not a continuation
-            out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
-            if out is _NOT_RUN:
-                with contextlib.nullcontext() if allow_new_graphs else _no_new_graphs():
-                    out = self.compiled(module, method, args, kwargs)
+        try:
+            out, built = self._run(module, args, kwargs, disk, key, known_shape, allow_new_graphs)
+        except BaseException as error:
+            if disk is not None and stop_in(error) is not None:
+                self._save_compiled(disk, key)  # what compiled before the stop: a restart does not lower it again
+            raise
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
@@ -168,11 +155,43 @@ class SharedGraph:
                 self.options.mode, self.options.cuda_graphs, self.options.dynamic,
             )
             if disk is not None:
-                try:
-                    disk.save(key)
-                except OSError as error:
-                    log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
+                self._save_compiled(disk, key)
         return out
+
+    def _disk_key(self, disk, args, kwargs) -> str | None:
+        """The disk cache entry of this call's device, its artifacts loaded at its first call; None without a disk."""
+        if disk is None:
+            return None
+        device = _first_device(args, kwargs)
+        key = self.disk_keys.get(device)
+        if key is None:  # hashing the GPU identity and versions is too slow for every step
+            key = self.disk_keys[device] = compile_key(self.fingerprint, self.options.as_key(), device)
+        if (disk.directory, key) not in self.disk_keys_loaded:
+            disk.load(key)
+            self.disk_keys_loaded.add((disk.directory, key))  # once loaded: a stop mid-load loads it again next call
+        return key
+
+    def _run(self, module, args, kwargs, disk, key, known_shape, allow_new_graphs) -> tuple:
+        """(the call's output, whether a precompiled frame was built for it)."""
+        method = _method_argument(module, self.method)
+        with self._recompile_limit(), attention_preference(self.options):
+            # Precompiled frames key the method by name: a class passed by function takes torch.compile's path.
+            frame, built = (self._precompiled_frame(module, args, kwargs, disk, key, known_shape)
+                            if method is self.method else (None, False))
+            if self.options.cuda_graphs:
+                _mark_step_begin()  # each call is a new inference step, not a continuation
+            out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
+            if out is _NOT_RUN:
+                with contextlib.nullcontext() if allow_new_graphs else _no_new_graphs():
+                    out = self.compiled(module, method, args, kwargs)
+        return out, built
+
+    @staticmethod
+    def _save_compiled(disk, key) -> None:
+        try:
+            disk.save(key)
+        except OSError as error:
+            log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
 
     def seal_shapes(self) -> None:
         """The shapes compiled so far are the specialised ones (options.static_shapes); a new shape now follows the

@@ -2,7 +2,7 @@
 eager vs Overdrive timings and how far Overdrive's image is from eager's at the same seed (PSNR, SSIM) printed, and
 eager's and Overdrive's images saved side by side.
 
-  python scripts/run_main.py                           # the reference model with learned weights (draws a scene)
+  python scripts/run_main.py                           # the reference model with learned weights (a scene)
   python scripts/run_main.py --prompt "small blue square dotted top-left on-light"
   python scripts/run_main.py --arch flux               # or any DiT family of builtin_models/dit.py, sd15, sdxl
   python scripts/run_main.py --checkpoint my.safetensors --arch sdxl
@@ -131,7 +131,8 @@ def prepared_workflow(args, gpu: bool) -> tuple[dict, dict, dict]:
     size = "full" if gpu else "tiny"
     checkpoints, files = {}, {}
     if scene_model:
-        print("Using the reference model with learned weights: it draws the prompt's scene.")
+        print("Using the reference model with learned weights: it draws the prompt's colour, size, position and "
+              "background (shapes rounded, textures left out).")
         files = learned.files([scene_model])
         if args.checkpoint:
             files["diffusion_models"] = {learned.MODELS[scene_model].model_name: pathlib.Path(args.checkpoint)}

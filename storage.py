@@ -25,11 +25,13 @@ import tempfile
 
 import torch
 
+from .errors import OverdriveError
+
 MAGIC = b"OVDRV001"
 _HEADER = len(MAGIC) + 32
 
 
-class CorruptEntry(ValueError):
+class CorruptEntry(OverdriveError, ValueError):
     """A cache file that is truncated, edited or of another format."""
 
 

@@ -19,6 +19,7 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..errors import OverdriveError
 from . import cudnn8, fa3, fa3_fp8, triton8
 from .reference import relative_error
 
@@ -30,7 +31,7 @@ MIN_SPEEDUP = 1.03  # auto, exact: a backend must beat SDPA by this much (timing
 EXACT_MAX_ERROR = 0.01
 
 
-class AttentionConfigError(ValueError):
+class AttentionConfigError(OverdriveError, ValueError):
     """Bad attention settings: the message names the setting and the fix."""
 
 

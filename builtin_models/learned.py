@@ -3,8 +3,9 @@ scenes, shipped in builtin_models/learned/): their files as workflows name them,
 gives them in place of a text encoder.
 
 Each is a family's diffusion model at a small width with a VAE of the family's layout, loaded by ComfyUI's Load
-Diffusion Model and Load VAE like any file, and each draws the scene a prompt names ("large red circle striped
-top-left on-dark"): images whose likeness to eager's image tells what an accelerator changes.
+Diffusion Model and Load VAE like any file, and each draws the colour, size, position and background a prompt names
+("large red circle striped top-left on-dark"), shapes rounded and textures left out (README, reference models):
+images whose likeness to eager's image tells what an accelerator changes.
 - wan22_14b: WAN21_T2V (a video DiT: Wan 2.1 and Wan 2.2 A14B's layout) with a Wan 2.1 VAE at its smallest width;
   images and short clips.
 - sd35: SD3's MMDiT (joint text and image blocks, the layout of SD3.5 and close to Flux's double blocks) with SD3's

@@ -15,6 +15,8 @@ import zlib
 
 import torch
 
+from ..errors import OverdriveError
+
 SIZES = {"small": 0.16, "large": 0.28}  # radius, a fraction of the image side
 COLOURS = {"red": (0.90, 0.15, 0.10), "green": (0.15, 0.75, 0.20), "blue": (0.15, 0.30, 0.90),
            "yellow": (0.95, 0.85, 0.10), "purple": (0.60, 0.20, 0.75), "white": (0.95, 0.95, 0.95)}
@@ -33,7 +35,7 @@ ATTRIBUTES = {"size": tuple(SIZES), "colour": tuple(COLOURS), "shape": SHAPES, "
 WORDS = {word: attribute for attribute, words in ATTRIBUTES.items() for word in words}
 
 
-class SceneError(ValueError):
+class SceneError(OverdriveError, ValueError):
     """A prompt the reference models cannot read: the message names the word and the words there are."""
 
 

@@ -6,11 +6,12 @@ import logging
 import torch
 
 from ..cuda_streams import capturing, out_of_memory
+from ..errors import error_line
 from ..interrupts import raise_if_interrupt
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
 from .regions import install_regions, uninstall_regions
-from .shared_graph import shared_graph
+from .shared_graph import eager_runs, shared_graph
 
 log = logging.getLogger("overdrive.compiler")
 OUT_OF_MEMORY_LIMIT = 3  # compiled calls out of memory in a row before an architecture runs eager for good
@@ -36,16 +37,36 @@ def list_arguments(args, kwargs) -> list:
     return [(value, list(value)) for value in (*args, *kwargs.values()) if isinstance(value, list)]
 
 
-def shape_signature(args, kwargs) -> tuple:
-    """Shapes/dtypes/devices of the tensor arguments, top-level or in plain lists and tuples (LTX-2's (video, audio)):
-    what decides whether a new graph is needed."""
+def _per_tensor(args, kwargs, describe) -> tuple:
+    """`describe(tensor)` for each tensor argument, top-level or in plain lists and tuples (LTX-2's (video, audio)),
+    None for any other argument."""
     def sig(value):
         if isinstance(value, torch.Tensor):
-            return (tuple(value.shape), str(value.dtype), str(value.device))
+            return describe(value)
         if type(value) in (list, tuple):
             return tuple(sig(item) for item in value)
         return None
     return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+
+def _shape(tensor) -> tuple:
+    return tuple(tensor.shape), str(tensor.dtype), str(tensor.device)
+
+
+def _size_class(tensor) -> tuple:
+    return tensor.dim(), tensor.dim() > 0 and tensor.shape[0] == 1, str(tensor.dtype), str(tensor.device)
+
+
+def shape_signature(args, kwargs) -> tuple:
+    """Shapes/dtypes/devices of the tensor arguments: what decides whether a new graph is needed."""
+    return _per_tensor(args, kwargs, _shape)
+
+
+def size_class(args, kwargs) -> tuple:
+    """What even a shape-generic graph is specialised on: each tensor argument's rank, dtype, device and whether its
+    batch (first) dimension is 1, which Dynamo specialises. Under dynamic='auto' each class gets one shape-generic
+    graph, and later sizes of the class are that graph's (or eager), never a new graph."""
+    return _per_tensor(args, kwargs, _size_class)
 
 
 class CompiledMethod:
@@ -110,7 +131,25 @@ class CompiledMethod:
         return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
 
     def _may_compile(self, signature) -> bool:
-        return signature not in self.graph.shapes_seen
+        return signature not in self.graph.shapes_seen and signature not in self.graph.served_shapes
+
+    def _later_size(self, args, kwargs) -> bool:
+        """dynamic='auto': a new shape whose size class already has its shape-generic graph."""
+        graph = self.graph
+        return (self.options.dynamic == "auto" and graph.shapes_sealed
+                and size_class(args, kwargs) in graph.generic_classes)
+
+    def _after_later_size(self, signature, shapes, ran_eager: bool) -> None:
+        """Remember whether the shape-generic graph served a later size. Where its guards refused it (Dynamo
+        specialised a dimension that is 1 at this size: a tiny image's latent downsampled to 1 by 1 takes another
+        path through GroupNorm's reshape, a single token is a dimension of 1), the size runs eager from now on: such a
+        size is too small for a compile to pay."""
+        if not ran_eager:
+            self.graph.served_shapes.add(signature)
+            return
+        self.graph.eager_shapes.add(signature)
+        log.info("Overdrive: %s runs shapes %s eager: its shape-generic graph does not cover this size (a dimension "
+                 "of 1 there), and a size this small gets no graph of its own.", self.graph.description, shapes)
 
     def __call__(self, *args, **kwargs):
         graph = self.graph
@@ -119,25 +158,38 @@ class CompiledMethod:
                 return self._without_regions(*args, **kwargs)
             return self.eager(*args, **kwargs)
         signature = shape_signature(args, kwargs)
+        if signature in graph.eager_shapes:
+            return self.eager(*args, **kwargs)
         new_shape = self._may_compile(signature)
-        if new_shape and len(graph.shapes_seen) >= self.options.max_graphs:
+        later_size = new_shape and self._later_size(args, kwargs)
+        if new_shape and not later_size and len(graph.shapes_seen) >= self.options.max_graphs:
             log.warning("Overdrive: %s has already compiled %d shapes (max_graphs); running this new shape eager. "
                         "Use dynamic='auto' or 'dynamic' to serve many resolutions with one graph.",
                         graph.description, len(graph.shapes_seen))
             return self.eager(*args, **kwargs)
-        if new_shape and self.options.dynamic == "auto" and graph.shapes_sealed:
+        generic = new_shape and self.options.dynamic == "auto" and graph.shapes_sealed
+        if generic:
             mark_shape_generic(args, kwargs)
-        progress = self.reporter(f"compiling {graph.description}") if (new_shape and self.reporter) else contextlib.nullcontext()
+        compiling = new_shape and not later_size
+        reporting = compiling and self.reporter is not None
+        progress = self.reporter(f"compiling {graph.description}") if reporting else contextlib.nullcontext()
         saved = list_arguments(args, kwargs)
+        runs = eager_runs()
         try:
             with progress:
                 out = graph.call(self.module, args, kwargs, self.disk,
-                                 known_shape=signature in graph.specialised_shapes)
+                                 known_shape=signature in graph.specialised_shapes, allow_new_graphs=not later_size)
         except Exception as error:  # noqa: BLE001 - any failure of the fast path must leave the eager path working
             for value, items in saved:
                 value[:] = items
             return self._after_failure(error, args, kwargs)
         graph.out_of_memory_in_a_row = 0
+        if later_size:
+            self._after_later_size(signature, _per_tensor(args, kwargs, lambda t: tuple(t.shape)),
+                                   ran_eager=eager_runs() != runs)
+            return out
+        if generic:
+            graph.generic_classes.add(size_class(args, kwargs))
         graph.shapes_seen.add(signature)
         if not graph.shapes_sealed:
             graph.specialised_shapes.add(signature)
@@ -154,7 +206,7 @@ class CompiledMethod:
         raise_if_interrupt(error)  # the user's stop: the prompt ends, the graph stays usable
         if capturing():
             raise error  # the recorder (block_graphs) runs this block without a graph
-        reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        reason = error_line(error, 500)
         if out_of_memory(error):
             graph.out_of_memory_in_a_row += 1
             if graph.out_of_memory_in_a_row < OUT_OF_MEMORY_LIMIT:

@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..interrupts import stops_held
 from ..storage import cache_dir, cache_key, discard, read_framed, write_framed
 
 log = logging.getLogger("overdrive.compiler")
@@ -97,9 +98,9 @@ class CompileDiskCache:
         return True
 
     def save(self, key: str) -> pathlib.Path | None:
-        """Add what was compiled since the last save to entry `key`."""
+        """Add what was compiled since the last save to entry `key` (a stop waits until it is written)."""
         path = self.path(key)
-        with _lock:
+        with stops_held(), _lock:
             artifacts = torch.compiler.save_cache_artifacts()
             if not artifacts:
                 return None

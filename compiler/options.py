@@ -27,7 +27,8 @@ class CompileOptions:
              per new shape and keeps that shape's activation memory reserved.
     dynamic: shape policy. "auto": the first shape compiles static, a later new resolution or batch compiles
              one shape-generic graph that serves every later shape (at most 3 graphs per architecture:
-             PyTorch specialises size-1 dims, so batch 1 and batch > 1 each get a generic graph);
+             PyTorch specialises size-1 dims, so batch 1 and batch > 1 each get a generic graph; a later size that
+             graph's guards refuse, where a dimension is 1 inside the model as in a tiny image, runs eager instead);
              "static": one specialised graph per shape (fastest, recompiles for each new shape, bounded by
              `max_graphs`); "dynamic": one shape-generic graph from the start.
     regional: compile each distinct repeated transformer block once and call it for every block of that shape

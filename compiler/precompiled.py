@@ -39,6 +39,8 @@ import weakref
 import torch
 
 from .. import call_options
+from ..errors import error_line
+from ..interrupts import stops_held
 from ..weights_watch import weights_generation
 from ..storage import discard, read_framed, write_framed
 from .traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
@@ -300,10 +302,13 @@ class PrecompiledFrames:
         try:
             with self._config():
                 frame = self.compiled.aot_compile(((module, method, args, kwargs), {}))
-            code = GlobalsRead.from_guards(self.guards_dropped)
-            values = ValuesRead.from_guards(self.guards_dropped, (module, method, args, kwargs))
+            with stops_held():  # compiled: a stop now lands once the frame is kept and saved, not thrown away
+                code = GlobalsRead.from_guards(self.guards_dropped)
+                values = ValuesRead.from_guards(self.guards_dropped, (module, method, args, kwargs))
+                saved = self._save(frame, code, values, directory, signature, module)
+                self.frames[signature] = (frame, code, values)
         except Exception as error:  # noqa: BLE001 - e.g. a graph break: torch.compile takes over
-            self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            self.failure = error_line(error)
             log.warning("Overdrive: precompiling %s failed (%s); compiling with torch.compile instead (a restart "
                         "traces the model again).", method, self.failure)
             return None
@@ -311,17 +316,19 @@ class PrecompiledFrames:
             self.guards_dropped = []
             self.temporaries.forget()
             self.temporaries = None
-        self.frames[signature] = (frame, code, values)
-        saved = "not saved: the disk cache is off"
-        if directory is not None:
-            try:
-                path = self._path(directory, signature, module)
-                write_framed(path, _join(code, values, type(frame).serialize(frame).serialized_data))
-                saved = f"saved to {path}: a restart loads it without tracing"
-            except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
-                saved = f"could not be saved ({error})"
         log.info("Overdrive: precompiled %s in %.1f s (%s)", method, time.perf_counter() - start, saved)
         return frame
+
+    def _save(self, frame, code: GlobalsRead, values: ValuesRead, directory, signature: tuple, module) -> str:
+        """Write a built frame under `directory`; says where, or why not."""
+        if directory is None:
+            return "not saved: the disk cache is off"
+        try:
+            path = self._path(directory, signature, module)
+            write_framed(path, _join(code, values, type(frame).serialize(frame).serialized_data))
+        except Exception as error:  # noqa: BLE001 - unsaved: the next restart compiles again
+            return f"could not be saved ({error})"
+        return f"saved to {path}: a restart loads it without tracing"
 
 
 _FORMAT = b"OVFRAME3"  # then the length of what was read (8 bytes), what was read (traced_reads), the frame

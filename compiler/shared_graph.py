@@ -19,7 +19,8 @@ import types
 import torch
 
 from ..cuda_streams import capturing, out_of_memory
-from ..interrupts import raise_if_interrupt
+from ..errors import error_line
+from ..interrupts import raise_if_interrupt, stop_in
 from . import precompiled
 from .activations import FastActivations
 from .disk_cache import compile_key
@@ -29,7 +30,28 @@ from .options import CompileOptions
 log = logging.getLogger("overdrive.compiler")
 
 
+# By a name of this module's, not `torch.compiler.is_compiling`: a `torch` read by the traced function would root
+# the guard sources of torch's own attributes (dtypes) at this module, which a precompiled frame cannot read back.
+_is_compiling = torch.compiler.is_compiling
+
+
+class _EagerRuns(threading.local):
+    """How often this thread ran `_call_method` as Python rather than as compiled code: a call under a stance that
+    refuses a new graph tells this way whether a compiled graph served it."""
+    count = 0
+
+
+_eager_runs = _EagerRuns()
+_no_new_graphs = functools.partial(torch.compiler.set_stance, "eager_on_recompile")  # cached graphs or eager
+
+
+def eager_runs() -> int:
+    return _eager_runs.count
+
+
 def _call_method(module, method, args, kwargs):
+    if not _is_compiling():  # True while Dynamo traces this: compiled code never counts
+        _eager_runs.count += 1
     # The class's method, not `module.<method>`: the instance attribute may be our own forwarder. `method` is its
     # name, or the function itself for a class Dynamo cannot look methods up on (see _method_argument).
     function = getattr(type(module), method) if isinstance(method, str) else method
@@ -92,6 +114,9 @@ class SharedGraph:
         self.shapes_seen: set = set()
         self.shapes_sealed = False  # True once the specialised shapes are known (options.static_shapes)
         self.specialised_shapes: set = set()  # the shapes seen before sealing: they get precompiled frames
+        self.generic_classes: set = set()  # size classes (compiled_method.size_class) with a shape-generic graph
+        self.served_shapes: set = set()  # later sizes a shape-generic graph served, with no graph of their own
+        self.eager_shapes: set = set()  # later sizes that graph does not cover, which run eager rather than compile
         self.failure: str | None = None  # set once compiling or running compiled code failed
         self.out_of_memory_in_a_row = 0  # compiled calls that ran out of memory since the last one that ran
         self.disk_keys_loaded: set = set()
@@ -105,31 +130,20 @@ class SharedGraph:
         self.frames = precompiled.PrecompiledFrames(fn, options) if (
             options.precompile and precompiled.supported()) else None
 
-    def call(self, module, args, kwargs, disk=None, known_shape=False):
+    def call(self, module, args, kwargs, disk=None, known_shape=False, allow_new_graphs=True):
         """`disk`: the caller's CompileDiskCache (its options' cache_dir), or None for memory only. `known_shape`: the
         call's tensor shapes are among the specialised ones (called before with other settings, e.g. another attention
-        mode)."""
-        key = None
-        if disk is not None:
-            device = _first_device(args, kwargs)
-            key = self.disk_keys.get(device)
-            if key is None:  # hashing the GPU identity and versions is too slow for every step
-                key = self.disk_keys[device] = compile_key(self.fingerprint, self.options.as_key(), device)
-            if (disk.directory, key) not in self.disk_keys_loaded:
-                self.disk_keys_loaded.add((disk.directory, key))
-                disk.load(key)
+        mode). `allow_new_graphs` False: a compiled graph whose guards accept the call runs it, else the eager method
+        does (eager_runs() counts that), never a new graph."""
+        key = self._disk_key(disk, args, kwargs)
         before = dynamo_graph_count()
         start = time.perf_counter()
-        method = _method_argument(module, self.method)
-        with self._recompile_limit(), attention_preference(self.options):
-            # Precompiled frames key the method by name: a class passed by function takes torch.compile's path.
-            frame, built = (self._precompiled_frame(module, args, kwargs, disk, key, known_shape)
-                            if method is self.method else (None, False))
-            if self.options.cuda_graphs:
-                _mark_step_begin()  # each call is a new inference step, not a continuation
-            out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
-            if out is _NOT_RUN:
-                out = self.compiled(module, method, args, kwargs)
+        try:
+            out, built = self._run(module, args, kwargs, disk, key, known_shape, allow_new_graphs)
+        except BaseException as error:
+            if disk is not None and stop_in(error) is not None:
+                self._save_compiled(disk, key)  # what compiled before the stop: a restart does not lower it again
+            raise
         if self.options.cuda_graphs:
             out = _own_copy(out)
         new_graphs = dynamo_graph_count() - before
@@ -141,11 +155,43 @@ class SharedGraph:
                 self.options.mode, self.options.cuda_graphs, self.options.dynamic,
             )
             if disk is not None:
-                try:
-                    disk.save(key)
-                except OSError as error:
-                    log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
+                self._save_compiled(disk, key)
         return out
+
+    def _disk_key(self, disk, args, kwargs) -> str | None:
+        """The disk cache entry of this call's device, its artifacts loaded at its first call; None without a disk."""
+        if disk is None:
+            return None
+        device = _first_device(args, kwargs)
+        key = self.disk_keys.get(device)
+        if key is None:  # hashing the GPU identity and versions is too slow for every step
+            key = self.disk_keys[device] = compile_key(self.fingerprint, self.options.as_key(), device)
+        if (disk.directory, key) not in self.disk_keys_loaded:
+            disk.load(key)
+            self.disk_keys_loaded.add((disk.directory, key))  # once loaded: a stop mid-load loads it again next call
+        return key
+
+    def _run(self, module, args, kwargs, disk, key, known_shape, allow_new_graphs) -> tuple:
+        """(the call's output, whether a precompiled frame was built for it)."""
+        method = _method_argument(module, self.method)
+        with self._recompile_limit(), attention_preference(self.options):
+            # Precompiled frames key the method by name: a class passed by function takes torch.compile's path.
+            frame, built = (self._precompiled_frame(module, args, kwargs, disk, key, known_shape)
+                            if method is self.method else (None, False))
+            if self.options.cuda_graphs:
+                _mark_step_begin()  # each call is a new inference step, not a continuation
+            out = self._run_frame(frame, module, args, kwargs) if frame is not None else _NOT_RUN
+            if out is _NOT_RUN:
+                with contextlib.nullcontext() if allow_new_graphs else _no_new_graphs():
+                    out = self.compiled(module, method, args, kwargs)
+        return out, built
+
+    @staticmethod
+    def _save_compiled(disk, key) -> None:
+        try:
+            disk.save(key)
+        except OSError as error:
+            log.warning("Overdrive: could not write the compile cache to %s: %s", disk.directory, error)
 
     def seal_shapes(self) -> None:
         """The shapes compiled so far are the specialised ones (options.static_shapes); a new shape now follows the
@@ -199,7 +245,7 @@ class SharedGraph:
                     raise  # the recorder (block_graphs) runs it without a graph; the caller, eager for this call
                 if attempt == 1 and isinstance(error, AttributeError) and precompiled.flatten_weight_subclasses(module):
                     continue  # weights made since tracing, whose inner tensors' attributes a flatten sets
-                self.frames.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                self.frames.failure = error_line(error)
                 log.warning("Overdrive: the precompiled %s.%s failed (%s); compiling it with torch.compile instead.",
                             self.description, self.method, self.frames.failure)
                 return _NOT_RUN

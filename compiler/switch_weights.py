@@ -7,15 +7,20 @@ model it came from is never touched. `copy_weights_` is the in-place variant for
 """
 import contextlib
 import copy
+import logging
 import threading
 
 import torch
 from safetensors import safe_open
 
+from ..errors import OverdriveError
+
 SWITCH_LOCK = threading.RLock()
+log = logging.getLogger("overdrive")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # those checked for NaN and Inf
 
 
-class WeightMismatchError(ValueError):
+class WeightMismatchError(OverdriveError, ValueError):
     """The checkpoint does not fit the running architecture; the message names the keys and shapes."""
 
 
@@ -43,6 +48,30 @@ def check_compatible(reference: dict, state: dict, source: str = "checkpoint") -
             f"{source} does not match the running model's architecture: " + "; ".join(problems)
             + ". Choose a checkpoint of the same architecture (e.g. an SDXL fine-tune for an SDXL model); "
               "the running model was left unchanged.")
+
+
+def not_finite(tensors: dict) -> list:
+    """The names of the float tensors holding NaN or Inf: one isfinite reduction each, on the device the tensor is on,
+    read back once per device (stored-quantized payloads are not checked; their float scales are)."""
+    flags = {}
+    for name, tensor in tensors.items():
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype in FLOAT_DTYPES and not tensor.is_meta:
+            flags.setdefault(tensor.device, []).append((name, torch.isfinite(tensor).all()))
+    bad = []
+    for entries in flags.values():
+        finite = torch.stack([flag for _, flag in entries]).tolist()
+        bad += [name for (name, _), ok in zip(entries, finite) if not ok]
+    return sorted(bad)
+
+
+def warn_if_not_finite(tensors: dict, source: str) -> None:
+    """One warning naming the layers whose new weights hold NaN or Inf. They are used all the same: the file is the
+    user's to judge, and a model with a few bad layers still runs."""
+    bad = not_finite(tensors)
+    if bad:
+        log.warning("Overdrive: %d of the %d weight tensors of %s hold NaN or Inf (%s): images made with them are "
+                    "likely black or noise. The weights were switched as asked; check the file.", len(bad),
+                    len(tensors), source, _listing(bad))
 
 
 def reference_tensors(module: torch.nn.Module) -> dict:
@@ -102,6 +131,7 @@ def twin_with_weights(module: torch.nn.Module, state: dict, source: str = "check
     reference = reference_tensors(module)
     check_compatible(reference, state, source)
     state = _cast_like(state, reference)
+    warn_if_not_finite(state, source)  # in the running dtype: a cast can overflow to Inf
     replacements = {}
     for name, tensor in reference.items():  # deepcopy uses these instead of copying the old weights
         new = state[name]
@@ -154,3 +184,5 @@ def copy_weights_(module: torch.nn.Module, state: dict, source: str = "checkpoin
             rebuild()
         if any(t.is_cuda for t in reference.values()):
             torch.cuda.synchronize()
+    # What now runs: the module's own tensors (cast on copy), the file's where a layer is re-created from it.
+    warn_if_not_finite({name: state[name] if tensor.is_meta else tensor for name, tensor in reference.items()}, source)

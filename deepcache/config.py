@@ -17,11 +17,13 @@ Terms used throughout `overdrive.deepcache`, for an openaimodel-style UNet (Comf
 """
 from dataclasses import dataclass
 
+from ..errors import OverdriveError
+
 ON_UNSUPPORTED = ("full", "error")
 MODES = ("fixed", "adaptive")
 
 
-class DeepCacheConfigError(ValueError):
+class DeepCacheConfigError(OverdriveError, ValueError):
     """A DeepCache setting is out of range (the message says which and why)."""
 
 

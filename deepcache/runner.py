@@ -6,6 +6,7 @@ from collections import Counter
 import torch
 
 from .. import call_options
+from ..errors import OverdriveError
 from .cache import FeatureCache
 from .clock import StepClockCheck
 from .config import DeepCacheConfig, DeepCacheConfigError
@@ -18,7 +19,7 @@ log = logging.getLogger("overdrive.deepcache")
 VERIFY_RTOL = 1e-5
 
 
-class DeepCacheUnsupportedError(RuntimeError):
+class DeepCacheUnsupportedError(OverdriveError, RuntimeError):
     """A call DeepCache cannot serve exactly, with DeepCacheConfig(on_unsupported="error")."""
 
 

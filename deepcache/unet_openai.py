@@ -25,6 +25,7 @@ skipped transformers, so per-block patches see the same indices as in a full for
 import torch
 import torch.nn as nn
 
+from ..errors import OverdriveError
 from .clock import STEP_CLOCK, StepClock
 from .config import DeepCacheConfigError
 from .paths import CallInfo
@@ -43,7 +44,7 @@ REQUIRED_ATTRIBUTES = ("input_blocks", "middle_block", "output_blocks", "out", "
 TRANSFORMER_CLASS_NAMES = frozenset(("SpatialTransformer", "SpatialVideoTransformer"))
 
 
-class UnsupportedUNetError(TypeError):
+class UnsupportedUNetError(OverdriveError, TypeError):
     """The module is not an openaimodel-style UNet DeepCache can run."""
 
 

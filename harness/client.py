@@ -6,8 +6,10 @@ import urllib.error
 import urllib.request
 import uuid
 
+from ..errors import OverdriveError
 
-class PromptFailed(RuntimeError):
+
+class PromptFailed(OverdriveError, RuntimeError):
     pass
 
 

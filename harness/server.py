@@ -1,9 +1,11 @@
 """Start and stop a real ComfyUI server process on loopback."""
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,10 +28,14 @@ def free_port() -> int:
 
 
 class ComfyServer:
-    """`with ComfyServer(workdir) as server:` a ComfyUI on 127.0.0.1 with Overdrive in custom_nodes.
+    """`with ComfyServer(workdir) as server:` a ComfyUI on 127.0.0.1 running the Overdrive of this repository.
 
-    Output, input and temp folders live under `workdir`; the server's log goes to `workdir/comfyui.log`.
-    On a machine without CUDA it runs with --cpu.
+    Its custom nodes are a link to this repository alone (in a base folder of its own, removed at stop), and PYTHONPATH
+    makes `import overdrive` load this repository too: a second clone or a worktree on the machine runs its own code,
+    not the one ComfyUI's custom_nodes or pip point at. Its user, output, input and temp folders live under `workdir`
+    and its database is in memory: two servers never wait on one database lock. Models come from ComfyUI's models
+    folder and the extra paths given. The server's log goes to `workdir/comfyui.log`. On a machine without CUDA it
+    runs with --cpu.
     """
 
     def __init__(self, workdir, comfyui_path=None, extra_args=(), env=None, startup_timeout=180):
@@ -41,6 +47,7 @@ class ComfyServer:
         self.env = env
         self.startup_timeout = startup_timeout
         self.process = None
+        self.base = None  # the server's base folder while it runs
         self.log_path = self.workdir / "comfyui.log"
         self.output_dir = self.workdir / "output"
 
@@ -48,24 +55,31 @@ class ComfyServer:
         import torch
 
         args = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
+                "--base-directory", str(self.base), "--user-directory", str(self.workdir / "user"),
                 "--output-directory", str(self.output_dir), "--input-directory", str(self.workdir / "input"),
-                "--temp-directory", str(self.workdir / "temp"), "--disable-auto-launch"]
+                "--temp-directory", str(self.workdir / "temp"), "--database-url", "sqlite:///:memory:",
+                "--disable-auto-launch"]
+        models = self.comfyui_path / "models"
+        if models.is_dir():  # the base folder would move it: ComfyUI's own models and Overdrive's caches stay there
+            args += ["--models-directory", str(models)]
         if not torch.cuda.is_available():
             # SDPA attention: ComfyUI's default CPU attention asks for free memory mid-graph and breaks compiled graphs.
             args += ["--cpu", "--use-pytorch-cross-attention"]
         return args + self.extra_args
 
     def start(self):
-        for sub in ("output", "input", "temp"):
+        for sub in ("output", "input", "temp", "user"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **(self.env or {}))
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self._make_base()), env.get("PYTHONPATH")]))
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.command(), cwd=self.comfyui_path, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"ComfyUI exited with {self.process.returncode} at startup; see {self.log_path}:\n"
                                    + self.log_tail())
             try:
@@ -75,6 +89,15 @@ class ComfyServer:
                 time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"ComfyUI did not answer within {self.startup_timeout} s; see {self.log_path}")
+
+    def _make_base(self) -> pathlib.Path:
+        """A base folder whose custom_nodes/ holds one link, `overdrive`, to this repository; returns that custom_nodes
+        folder, which is also the PYTHONPATH entry that makes `import overdrive` this repository."""
+        self.base = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-comfyui-"))
+        custom_nodes = self.base / "custom_nodes"
+        custom_nodes.mkdir()
+        (custom_nodes / "overdrive").symlink_to(REPO, target_is_directory=True)
+        return custom_nodes
 
     def log_tail(self, chars=4000) -> str:
         try:
@@ -95,6 +118,9 @@ class ComfyServer:
                 self.process.wait()
         if getattr(self, "_log", None):
             self._log.close()
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)  # the link inside goes, not what it points to
+            self.base = None
 
     def __enter__(self):
         return self.start()

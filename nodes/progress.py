@@ -8,6 +8,8 @@ import time
 import comfy.model_management
 import comfy.utils
 
+from ..interrupts import raise_in_thread
+
 log = logging.getLogger("overdrive")
 
 
@@ -18,7 +20,9 @@ class _StopInjector:
     the compiler's Python reaches often; torch.compile's error wrapping it is unwrapped by interrupts.raise_if_interrupt,
     so the graph stays usable and the next run compiles it from the start. An exception that lands while the thread
     runs a weakref callback or a `__del__` (the garbage collector runs them inside the compiler) is printed and
-    dropped by Python: where the body still runs `AGAIN_AFTER_S` after a stop was raised, it is raised again."""
+    dropped by Python: where the body still runs `AGAIN_AFTER_S` after a stop was raised, it is raised again. While the
+    thread keeps finished work (interrupts.stops_held: a compiled frame being saved), the stop waits for the next
+    heartbeat."""
 
     AGAIN_AFTER_S = 0.5  # longer than a raised stop takes to leave the body; short enough to stop the trace
 
@@ -38,9 +42,8 @@ class _StopInjector:
                 self._raise_in_thread()
 
     def _raise_in_thread(self) -> None:
-        self.injected, self.injected_at = True, time.perf_counter()
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(self.thread_id), ctypes.py_object(comfy.model_management.InterruptProcessingException))
+        if raise_in_thread(self.thread_id, comfy.model_management.InterruptProcessingException):
+            self.injected, self.injected_at = True, time.perf_counter()
 
     def finish(self) -> None:
         """The body ended (or raised): a stop sent but not yet raised is withdrawn and left pending for ComfyUI's

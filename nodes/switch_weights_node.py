@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..compiler import twin_with_weights
 from ..compiler.switch_weights import (SWITCH_LOCK, check_compatible, module_keys, read_safetensors_subset,
-                                       reference_tensors, unreadable)
+                                       reference_tensors, unreadable, warn_if_not_finite)
 from . import checkpoint_formats
 from .load_state import LAYER_LOADER_STATE
 from .model_copies import with_diffusion_model
@@ -56,6 +56,7 @@ def switch_weights(model, folder: str, name: str):
         if checkpoint_formats.is_mixed_precision(current):  # a checkpoint stored quantized: ComfyUI's conversion
             state = checkpoint_formats.converted_state(path, reference)
             check_compatible(reference, state, source=name)
+            warn_if_not_finite(state, name)
             twin = checkpoint_formats.twin_loaded_by_its_layers(current, state, LAYER_LOADER_STATE)
         else:
             state = load_unet_weights(path, reference)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
+from ..errors import OverdriveError
 from .agreement import whole_group_call
 from .sequence_split import forget_sequence_groups
 
@@ -34,7 +35,7 @@ DOING = {"joining": "starting", "ready": "loading its model", "receiving": "rece
          "done": "running its part of a call", "peak": "reading its peak memory"}  # what a worker is doing until it sends each message
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(OverdriveError, RuntimeError):
     """A worker process ended or failed; the pool is closed, and a new one starts fresh workers."""
 
 

@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from ..errors import OverdriveError
+
 # cublasLt.h / cublas_api.h / library_types.h (CUDA 12 and 13 agree on these values)
 _COMPUTE_32F = 68
 _R_32F, _R_16F, _R_16BF, _R_8F_E4M3 = 0, 2, 14, 28
@@ -33,7 +35,7 @@ WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLAS's recommendation for Hopper
 _DATA_TYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
 
 
-class CublasLtError(RuntimeError):
+class CublasLtError(OverdriveError, RuntimeError):
     pass
 
 

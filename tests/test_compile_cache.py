@@ -544,3 +544,48 @@ def test_a_specialised_shape_called_with_other_settings_gets_its_own_frame(tmp_p
     for _ in range(2):  # a later shape, again: the dynamic policy's graph, never a frame
         assert torch.equal(module(y, scale=2.0), torch.relu(y) * 2)
     assert len(compiled.graph.frames.frames) == 2
+
+
+def test_a_stop_while_a_finished_compile_is_saved_lands_after_its_frame_is_on_disk(comfy, tmp_path, monkeypatch,
+                                                                                   caplog):
+    """The user stops while the frame of a compile that has finished is being written (a large model's takes a while):
+    the write completes and the stop lands after it (the prompt still ends stopped), so a restart loads the frame
+    instead of compiling again. (A stop used to land mid-write: the frame ran from memory but never reached disk.)"""
+    import time
+
+    import comfy.model_management as management
+    import comfy.utils
+    from overdrive.compiler import CompileOptions, clear_shared_graphs, compile_module, dynamo_graph_count, precompiled
+    from overdrive.nodes.progress import comfy_progress
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 8)).requires_grad_(False)
+    options = CompileOptions(precompile=True, cuda_graphs=False, cache_dir=str(tmp_path))
+    write = precompiled.write_framed
+
+    def write_while_stopped(path, payload):
+        management.interrupt_current_processing(True)  # POST /interrupt as the frame's write begins
+        time.sleep(1.5)  # the progress heartbeat (every 0.5 s) tries to raise the stop meanwhile
+        write(path, payload)
+    monkeypatch.setattr(precompiled, "write_framed", write_while_stopped)
+    hook = comfy.utils.PROGRESS_BAR_HOOK  # as ComfyUI's server installs it: an update raises a pending stop
+    comfy.utils.set_progress_bar_global_hook(lambda *args, **kwargs: management.throw_exception_if_processing_interrupted())
+    module, x = model(), torch.randn(3, 8)
+    try:
+        compile_module(module, options, reporter=comfy_progress)
+        with pytest.raises(management.InterruptProcessingException):
+            module(x)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(hook)
+        management.interrupt_current_processing(False)
+    monkeypatch.undo()
+    assert len(list(tmp_path.glob("*.frames/*.bin"))) == 1
+    clear_shared_graphs()  # a restart, as far as Overdrive's frames go: nothing of them in memory
+    restarted = model()
+    compile_module(restarted, options)
+    graphs = dynamo_graph_count()
+    with caplog.at_level(logging.INFO, logger="overdrive.compiler"):
+        out = restarted(x)
+    assert "loaded the precompiled frame" in caplog.text and dynamo_graph_count() == graphs
+    assert torch.allclose(out, restarted[2](restarted[1](restarted[0](x))), atol=1e-5)

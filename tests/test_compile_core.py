@@ -218,6 +218,41 @@ def test_resolution_policy_auto_bounds_graphs_across_many_shapes():
     assert compiled.graph.graphs_compiled <= 3, compiled.graph.graphs_compiled
 
 
+class DownsampledTokens(nn.Module):
+    """A UNet's first level in small (a stride-2 convolution, then GroupNorm) and a DiT's token projection."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.down = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.norm = nn.GroupNorm(2, channels)
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, x, tokens):
+        return self.norm(self.down(x)), self.proj(tokens)
+
+
+def test_resolution_policy_auto_serves_every_later_size_without_a_new_graph(caplog):
+    """dynamic='auto': once the shape-generic graph exists, no later size compiles. Its guards refuse sizes where a
+    dimension is 1 (a tiny image: GroupNorm's reshape takes another path where the downsampled width is
+    1; a single token): those run eager, right, and never compile a graph of their own."""
+    torch.manual_seed(0)
+    module = DownsampledTokens().eval().requires_grad_(False)
+    compiled = compile_module(module, CompileOptions(dynamic="auto", cuda_graphs=False, precompile=False))
+
+    def run(side, tokens):
+        x, context = torch.randn(2, 8, side, side), torch.randn(2, tokens, 8)
+        for out, expected in zip(module(x, context), compiled.eager(x, context)):
+            assert relative_error(out, expected) < 1e-4, (side, tokens)
+    run(8, 5)  # specialised
+    run(12, 7)  # the shape-generic graph
+    graphs = compiled.graph.graphs_compiled
+    with caplog.at_level(logging.INFO, logger="overdrive.compiler"):
+        for side, tokens in ((16, 9), (2, 5), (1, 5), (8, 1), (20, 3), (2, 5)):
+            run(side, tokens)
+    assert compiled.graph.graphs_compiled == graphs
+    assert len(compiled.graph.eager_shapes) == 3 and caplog.text.count("does not cover this size") == 3, caplog.text
+
+
 def test_resolution_policy_static_stops_at_max_graphs_and_runs_eager(caplog):
     """dynamic='static': one graph per shape, bounded by max_graphs; a shape beyond the bound runs eager with a
     warning that names the fix, and never compiles."""

@@ -4,6 +4,8 @@ Tiny StableDiffusionPipeline (UNet2DConditionModel 32/64 channels, AutoencoderKL
 random weights; every output is compared with the eager pipeline at the same seed. One test compiles (UNet + VAE
 decode, two Inductor graphs); the others run eager.
 """
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -150,6 +152,17 @@ def test_quantize_int8_is_bounded_and_weights_switch_into_the_quantized_unet(pip
     assert relative_error(generate(pipe), reference["latent_b"]) < INT8_RTOL
     with pytest.raises(WeightMismatchError):
         switch_weights_(pipe, tiny_unet(block_out_channels=(32, 32)).state_dict())
+
+
+def test_switching_to_weights_with_nan_or_inf_names_the_layers_and_goes_on(pipe, caplog):
+    state = unet_state(pipe)
+    poisoned = sorted(name for name, tensor in state.items() if tensor.is_floating_point())[:2]
+    state[poisoned[0]].view(-1)[0], state[poisoned[1]].view(-1)[-1] = float("nan"), float("inf")
+    with caplog.at_level(logging.WARNING, logger="overdrive"):
+        switch_weights_(pipe, state)
+    (warning,) = [record.getMessage() for record in caplog.records if "NaN or Inf" in record.getMessage()]
+    assert "2 of the" in warning and all(name in warning for name in poisoned), warning
+    assert unet_state(pipe)[poisoned[0]].isnan().any()  # switched all the same
 
 
 def test_deepcache_skips_calls_it_cannot_mirror_and_refuses_unsupported_unets():

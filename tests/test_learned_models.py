@@ -1,7 +1,9 @@
 """The reference models with learned weights (builtin_models/learned.py: a video DiT and an MMDiT): they load through
-ComfyUI's own loaders, draw the scene a prompt names, and every accelerator keeps their images within the fidelity
-bounds of the table (bench/bench_fidelity.py), so a change that degrades images fails here. Also the trainer: the same
-seed gives the same weights, and its losses fall."""
+ComfyUI's own loaders, draw the colour and background a prompt names (what else they draw well: README, reference
+models), and every accelerator keeps their images within the fidelity bounds of the table (bench/bench_fidelity.py), so
+a change that degrades images fails here. Also the trainer: the same seed gives the same weights, and its losses
+fall."""
+import dataclasses
 import pathlib
 
 import pytest
@@ -66,6 +68,37 @@ def test_the_model_draws_the_prompts_colour_on_its_background(eager_images):
         far_corner = image[rows, columns].reshape(-1, 3).mean(0)
         assert (far_corner - background).abs().max() < 0.15, (prompt, far_corner, background)
         assert colour_of(image, background) == scene.colour, prompt
+
+
+def standing_out(image: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """(h, w): the pixels of an (h, w, 3) image in [0, 1] that stand out from the background, as colour_of takes them."""
+    return (image - background).abs().sum(-1) > 0.3
+
+
+def centre_and_area(mask: torch.Tensor) -> tuple:
+    """((x, y) of the mask's centre, its share of the image), in fractions of the side."""
+    rows, columns = torch.nonzero(mask, as_tuple=True)
+    side = mask.shape[0]
+    return ((columns.float().mean().item() + 0.5) / side, (rows.float().mean().item() + 0.5) / side), mask.float().mean()
+
+
+def test_the_model_draws_the_prompts_size_and_position(eager_images):
+    """What the README says these models draw well besides the colour and the background: the shape where the prompt
+    puts it (its centre near the scene's, as the data draws it) and at the prompt's size (its area nearer the scene's
+    at that size than at the other)."""
+    for prompt, _ in PROMPTS:
+        scene = scenes.parse(prompt)
+        image = eager_images[prompt][1][0]
+        background = torch.tensor(scenes.BACKGROUNDS[scene.background])
+        centre, area = centre_and_area(standing_out(image, background))
+
+        def data(size):
+            drawn = (scenes.render(dataclasses.replace(scene, size=size), image.shape[0]).permute(1, 2, 0) + 1) / 2
+            return centre_and_area(standing_out(drawn, background))
+        expected = data(scene.size)[0]
+        assert max(abs(c - e) for c, e in zip(centre, expected)) < 0.1, (prompt, centre, expected)
+        areas = {size: data(size)[1] for size in scenes.SIZES}
+        assert min(areas, key=lambda size: abs(areas[size] - area)) == scene.size, (prompt, area, areas)
 
 
 def test_a_different_prompt_draws_a_different_image_and_the_same_one_the_same(reference, eager_images):

@@ -295,6 +295,28 @@ def test_switch_weights_names_a_damaged_file_and_changes_nothing(nodes, compiled
     assert torch.equal(sample(compiled), before)
 
 
+def test_switch_weights_names_the_layers_of_a_file_with_nan_or_inf_and_switches_all_the_same(nodes, base, tmp_path,
+                                                                                           caplog):
+    """A file whose weights hold NaN or Inf (a broken merge or conversion) is the user's: it is switched to as asked,
+    with one warning naming the layers."""
+    import folder_paths
+    from safetensors.torch import load_file, save_file
+    from overdrive.builtin_models import ensure_checkpoint
+
+    state = load_file(str(ensure_checkpoint("sd15", "tiny", seed=1)))
+    poisoned = {"input_blocks.0.0.weight": float("nan"), "middle_block.1.proj_in.weight": float("-inf"),
+                "out.2.bias": float("inf")}
+    for key, value in poisoned.items():
+        state[f"model.diffusion_model.{key}"].view(-1)[:3] = value
+    save_file(state, str(tmp_path / "sd15-poisoned.safetensors"))
+    folder_paths.add_model_folder_path("checkpoints", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="overdrive"):
+        switched = nodes["OverdriveSwitchWeights"].execute(base, "sd15-poisoned.safetensors")[0]
+    (warning,) = [record.getMessage() for record in caplog.records if "NaN or Inf" in record.getMessage()]
+    assert warning.startswith("Overdrive: 3 of the ") and all(key in warning for key in poisoned), warning
+    assert switched.model.diffusion_model.input_blocks[0][0].weight.isnan().any()  # switched all the same
+
+
 def test_switched_model_loads_its_own_weights_and_gives_the_original_back(nodes, compiled, sample, checkpoints):
     # ComfyUI's loader keeps "same weights" clones loaded as they are; a switch must not be mistaken for one.
     before = sample(compiled)

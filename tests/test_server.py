@@ -1,5 +1,10 @@
 """Overdrive inside a real ComfyUI server, driven over its HTTP API as users' clients do."""
 import copy
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,6 +53,21 @@ def test_nodes_are_registered_through_the_v3_entrypoint_with_tooltips(client):
     assert info["OverdriveCompileModel"]["input"]["required"]["mode"][1]["options"][0] == "default"
 
 
+def test_the_server_runs_this_repositorys_overdrive_with_folders_of_its_own(server):
+    """Another clone or a worktree on the machine (or ComfyUI's own custom_nodes link) is not what the server loads:
+    its custom node and its `import overdrive` are this repository, its user folder is its own, and no database lock
+    is shared with another ComfyUI."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    loaded = re.findall(r"seconds: (\S*custom_nodes\S*)$", server.log_text(), re.M)
+    assert [pathlib.Path(path).resolve() for path in loaded] == [repo], loaded
+    environ = dict(item.split("=", 1) for item in
+                   pathlib.Path(f"/proc/{server.process.pid}/environ").read_text().split("\0") if "=" in item)
+    probe = subprocess.run([sys.executable, "-c", "import overdrive; print(overdrive.__file__)"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": environ["PYTHONPATH"]}, check=True)
+    assert pathlib.Path(probe.stdout.strip()).resolve().parent == repo
+    assert (server.workdir / "user").is_dir() and "lock on database" not in server.log_text()
+
+
 def test_compiled_workflow_runs_to_an_image_equal_to_eager(client, server):
     workflow = small(load_workflow("compile_sd15_api.json"))
     eager = client.run(with_latent_output(without_overdrive(workflow), "eager"))
@@ -80,6 +100,26 @@ def test_forced_compile_failure_falls_back_to_eager_with_a_warning(tmp_path, bui
         assert "runs eager from now on" in server.log_text()
     finally:
         server.stop()
+
+
+def test_overdrives_errors_reach_the_api_under_a_stable_type(client):
+    """ComfyUI reports an error's type as its class's module and name, and names a custom node's modules by the
+    folder's path: Overdrive's own errors read `overdrive.<module>.<class>` there, on every machine, and their
+    message starts with the class name."""
+    from overdrive.builtin_models import learned
+
+    switched = load_workflow("compile_stepcache_scenes_api.json")  # the video DiT switched onto the MMDiT's file
+    switched["10"] = {"class_type": "OverdriveSwitchDiffusionModel",
+                      "inputs": {"model": ["2", 0], "unet_name": learned.MODELS["sd35"].model_name}}
+    set_inputs(switched, "OverdriveDeepCache", model=["10", 0])
+    misspelled = set_inputs(load_workflow("compile_stepcache_scenes_api.json"), "OverdriveBuiltinConditioning",
+                            prompt="large crimson circle")
+    for workflow, module, name in ((switched, "overdrive.compiler.switch_weights", "WeightMismatchError"),
+                                   (misspelled, "overdrive.builtin_models.scenes", "SceneError")):
+        status = client.finished(client.queue(workflow))["status"]
+        (error,) = [data for kind, data in status["messages"] if kind == "execution_error"]
+        assert error["exception_type"] == f"{module}.{name}", error["exception_type"]
+        assert error["exception_message"].startswith(f"{name}: "), error["exception_message"]
 
 
 def test_bad_input_is_refused_with_a_clear_message(client):

@@ -9,6 +9,7 @@ from comfy_api.latest import io
 from ..attention.choice import MODES as ATTENTION_MODES
 from ..attention.choice import AttentionConfig
 from ..families import family_of
+from ..errors import error_line
 from ..quantization import QuantCache, QuantConfig, format_names, plan_quantization
 from ..quantization.cache import weights_fingerprint
 from ..quantization.candidates import keeping_float
@@ -276,8 +277,7 @@ class OverdriveQuantizeModel(io.ComfyNode):
             raise
         except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
             log.warning("Overdrive: quantizing failed, so the model runs unquantized (your generation continues). "
-                        "Reason: %s: %s", type(error).__name__, str(error).splitlines()[0][:500] if str(error) else "",
-                        exc_info=log.isEnabledFor(logging.DEBUG))
+                        "Reason: %s", error_line(error, 500), exc_info=log.isEnabledFor(logging.DEBUG))
             patched = model.clone()
         patched.set_attachments(REPORT, report)
         patched.set_attachments(RECIPE, (config, attention_config, run.cache_context(), quant_cache_dir())

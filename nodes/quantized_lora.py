@@ -16,6 +16,7 @@ import logging
 import torch
 from comfy.patcher_extension import CallbacksMP
 
+from ..errors import OverdriveError
 from ..quantization.low_rank import LowRankSidePath, LowRankTerm, layer_shape, rank_bucket, total_rank
 
 log = logging.getLogger("overdrive.quantization")
@@ -28,7 +29,7 @@ NOT_LOW_RANK = (
 )
 
 
-class NotLowRank(ValueError):
+class NotLowRank(OverdriveError, ValueError):
     """A weight patch that no low-rank side path represents; the message names the key and the fix."""
 
 

@@ -1,10 +1,11 @@
 """Low-rank terms (LoRAs) beside a quantized layer: y = Q(W)x + up((down x) * scale).
 
-A LoRA baked into 8-bit weights costs a re-quantization of every layer it touches at each change of strength, and its
-delta, a small fraction of each weight, mostly rounds away in e4m3's 3 mantissa bits. Beside the layer it keeps its own
-precision, and its strengths are values in `scale`, written in place: a compiled graph, and a CUDA graph recorded over
-these buffers, run every strength and every LoRA of the same total rank without recompiling or recording again
-(Nunchaku runs LoRAs beside its 4-bit layers the same way).
+A LoRA baked into 8-bit weights costs a re-quantization of every layer it touches at each change of strength, from
+float weights that must be on the GPU for it (on a short card, copied in from host memory first); rounding keeps the
+LoRA's effect either way (bench/lora_bake_probe.py). Beside the layer its strengths are values in `scale`, written in
+place: a compiled graph, and a CUDA graph recorded over these buffers, run every strength and every LoRA of the same
+total rank without recompiling, recording again or quantizing anything (Nunchaku runs LoRAs beside its 4-bit layers the
+same way).
 
 Several LoRAs stack along the rank: `down` holds each term's down-projection (alpha / rank folded in), `up` its
 up-projection placed at the output rows the term patches (a slice of a fused qkv layer), `scale` each rank row's

@@ -40,7 +40,7 @@ def run(args) -> tuple:
     from overdrive.harness.iteration_soak import Soak, plan, restart_plan
 
     cpu = not torch.cuda.is_available()
-    import_comfy(cpu=cpu, dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
+    import_comfy(cpu=cpu, dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)  # once
     files, folders, eight_bit_gib = soak_files(args.size, pathlib.Path(args.files_dir))
     comfy = InProcessComfy(pathlib.Path(args.workdir) / "output", folders, cpu=cpu,
                            dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)

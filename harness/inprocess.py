@@ -16,7 +16,10 @@ def import_comfy(cpu: bool, dynamic_vram: bool = False, budget_gib: float | None
     """ComfyUI's modules in this process, set up as `main.py --cpu` (`cpu`) or on the GPU; `dynamic_vram`: with dynamic
     VRAM as main.py turns it on by default on NVIDIA GPUs (else as with --disable-dynamic-vram); `budget_gib`: a card
     of that many GiB emulated on a larger one (`reserve_beyond_budget`); `attention` "sage" or "ck": ComfyUI's
-    --use-sage-attention or --use-ck-attention (set before its attention module picks its function)."""
+    --use-sage-attention or --use-ck-attention (set before its attention module picks its function). Called again in a
+    process where dynamic VRAM is on already, it returns ComfyUI as it is (comfy-aimdo starts once a process)."""
+    if "comfy.memory_management" in sys.modules and sys.modules["comfy.memory_management"].aimdo_enabled:
+        return sys.modules["comfy"]
     from .server import find_comfyui
     path = str(find_comfyui())
     if path not in sys.path:

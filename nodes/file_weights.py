@@ -12,6 +12,7 @@ dynamic-VRAM model shares the file's tensors), else the safetensors file ComfyUI
 (`ModelPatcher.cached_patcher_init`), under the key prefixes of a checkpoint or a diffusion-model file.
 """
 import logging
+import os
 
 import torch
 
@@ -36,17 +37,29 @@ def source_file(patcher) -> str | None:
     return path if path and path.lower().endswith((".safetensors", ".sft")) else None
 
 
+_MAPPED: dict = {}  # path -> ((size, mtime), {"diffusion_model.<param>": tensor}): one mapping of each file
+
+
 def _from_file(path: str, keys: list) -> dict:
-    """{key: the file's tensor (memory-mapped)} for the `keys` ("diffusion_model.<param>") found in `path` under one
-    of the checkpoint prefixes; {} when the file cannot be read."""
+    """{key: the file's tensor (memory-mapped once per file and process)} for the `keys` ("diffusion_model.<param>")
+    found in `path` under one of the checkpoint prefixes; {} when the file cannot be read."""
     from safetensors import safe_open
     try:
-        with safe_open(path, framework="pt", device="cpu") as opened:
-            stored = set(opened.keys())
-            for prefix in CHECKPOINT_PREFIXES:
-                found = {key: prefix + key[len(PREFIX):] for key in keys if prefix + key[len(PREFIX):] in stored}
-                if found:
-                    return {key: opened.get_tensor(name) for key, name in found.items()}
+        stat = os.stat(path)
+        version, mapped = _MAPPED.get(path, (None, {}))
+        if version != (stat.st_size, stat.st_mtime_ns):
+            mapped = {}
+            _MAPPED[path] = ((stat.st_size, stat.st_mtime_ns), mapped)
+        missing = [key for key in keys if key not in mapped]
+        if missing:
+            with safe_open(path, framework="pt", device="cpu") as opened:
+                stored = set(opened.keys())
+                prefix = next((p for p in CHECKPOINT_PREFIXES if any(p + k[len(PREFIX):] in stored for k in missing)),
+                              None)
+                if prefix is not None:
+                    mapped.update({key: opened.get_tensor(prefix + key[len(PREFIX):]) for key in missing
+                                   if prefix + key[len(PREFIX):] in stored})
+        return {key: mapped[key] for key in keys if key in mapped}
     except Exception as error:  # noqa: BLE001 - a file moved or rewritten since: host copies, as before
         log.info("Overdrive quantization: %s could not be read back (%s).", path, str(error).splitlines()[0][:200])
     return {}
@@ -75,25 +88,24 @@ def same_values(tensor: torch.Tensor, stored: torch.Tensor) -> bool:
     return torch.equal(flat[index.to(flat.device)].cpu(), stored_flat[index])
 
 
-def point_at_file(layers: dict, stored: dict, patched: set, host_copies: bool) -> int:
-    """Each of `layers` ({name: float layer}) whose parameters all have an equal tensor in the file (`stored`: {key:
-    file tensor}) pointed at them: those on the GPU, and with `host_copies` those in host memory too (a classic model's
-    copies made by ComfyUI's unloading; a dynamic-VRAM model's host tensors are its own view of the file, which its
-    loader keeps state on). `patched`: keys whose values ComfyUI has patched in place right now (a LoRA; its backup
-    restores them): their layers are left alone. Returns the bytes that point at the file now and did not before."""
+def point_at_file(layers: dict, stored: dict, patched: set) -> int:
+    """Each of `layers` ({name: float layer}) on the GPU whose parameters all have an equal tensor in the file
+    (`stored`: {key: file tensor}) pointed at them. Host tensors are left alone: ComfyUI keeps state on its own (a
+    dynamic-VRAM model's view of the file; a classic model's offloaded weights, pinned by their address, whose
+    registration would outlive a tensor replaced under it). `patched`: keys whose values ComfyUI has patched in place
+    right now (a LoRA; its backup restores them): their layers are left alone. Returns the bytes pointed at the file."""
     pointed = 0
     for name, layer in layers.items():
         slots = [(sub, param, tensor, ".".join(part for part in (PREFIX + name, sub_name, param) if part))
                  for sub_name, sub in layer.named_modules() for param, tensor in sub._parameters.items()
                  if tensor is not None]
-        if not slots or any(key in patched or key not in stored or tensor.is_meta or
-                            (tensor.device.type == "cpu" and not host_copies) for *_, tensor, key in slots):
+        if not slots or any(key in patched or key not in stored or tensor.device.type != "cuda"
+                            for *_, tensor, key in slots):
             continue
-        fresh = [(sub, param, tensor, stored[key]) for sub, param, tensor, key in slots
-                 if tensor.data_ptr() != stored[key].data_ptr()]
-        if not all(same_values(tensor, source) for _, _, tensor, source in fresh):
+        if not all(same_values(tensor, stored[key]) for _, _, tensor, key in slots):
             continue
-        for sub, param, tensor, source in fresh:
+        for sub, param, tensor, key in slots:
+            source = stored[key]
             sub._parameters[param] = torch.nn.Parameter(source, requires_grad=False)
             pointed += tensor.numel() * tensor.element_size()
     return pointed

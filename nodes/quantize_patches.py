@@ -175,7 +175,6 @@ class QuantizedModules:
         self.source_path = source_path  # the file ComfyUI's loader read the model from (file_weights.source_file)
         self.backup = backup if backup is not None else {}  # the patchers' shared record of weights patched in place
         self.file_tensors = None  # {key: the file's tensor} of the float layers, read once
-        self.dynamic = False  # the model is on ComfyUI's dynamic VRAM (its host tensors are the file's already)
         self.homes = {}  # name -> where ComfyUI had the float layer when a load sent it to the host (its way back)
         self.streamed_bytes = 0  # of the 8-bit layers, copied in at each model call since the last load
         self.activations_bytes = 0  # ComfyUI's estimate of one model call's activations in this sampling
@@ -226,7 +225,7 @@ class QuantizedModules:
             self.file_tensors = file_weights.file_tensors(self.owner() if self.owner else None, self.source_path,
                                                           self.originals)
         patched = {key for key in self.backup if key.startswith(PREFIX)}
-        to_file = file_weights.point_at_file(self.originals, self.file_tensors, patched, not self.dynamic)
+        to_file = file_weights.point_at_file(self.originals, self.file_tensors, patched)
         away = [layer for layer in self.originals.values() if on_device(layer) not in (None, FLOAT_HOME)]
         copied = sum(tensor_bytes(layer) for layer in away)
         move(away, FLOAT_HOME)
@@ -386,7 +385,7 @@ def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size
     router.guard(patcher)
     follower = QuantizedModules(quantized, layers, originals, patcher.load_device, patcher.offload_device, tree,
                                 patcher.model, file_weights.source_file(patcher), patcher.backup)
-    follower.float_size, follower.dynamic = float_size, patcher.is_dynamic()
+    follower.float_size = float_size
     for kind, callback in ((CallbacksMP.ON_CLONE, router.on_clone), (CallbacksMP.ON_DETACH, follower.on_detach),
                            (CallbacksMP.ON_CLEANUP, follower.on_cleanup), (CallbacksMP.ON_LOAD, follower.on_load)):
         patcher.remove_callbacks_with_key(kind, ROUTER_KEY)

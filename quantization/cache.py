@@ -98,17 +98,20 @@ def weights_fingerprint(named_tensors) -> str:
     reading a few pages per tensor keeps it fast where the weights are a memory-mapped file on the host, where hashing
     every byte took tens of seconds for Flux. Tensor subclasses (a checkpoint's stored low-bit layers) are hashed
     whole."""
-    digest = hashlib.sha256()
+    digest, samples = hashlib.sha256(), {}
     for name, tensor in named_tensors:
         if tensor is None:
             continue
-        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.numel() > 3 * FINGERPRINT_CHUNK:
-            flat, middle = tensor.detach().reshape(-1), tensor.numel() // 2
-            sample = torch.cat([flat[:FINGERPRINT_CHUNK], flat[middle:middle + FINGERPRINT_CHUNK],
-                                flat[-FINGERPRINT_CHUNK:]])
-        else:
-            sample = tensor
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{tensor_hash(sample)}\n".encode())
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            digest.update(f"{tensor_hash(tensor)}\n".encode())
+            continue
+        flat, middle = tensor.detach().reshape(-1), tensor.numel() // 2
+        parts = [flat] if flat.numel() <= 3 * FINGERPRINT_CHUNK else [
+            flat[:FINGERPRINT_CHUNK], flat[middle:middle + FINGERPRINT_CHUNK], flat[-FINGERPRINT_CHUNK:]]
+        samples.setdefault(flat.device, []).extend(part.contiguous().view(torch.uint8) for part in parts)
+    for device, parts in samples.items():  # one hash per device: one wait for it, not one per tensor
+        digest.update(f"{tensor_hash(torch.cat(parts))}\n".encode())
     return digest.hexdigest()
 
 

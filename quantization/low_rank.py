@@ -106,19 +106,16 @@ class LowRankSidePath(nn.Module):
                     rows[0] + rows[1] > n or cols[0] + cols[1] > k:
                 raise ValueError(f"a low-rank term of shapes {tuple(term.up.shape)} x {tuple(term.down.shape)} at rows "
                                  f"{rows}, columns {cols} does not fit a {n} x {k} layer")
-        down, up = torch.zeros_like(self.down, device="cpu"), torch.zeros_like(self.up, device="cpu")
-        scale = torch.zeros_like(self.scale, device="cpu", dtype=torch.float32)
+        self.down.zero_()
+        self.up.zero_()
         start = 0
-        for term in terms:
+        for term in terms:  # in place, where the buffers are: no host copy of the layer's size
             (row, rows), (col, cols) = term.rows or (0, n), term.cols or (0, k)
             end = start + term.rank
-            down[start:end, col:col + cols] = term.down.detach().to("cpu", down.dtype)
-            up[row:row + rows, start:end] = term.up.detach().to("cpu", up.dtype)
-            scale[start:end] = term.strength
+            self.down[start:end, col:col + cols].copy_(term.down.detach())
+            self.up[row:row + rows, start:end].copy_(term.up.detach())
             start = end
-        self.down.copy_(down, non_blocking=True)
-        self.up.copy_(up, non_blocking=True)
-        self.scale.copy_(scale, non_blocking=True)
+        self.write_strengths([(term.rank, term.strength) for term in terms])
 
     @torch.no_grad()
     def write_strengths(self, strengths) -> None:

@@ -798,3 +798,29 @@ def test_speed_is_not_timed_off_the_gpu():
     from overdrive.quantization.speed import measured_speedup
     layer = nn.Linear(64, 64)
     assert measured_speedup(layer, layer, (32, 64), torch.float32) is None
+
+
+# ----------------------------------------------------------------------------------------------- LoRA side paths
+def test_a_side_path_adds_its_low_rank_terms_at_their_slices_and_strengths_change_in_place():
+    """Two terms on one layer (the second on a slice of its outputs, as a LoRA's q on a fused qkv), beside an int8
+    layer: the output is the quantized layer's plus each term's, equal to the float layer with the terms merged to
+    within int8's error; new strengths change the output without replacing any buffer (graphs that captured them see
+    them)."""
+    from overdrive.quantization.low_rank import LowRankSidePath, LowRankTerm, rank_bucket, side_path_reference
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    base = Int8Linear.from_float(layer)
+    terms = [LowRankTerm(torch.randn(96, 4) * 0.1, torch.randn(4, 64) * 0.1, 0.8),
+             LowRankTerm(torch.randn(32, 2) * 0.1, torch.randn(2, 64) * 0.1, 1.5, rows=(32, 32))]
+    path = LowRankSidePath(base, rank_bucket(6), torch.float32)
+    path.write(terms)
+    x = torch.randn(5, 64)
+    expected = x @ side_path_reference(layer.weight, terms).T + layer.bias
+    assert rel(path(x), expected) < 0.02
+    assert rel(path(x) - base(x), x @ (side_path_reference(layer.weight, terms) - layer.weight).T) < 1e-5
+    buffers = [path.down.data_ptr(), path.up.data_ptr(), path.scale.data_ptr()]
+    path.write_strengths([(4, 0.0), (2, 0.0)])
+    assert torch.allclose(path(x), base(x)) and buffers == [path.down.data_ptr(), path.up.data_ptr(),
+                                                            path.scale.data_ptr()]
+    with pytest.raises(ValueError, match="do not fit"):
+        path.write(terms * 6)

@@ -47,12 +47,13 @@ class BlockwiseForward:
              or None), called when the step cache must decide; needed with `cache` (the front end's: ComfyUI's
              nodes/comfy_steps.py, diffusers_api/steps.py).
     step_cache: a BlockStepCache of the same config to carry on (its statistics stay live for whoever holds it).
+    graphs:  the BlockGraphs of a forward built before over the same layers, to replay its recordings.
     """
 
     overdrive_stack = None  # set by stack.build
 
     def __init__(self, module, family, options=None, cache=None, compiled_block=None, percent_to_sigma=None,
-                 read_step=None, step_cache=None):
+                 read_step=None, step_cache=None, graphs=None):
         self.module, self.family, self.options, self.cache_config = module, family, options, cache
         if cache is not None and read_step is None:
             raise ValueError("BlockwiseForward: a step cache needs read_step, how a model call tells its step")
@@ -64,8 +65,9 @@ class BlockwiseForward:
             self.compiled = {path: make(block, path, per_block) for _, path, block in self.blocks}
         else:
             self.compiled = {}
-        # The blocks' CUDA graphs (compiler/block_graphs.py): with CompileModel's cuda_graphs, on a CUDA model.
-        self.graphs = BlockGraphs() if options is not None and options.cuda_graphs else None
+        # The blocks' CUDA graphs (compiler/block_graphs.py): with CompileModel's cuda_graphs, on a CUDA model; those of
+        # a forward built before over the same layers where the host keeps them (`graphs`).
+        self.graphs = (graphs or BlockGraphs()) if options is not None and options.cuda_graphs else None
         cached = [(stack, len(getattr(module, stack.attribute))) for stack in family.stacks if stack.cached]
         self.cache = step_cache or (BlockStepCache(cache, cached, percent_to_sigma) if cache is not None else None)
         # Position among the blocks the step cache sees (the cached stacks', in run order).

@@ -76,6 +76,12 @@ class Host:
     def family(self):
         return family_of(self.module)
 
+    def block_graphs(self):
+        """The BlockGraphs for a blockwise forward over this module (None: a new one). A host that rebuilds the
+        forward over the same layers (ComfyUI's nodes, at each run of the node chain) gives the one it had, so its
+        recordings replay instead of being recorded again."""
+        return None
+
     def unet_runner(self, config: DeepCacheConfig, native):
         """A DeepCacheRunner over this UNet running `native` on full steps (None: the UNet's own forward).
         Raises deepcache.UnsupportedUNetError for a UNet layout it does not know."""
@@ -127,7 +133,8 @@ def _build(stack: Stack, host: Host, keep):
             and isinstance(keep, BlockwiseForward) else None
         forward = BlockwiseForward(host.module, family, stack.compile, stack.cache,
                                    lambda block, path, options: host.compiled(block, "forward", options, path),
-                                   percent_to_sigma=host.percent_to_sigma, read_step=host.read_step, step_cache=kept)
+                                   percent_to_sigma=host.percent_to_sigma, read_step=host.read_step, step_cache=kept,
+                                   graphs=host.block_graphs() if stack.compile is not None else None)
     elif stack.cache is None:
         forward = host.compiled(host.module, "forward", stack.compile)
     else:

@@ -7,7 +7,7 @@ set -uo pipefail
 out="$1"; size="$2"; budget="$3"; dynamic="$4"; cycles="${5:-2}"; day=$(date +%F)
 source bench/device_env.sh
 name="${day}_${gpu}_comfy033_dynamic-${dynamic}_budget-${budget}gib_flux_${size}_iteration_soak"
-python3 bench/iteration_soak.py --size "$size" --budget-gib "$budget" --dynamic-vram "$dynamic" --cycles "$cycles" \
+python3 bench/iteration_soak.py --size "$size" --budget-gib "$budget" --dynamic-vram "$dynamic" --cycles "$cycles" ${SOAK_ARGS:-} \
   --workdir "/tmp/soak-$dynamic-$budget" --out "$out/$name.json" > "$out/$name.log" 2>&1
 echo "$name rc $?"
 grep -E "^(eager|Quantize|\+ step|\[|restart)|Traceback|Error" "$out/$name.log" | cut -c1-170 | tail -${TAIL:-50}

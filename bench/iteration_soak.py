@@ -46,7 +46,7 @@ def run(args) -> tuple:
                            dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
     info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items()
             if name in USED}
-    steps = (plan(info, files, args.res, args.steps, args.cycles, not args.no_stops) if args.phase == "soak"
+    steps = (plan(info, files, args.res, args.steps, args.cycles, not args.no_stops, args.core) if args.phase == "soak"
              else restart_plan(info, files, args.res, args.steps))
     return Soak(comfy, log=lambda line: print(line, flush=True)).run(steps), eight_bit_gib
 
@@ -64,6 +64,9 @@ def main():
     parser.add_argument("--budget-gib", type=float)
     parser.add_argument("--dynamic-vram", default="on", choices=("on", "off"))
     parser.add_argument("--no-stops", action="store_true", help="leave out the stops and /free")
+    parser.add_argument("--core", action="store_true",
+                        help="leave out the steps that compile or calibrate anew (size change, Compile Model alone, "
+                             "stops): for a model too large to run them all in one GPU call")
     parser.add_argument("--workdir", help="caches, files and images (default: a new temporary folder)")
     parser.add_argument("--files-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "overdrive-soak-files"),
                         help="the generated diffusion models, VAE and LoRAs (kept between runs)")

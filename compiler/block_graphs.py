@@ -70,6 +70,12 @@ def _flatten(value, tensors: list, objects: list):
 _HOLDING_COLLECTIVES = weakref.WeakSet()
 
 
+# The BlockGraphs that hold recordings. Only one holds any at a time: ComfyUI runs one model at a time, and a model's
+# recordings keep a pool of one block's working memory that ComfyUI's memory planning does not see (the recordings of
+# each LoRA's and each setting's model, kept, ran a 16 GiB card out of memory).
+_HOLDING = weakref.WeakSet()
+
+
 def release_collective_graphs() -> int:
     """Drop every recording that holds collectives (before destroy_process_group); how many models had some."""
     holding = list(_HOLDING_COLLECTIVES)
@@ -264,6 +270,9 @@ class BlockGraphs:
         streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
         if self._pool is None:  # also after release(): the model's graphs share one pool again
+            for other in [graphs for graphs in _HOLDING if graphs is not self]:
+                other.release()
+            _HOLDING.add(self)
             self._pool = torch.cuda.graph_pool_handle()
         stream = side_stream(current.device)
         stream.wait_stream(current)

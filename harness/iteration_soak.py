@@ -85,11 +85,13 @@ def flux_prompt(info: dict, files: Files, *, loras=(), quantize=None, compile_op
     return prompt
 
 
-def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops: bool = True) -> list:
+def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops: bool = True,
+         core: bool = False) -> list:
     """The soak's steps: eager, Quantize + Compile, + step cache, then `cycles` cycles of LoRA strength and file
-    changes, two LoRAs, none, a prompt change, a size change and back, an eager prompt, Switch Diffusion Model to the
-    second file and back, Compile Model alone; the first cycle also stops a compile and a calibration (each queued
-    again after) and frees memory."""
+    changes, two LoRAs, none, a prompt change, a size change and back, eager prompts on each file, Switch Diffusion
+    Model to the second file and back, Compile Model alone; the first cycle also stops a compile and a calibration
+    (each queued again after) and frees memory. `core`: without the size change, Compile Model alone and the stops
+    (the steps that compile or calibrate anew), for a model too large to run them all in a GPU call."""
     seeds = iter(range(1, 10_000))
     one, two = files.loras[:2]
     fast = dict(quantize={}, compile_options={}, step_cache=True)
@@ -116,14 +118,19 @@ def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops
             Step(c + "two LoRAs", prompt("lora-6", loras=[(one, 0.6), (two, 0.5)], **fast)),
             Step(c + "LoRA removed", prompt("nolora", **fast)),
             Step(c + "prompt changed", prompt("prompt", prompt_seed=cycle, **fast)),
-            Step(c + "size 3/4", prompt("small", **{**fast, "size": size * 3 // 4 // 16 * 16})),
-            Step(c + "size back", prompt("big", **fast)),
+        ]
+        if not core:
+            steps_list += [Step(c + "size 3/4", prompt("small", **{**fast, "size": size * 3 // 4 // 16 * 16})),
+                           Step(c + "size back", prompt("big", **fast))]
+        steps_list += [
             Step(c + "eager between", prompt("e-between")),
+            Step(c + "eager on the second file", prompt("e-other", model=files.other)),  # what eager holds of two
             Step(c + "Switch Diffusion Model to the second file", prompt("switch", switch=files.other, **fast)),
             Step(c + "back to the first file", prompt("back", **fast)),
-            Step(c + "Compile Model alone", prompt("c", compile_options={})),
         ]
-        if stops and cycle == 1:
+        if not core:
+            steps_list.append(Step(c + "Compile Model alone", prompt("c", compile_options={})))
+        if stops and not core and cycle == 1:
             recompile = dict(fast, compile_options={"dynamic": "dynamic"})  # other options: a compile of its own
             recalibrate = dict(fast, quantize={"linear_mse_threshold": 0.011})  # other settings: calibrated anew
             steps_list += [

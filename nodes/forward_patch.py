@@ -4,12 +4,14 @@ Stack installed on its input, extends it and installs the result on its clone; Q
 rebuild the same Stack over their new layers or weights.
 """
 import hashlib
+import weakref
 
 import torch
 from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
 from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 
 from ..compiler import CompiledMethod
+from ..compiler.block_graphs import BlockGraphs
 from ..deepcache import DeepCacheRunner
 from ..quantization.low_rank import LowRankSidePath
 from ..stack import Host, Stack, build, stack_of
@@ -18,6 +20,9 @@ from .comfy_steps import ComfySteps
 from .progress import comfy_progress
 
 FORWARD = "diffusion_model.forward"
+# diffusion model -> {the layers swapped in: (its BlockGraphs, weak references to those layers)}; outside the module, so
+# that copies of it (Switch Weights) do not copy recordings
+GRAPHS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def swapped_layers(model, prefix: str = "diffusion_model.") -> str:
@@ -51,6 +56,19 @@ class ComfyHost(Host):
         prefix = f"diffusion_model.{block_path}." if block_path else "diffusion_model."
         return CompiledMethod(module, method, options, reporter=comfy_progress, announce=not block_path,
                               variant=swapped_layers(self.model, prefix))
+
+    def block_graphs(self):
+        """One BlockGraphs per set of layers the patcher swaps in, kept on the module tree: a LoRA strength or a
+        prompt change runs the node chain again, which rebuilds the forward over the same layers."""
+        swapped = [(key, value) for key, value in sorted(self.model.object_patches.items(), key=lambda item: item[0])
+                   if key.startswith("diffusion_model.") and isinstance(value, (torch.nn.Module, type))]
+        shelf = GRAPHS_SHELF.setdefault(self.module, {})
+        for key in [key for key, (_, refs) in shelf.items() if any(ref() is None for ref in refs)]:
+            del shelf[key]  # layers gone: their recordings go too
+        key = tuple((name, id(value)) for name, value in swapped)
+        if key not in shelf:
+            shelf[key] = (BlockGraphs(), [weakref.ref(value) for _, value in swapped])
+        return shelf[key][0]
 
     def unet_runner(self, config, native):
         return DeepCacheRunner.for_openai_unet(self.module, config, forward_timestep_embed=forward_timestep_embed,

@@ -98,7 +98,7 @@ def weights_fingerprint(named_tensors) -> str:
     reading a few pages per tensor keeps it fast where the weights are a memory-mapped file on the host, where hashing
     every byte took tens of seconds for Flux. Tensor subclasses (a checkpoint's stored low-bit layers) are hashed
     whole."""
-    digest, samples = hashlib.sha256(), {}
+    digest, samples = hashlib.sha256(), []
     for name, tensor in named_tensors:
         if tensor is None:
             continue
@@ -109,9 +109,10 @@ def weights_fingerprint(named_tensors) -> str:
         flat, middle = tensor.detach().reshape(-1), tensor.numel() // 2
         parts = [flat] if flat.numel() <= 3 * FINGERPRINT_CHUNK else [
             flat[:FINGERPRINT_CHUNK], flat[middle:middle + FINGERPRINT_CHUNK], flat[-FINGERPRINT_CHUNK:]]
-        samples.setdefault(flat.device, []).extend(part.contiguous().view(torch.uint8) for part in parts)
-    for device, parts in samples.items():  # one hash per device: one wait for it, not one per tensor
-        digest.update(f"{tensor_hash(torch.cat(parts))}\n".encode())
+        samples.extend(part.contiguous().view(torch.uint8) for part in parts)
+    if samples:  # one hash, on the first sample's device (the same value anywhere): one wait, not one per tensor
+        device = samples[0].device
+        digest.update(f"{tensor_hash(torch.cat([part.to(device) for part in samples]))}\n".encode())
     return digest.hexdigest()
 
 

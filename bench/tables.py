@@ -186,6 +186,49 @@ def sequence_on_one_gpu(reports) -> str:
     return "\n".join(lines)
 
 
+def soak(reports) -> str:
+    """The iteration soaks (iteration_soak.py) that ran to the end: per file, its prompts, failures and leak warnings,
+    the largest anonymous host memory beside eager's and the bound eager + the 8-bit layers + 4 GiB, each change's
+    whole prompt over the same prompt unchanged, and the restart's two prompts."""
+    header = ("model, card, dynamic VRAM", "GPU, ComfyUI", "prompts", "failed", "leak warnings", "anon GiB: eager / max "
+              "/ bound", "strength change", "another LoRA file", "restart: new file / cached s", "`bench/results/`")
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for report in [r for r in newest_per_name(reports) if "summary" in r]:
+        summary, ratios = report["summary"], report["summary"]["change_over_unchanged"]
+        restart = list(summary.get("restart_seconds", {}).values())
+
+        def ratio(change):
+            found = [value for key, value in ratios.items() if key.endswith(change)]
+            return f"{found[-1]:.2f}×" if found else "—"
+        lines.append(" | ".join([
+            f"| {report['model']} {report['resolution']}², {report['budget_gib']:g} GiB, {report['dynamic_vram']}",
+            f"{report['gpu']}, {report['comfyui']}", str(len(report["rows"])), str(len(summary["failed"])),
+            str(summary["leak_warnings"]), f"{summary['eager_anon_gib']:.1f} / {summary['max_anon_gib']:.1f} / "
+            f"{summary['bound_gib']:.1f}", ratio("strength change)"), ratio("another LoRA file"),
+            " / ".join(f"{s:.1f}" for s in restart) or "—", f"`{report['file']}` |"]))
+    return "\n".join(lines)
+
+
+def soak_prompts(reports) -> str:
+    """Each prompt of the iteration soaks listed: how it ended, its whole time (and its sampler's), host memory
+    (anonymous, file-backed) and GPU memory after it, graphs compiled and calibrations."""
+    lines = []
+    for report in reports:
+        lines += [f"{report['model']} {report['resolution']}², {report['steps']} steps, a {report['budget_gib']:g} GiB "
+                  f"card, dynamic VRAM {report['dynamic_vram']}, {report['gpu']}, ComfyUI {report['comfyui']} "
+                  f"(`{report['file']}`{'; ' + report['ended'] if 'ended' in report else ''}):", "",
+                  "| prompt | ended | s | sampler s | anon GiB | file GiB | GPU GiB | compiled | calibrated |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in report["rows"]:
+            sampling = row.get("sampling_seconds", row.get("sampling_seconds_rounded"))
+            lines.append(f"| {row['label']} | {row['status']} | {row['seconds'] or 0:.2f} | "
+                         f"{'—' if sampling is None else f'{sampling:.2f}'} | {row['anon_gib']:.1f} | "
+                         f"{row['file_gib']:.1f} | {row['gpu_gib'] if row['gpu_gib'] is not None else '—'} | "
+                         f"{row['graphs_compiled']} | {row['calibrations']} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 TABLES = {
     "models": (models, ("2026-11-29_h200_comfy033_dynamic-off_flux_1024_fast_attention.json",
                         "2026-11-29_h200_comfy033_dynamic-on_flux_1024_same_run.json",
@@ -202,6 +245,9 @@ TABLES = {
                                 "2026-12-02_h200_comfy033_dynamic-on_wan22_14b_480p_fa3.json",
                                 "2026-12-02_h200_comfy033_dynamic-on_ltx2_768x512_97f_fa3.json")),
     "sequence_one_gpu": (sequence_on_one_gpu, ("*_parallel_one_gpu.json",)),
+    "soak": (soak, ("*_iteration_soak.json",)),
+    "soak_prompts": (soak_prompts, ("*_dynamic-on_budget-16gib_flux_quarter_iteration_soak.json",
+                                    "*_dynamic-on_budget-16gib_flux_full_iteration_soak_partial.json")),
 }
 
 

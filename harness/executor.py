@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import threading
+import time
 import uuid
 
 from .inprocess import import_comfy
@@ -22,11 +23,19 @@ class QuietServer:
         self.last_prompt_id = None
         self.messages = []
         self.on_executing = None  # called with (prompt id, node id) as each node starts
+        self.started = []  # (node id, time.perf_counter()) as each node of the current prompt starts
 
     def send_sync(self, event, data, sid=None):
         self.messages.append({"type": event, "data": data})
-        if event == "executing" and self.on_executing is not None and isinstance(data, dict):
-            self.on_executing(data.get("prompt_id"), data.get("node"))
+        if event == "executing" and isinstance(data, dict):
+            self.started.append((data.get("node"), time.perf_counter()))
+            if self.on_executing is not None:
+                self.on_executing(data.get("prompt_id"), data.get("node"))
+
+    def node_seconds(self) -> dict:
+        """{node id: seconds from its start to the next node's (or the prompt's end)} of the current prompt."""
+        ends = self.started[1:] + [(None, time.perf_counter())]
+        return {node: round(end - start, 3) for (node, start), (_, end) in zip(self.started, ends) if node}
 
     def queue_updated(self):
         pass
@@ -84,13 +93,13 @@ class InProcessComfy:
 
     def run(self, prompt: dict, stop_in: str | None = None, stop_after: float = 0.0) -> tuple:
         """Validate and execute `prompt`; (success | interrupted | error | invalid, seconds from ComfyUI's start to
-        end messages). `stop_in`: the class of a node during whose run the prompt is stopped, `stop_after` seconds
-        in."""
+        end messages, {class type: seconds of its nodes}). `stop_in`: the class of a node during whose run the prompt
+        is stopped, `stop_after` seconds in."""
         prompt_id = uuid.uuid4().hex
         valid = asyncio.run(self.execution.validate_prompt(prompt_id, prompt, None))
         if not valid[0]:
             logging.getLogger("overdrive").error("invalid prompt: %s %s", valid[1], valid[3])
-            return "invalid", None
+            return "invalid", None, {}
         stop_node = next((nid for nid, node in prompt.items() if node["class_type"] == stop_in), None)
         timer = None
 
@@ -100,12 +109,16 @@ class InProcessComfy:
                 timer = threading.Timer(stop_after, self.nodes.interrupt_processing, args=(True,))
                 timer.start()
         self.server.on_executing = on_executing if stop_node else None
-        self.server.last_prompt_id = prompt_id
+        self.server.last_prompt_id, self.server.started = prompt_id, []
         # a client id: the executor tells a client which node runs (the stop above waits for it)
         self.executor.execute(prompt, prompt_id, {"client_id": "in-process"}, valid[2])
         if timer is not None:
             timer.cancel()
-        return ended(self.executor.status_messages)
+        by_class = {}
+        for node, seconds in self.server.node_seconds().items():
+            kind = prompt[node]["class_type"] if node in prompt else node
+            by_class[kind] = round(by_class.get(kind, 0.0) + seconds, 3)
+        return (*ended(self.executor.status_messages), by_class)
 
     def free(self) -> None:
         """What /free with unload_models and free_memory does in the prompt worker."""

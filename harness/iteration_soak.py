@@ -186,7 +186,8 @@ class Soak:
         for step in steps:
             self.rows.append(self.step(step))
             row = self.rows[-1]
-            self.log(f"{row['label']:<55} {row['status']:<12} {row['seconds'] or 0:7.2f} s  anon "
+            self.log(f"{row['label']:<55} {row['status']:<12} {row['seconds'] or 0:7.2f} s (sampling "
+                     f"{row['sampling_seconds'] or 0:6.2f} s)  anon "
                      f"{row['anon_gib']:6.2f}  file {row['file_gib']:6.2f}  gpu {row['gpu_gib']}  "
                      f"compiles {row['graphs_compiled']} calib {row['calibrations']} leaks {row['leak_warnings']}")
         return self.rows
@@ -194,11 +195,12 @@ class Soak:
     def step(self, step: Step) -> dict:
         if step.prompt is None:
             self.comfy.free()
-            status, seconds = "freed", None
+            status, seconds, nodes = "freed", None, {}
         else:
-            status, seconds = self.comfy.run(copy.deepcopy(step.prompt), step.stop_in, step.stop_after)
-        return {"label": step.label, "status": status, "seconds": seconds, **process_memory(),
-                "gpu_gib": gpu_used_gib(), **self.new_log_counts()}
+            status, seconds, nodes = self.comfy.run(copy.deepcopy(step.prompt), step.stop_in, step.stop_after)
+        return {"label": step.label, "status": status, "seconds": seconds,
+                "sampling_seconds": nodes.get("KSampler"), "decode_seconds": nodes.get("VAEDecode"),
+                **process_memory(), "gpu_gib": gpu_used_gib(), **self.new_log_counts()}
 
     def new_log_counts(self) -> dict:
         new = "\n".join(self.comfy.log.lines[self.log_seen:])

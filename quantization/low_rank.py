@@ -84,6 +84,8 @@ class LowRankSidePath(nn.Module):
     def _gemm(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         out = gemm_of(self.base).gemm(rows, out_dtype)
         low = F.linear(rows.to(self.down.dtype), self.down) * self.scale
+        if out.dtype == low.dtype:  # the up-projection accumulates into the layer's output: one pass over it, not three
+            return torch.addmm(out, low, self.up.t())
         return out + F.linear(low, self.up).to(out.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,10 +70,20 @@ def _flatten(value, tensors: list, objects: list):
 _HOLDING_COLLECTIVES = weakref.WeakSet()
 
 
-# The BlockGraphs that hold recordings. Only one holds any at a time: ComfyUI runs one model at a time, and a model's
-# recordings keep a pool of one block's working memory that ComfyUI's memory planning does not see (the recordings of
-# each LoRA's and each setting's model, kept, ran a 16 GiB card out of memory).
-_HOLDING = weakref.WeakSet()
+# The BlockGraphs that hold recordings, the latest last. Only the latest HOLDERS keep them: each holds a pool of one
+# block's working memory that ComfyUI's memory planning does not see (the recordings of every LoRA's and setting's model,
+# kept, ran a short card out of memory), while two models that take turns in one prompt (Wan 2.2 A14B's experts, a base
+# and a refiner) keep theirs.
+HOLDERS = 2
+_HOLDING: list = []  # weak references
+
+
+def _hold(graphs) -> None:
+    """`graphs` starts holding recordings: the holders beyond the latest HOLDERS release theirs."""
+    alive = [ref for ref in _HOLDING if ref() is not None and ref() is not graphs] + [weakref.ref(graphs)]
+    for ref in alive[:-HOLDERS]:
+        ref().release()
+    _HOLDING[:] = alive[-HOLDERS:]
 
 
 def release_collective_graphs() -> int:
@@ -172,6 +182,7 @@ class BlockGraphs:
         self._recordings.clear()
         self._calls.clear()
         self._filled.clear()
+        self._weights.clear()  # the blocks' tensor slots: they hold the layers' tensors
         self._pool = None
         self._stopped = None
         self._failed = 0
@@ -270,9 +281,7 @@ class BlockGraphs:
         streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
         if self._pool is None:  # also after release(): the model's graphs share one pool again
-            for other in [graphs for graphs in _HOLDING if graphs is not self]:
-                other.release()
-            _HOLDING.add(self)
+            _hold(self)
             self._pool = torch.cuda.graph_pool_handle()
         stream = side_stream(current.device)
         stream.wait_stream(current)

@@ -1,8 +1,8 @@
 """Float weights sent back to the file they were loaded from instead of into a copy in host memory.
 
 Quantize Model's layers replace float layers that stay part of ComfyUI's model (a float clone of it may run next), but
-must leave the GPU while the quantized model runs. Copied to the host, the float layers of Flux.1 took 23 GB of
-anonymous memory per quantized model, on desktops of 32-64 GB. The file they came from is on disk, memory-mapped by ComfyUI or by
+must leave the GPU while the quantized model runs. Copied to the host, they cost a second copy of the float model in
+anonymous memory per quantized model (bench/EXPERIMENTS.md). The file they came from is on disk, memory-mapped by ComfyUI or by
 safetensors: a float layer whose tensors are found there, equal to what the model holds, points at the file's tensors
 (page cache: the kernel reclaims it under pressure, nothing is copied) and is read back from the file when a float clone
 loads it. What is found nowhere is copied to the host as before, and the log says how much.
@@ -13,6 +13,7 @@ dynamic-VRAM model shares the file's tensors), else the safetensors file ComfyUI
 """
 import logging
 import os
+import weakref
 
 import torch
 
@@ -37,32 +38,46 @@ def source_file(patcher) -> str | None:
     return path if path and path.lower().endswith((".safetensors", ".sft")) else None
 
 
-_MAPPED: dict = {}  # path -> ((size, mtime), {"diffusion_model.<param>": tensor}): one mapping of each file
+class MappedFile:
+    """One file's tensors, memory-mapped once while a quantized model that reads them lives (the followers hold it)."""
+
+    def __init__(self, version: tuple):
+        self.version, self.tensors = version, {}
 
 
-def _from_file(path: str, keys: list) -> dict:
-    """{key: the file's tensor (memory-mapped once per file and process)} for the `keys` ("diffusion_model.<param>")
-    found in `path` under one of the checkpoint prefixes; {} when the file cannot be read."""
+class FileTensors(dict):
+    """{key: the file's tensor}, holding its MappedFile."""
+
+    def __init__(self, tensors: dict, mapped: MappedFile | None = None):
+        super().__init__(tensors)
+        self.mapped = mapped
+
+
+_MAPPED: "weakref.WeakValueDictionary[str, MappedFile]" = weakref.WeakValueDictionary()
+
+
+def _from_file(path: str, keys: list) -> FileTensors:
+    """{key: the file's tensor (memory-mapped once per file while it is used)} for the `keys` ("diffusion_model.
+    <param>") found in `path` under one of the checkpoint prefixes; empty when the file cannot be read."""
     from safetensors import safe_open
     try:
         stat = os.stat(path)
-        version, mapped = _MAPPED.get(path, (None, {}))
-        if version != (stat.st_size, stat.st_mtime_ns):
-            mapped = {}
-            _MAPPED[path] = ((stat.st_size, stat.st_mtime_ns), mapped)
-        missing = [key for key in keys if key not in mapped]
+        mapped = _MAPPED.get(path)
+        if mapped is None or mapped.version != (stat.st_size, stat.st_mtime_ns):
+            mapped = _MAPPED[path] = MappedFile((stat.st_size, stat.st_mtime_ns))
+        missing = [key for key in keys if key not in mapped.tensors]
         if missing:
             with safe_open(path, framework="pt", device="cpu") as opened:
                 stored = set(opened.keys())
                 prefix = next((p for p in CHECKPOINT_PREFIXES if any(p + k[len(PREFIX):] in stored for k in missing)),
                               None)
                 if prefix is not None:
-                    mapped.update({key: opened.get_tensor(prefix + key[len(PREFIX):]) for key in missing
-                                   if prefix + key[len(PREFIX):] in stored})
-        return {key: mapped[key] for key in keys if key in mapped}
+                    mapped.tensors.update({key: opened.get_tensor(prefix + key[len(PREFIX):]) for key in missing
+                                           if prefix + key[len(PREFIX):] in stored})
+        return FileTensors({key: mapped.tensors[key] for key in keys if key in mapped.tensors}, mapped)
     except Exception as error:  # noqa: BLE001 - a file moved or rewritten since: host copies, as before
         log.info("Overdrive quantization: %s could not be read back (%s).", path, str(error).splitlines()[0][:200])
-    return {}
+    return FileTensors({})
 
 
 def file_tensors(base_model, path: str | None, layers: dict) -> dict:

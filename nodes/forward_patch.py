@@ -63,11 +63,11 @@ class ComfyHost(Host):
         swapped = [(key, value) for key, value in sorted(self.model.object_patches.items(), key=lambda item: item[0])
                    if key.startswith("diffusion_model.") and isinstance(value, (torch.nn.Module, type))]
         shelf = GRAPHS_SHELF.setdefault(self.module, {})
-        for key in [key for key, (_, refs) in shelf.items() if any(ref() is None for ref in refs)]:
-            del shelf[key]  # layers gone: their recordings go too
         key = tuple((name, id(value)) for name, value in swapped)
         if key not in shelf:
-            shelf[key] = (BlockGraphs(), [weakref.ref(value) for _, value in swapped])
+            def forget(_, shelf=shelf, key=key):  # a layer is gone: its recordings (and what they hold) go too
+                shelf.pop(key, None)
+            shelf[key] = (BlockGraphs(), [weakref.ref(value, forget) for _, value in swapped])
         return shelf[key][0]
 
     def unet_runner(self, config, native):

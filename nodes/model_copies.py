@@ -1,7 +1,7 @@
 """Copies of a ComfyUI model around another diffusion model: Switch Weights' (new weights) and Compile Model's classic
 copy of a dynamic-VRAM model (the same weights, shared)."""
 import copy
-import types
+import functools
 import weakref
 
 import torch
@@ -9,7 +9,7 @@ import torch
 import comfy.model_patcher
 
 from ..compiler.switch_weights import structural_copy
-from .file_weights import FILE_TENSORS, record_file_tensors, same_values
+from .file_weights import FILE_TENSORS, point_at_file, record_file_tensors
 from .load_state import LAYER_LOADER_STATE, MODEL_LOADER_STATE, forget_load_state
 
 # What dynamic VRAM sets on each layer at its loads, beyond LAYER_LOADER_STATE: casting at every call and the layer's
@@ -73,8 +73,8 @@ def classic_clone(model):
     """A clone of dynamic-VRAM `model` on ComfyUI's classic loader, for Compile Model (nodes/dynamic_vram.py).
 
     ComfyUI's own way (`clone(disable_dynamic=True)`) loads the file again at every call, and with dynamic VRAM on in
-    the process its layers clone each tensor of the file into host memory: 24 GB of Flux.1 per Compile Model run, kept
-    as long as ComfyUI's cache keeps the node's output. This copy shares the dynamic model's tensors instead (the
+    the process its layers clone each tensor of the file into host memory: a second float model per Compile Model run,
+    kept as long as ComfyUI's cache keeps the node's output. This copy shares the dynamic model's tensors instead (the
     memory-mapped file's), so it costs no host memory, and one copy per BaseModel serves every Compile Model run over
     it: a LoRA or prompt change runs the same classic model, which ComfyUI keeps loaded."""
     base = model.model
@@ -105,28 +105,17 @@ def _classic_twin(model):
     twin = base_model_around(model.model, twin_tree)
     mark_unloaded(twin, model.offload_device)
     record_file_tensors(twin, file_tensors)
-    twin._apply = types.MethodType(_apply_keeping_file_tensors, twin)
+    twin._apply = functools.partial(_apply_keeping_file_tensors, weakref.ref(twin))
     setattr(twin, LOADER_RECORDS, ({}, {}, {}, set()))  # shared by its clones, as ComfyUI shares a model's records
     return twin
 
 
-def _apply_keeping_file_tensors(self, fn, recurse=True):
-    """The classic copy's `_apply`: where ComfyUI unloads it to the host (`model.to(offload_device)`), its weights
-    point at the file's tensors again instead of being copied into host memory."""
+def _apply_keeping_file_tensors(twin_ref, fn, recurse=True):
+    """The classic copy's `_apply` (holding it weakly: no reference cycle keeps it alive): where ComfyUI unloads it to the
+    host (`model.to(offload_device)`), its weights point at the file's tensors again instead of being copied."""
+    twin = twin_ref()
     if torch.cuda.is_available() and fn(torch.empty(0, device="cuda")).device.type == "cpu":
-        point_at_file(self)
-    return type(self)._apply(self, fn, recurse)
-
-
-def point_at_file(base_model) -> int:
-    """Every weight of `base_model` off the host that it records a file tensor for, pointed at it. Returns bytes."""
-    tensors, moved = getattr(base_model, FILE_TENSORS, {}), 0
-    for name, tensor in list(base_model.diffusion_model.named_parameters()):
-        source = tensors.get(f"diffusion_model.{name}")
-        if source is not None and tensor.device.type != "cpu" and same_values(tensor, source):
-            module_name, _, param = name.rpartition(".")
-            module = base_model.diffusion_model.get_submodule(module_name) if module_name else \
-                base_model.diffusion_model
-            module._parameters[param] = torch.nn.Parameter(source, requires_grad=False)
-            moved += tensor.numel() * tensor.element_size()
-    return moved
+        tree = twin.diffusion_model
+        layers = {name: module for name, module in tree.named_modules() if module._parameters}
+        point_at_file(layers, getattr(twin, FILE_TENSORS, {}), set())
+    return type(twin)._apply(twin, fn, recurse)

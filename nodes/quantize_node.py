@@ -1,5 +1,6 @@
 """QuantizeModel: measured int8/fp8 quantization of the diffusion model, applied as ModelPatcher object patches."""
 import logging
+import os
 import time
 import uuid
 
@@ -21,7 +22,9 @@ from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import DEFAULT_STEPS, MAX_STEPS, CalibrationRun
 from . import quantized_sets
-from .quantize_patches import bake_weight_patches, compute_dtype, float_view, install_quantized
+from .file_weights import source_file
+from .quantize_patches import (bake_weight_patches, compute_dtype, float_view, install_quantized,
+                               quantized_set_of)
 from .quantized_lora import SidePaths, low_rank_layers, weight_key
 from .quantized_sets import QuantizedSet, set_key
 from .schema import node_schema, patched_copy_input
@@ -114,6 +117,16 @@ def base_tensors(model, tree) -> list:
     return pairs
 
 
+def file_identity(model) -> str:
+    """The file ComfyUI's loader read `model` from, with its size and time ("" for a model made otherwise): beside the
+    weights' sampled fingerprint, two files that differ only where it does not sample are two models."""
+    path = source_file(model)
+    if path is None or not os.path.isfile(path):
+        return ""
+    stat = os.stat(path)
+    return f"|{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
 def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, attention: AttentionConfig,
                     resolution: str | None = None, folder: str | None = None):
     """(patched clone, report): the quantized layers of `model`'s weights at these settings, taken from an earlier run
@@ -127,7 +140,7 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, atte
     tree = float_view(model)
     float_layers = dict(getattr(family_of(tree), "float_layers", ()))
     fingerprint = weights_fingerprint(base_tensors(model, tree))
-    key = set_key(fingerprint, config.to_dict(), fmt, model.load_device, float_layers)
+    key = set_key(fingerprint + file_identity(model), config.to_dict(), fmt, model.load_device, float_layers)
     quantized = quantized_sets.live(key)
     reused = quantized is not None
     if not reused:
@@ -183,7 +196,7 @@ def quantize_once(model, config, run, attention, context, folder, fingerprint, f
     log.info("%s [%s; float model loaded in %.1f s; %.1f s in all]%s", report.summary(), source, loaded - started,
              time.perf_counter() - started, f"; GPU memory while quantizing: {peak['text']}" if peak["text"] else "")
     log.debug("%s", report.table())
-    return QuantizedSet(plan.modules, report, SidePaths(plan.modules, compute_dtype(model)), key)
+    return QuantizedSet(plan.modules, report, SidePaths(plan.modules, compute_dtype(model)), key, context)
 
 
 REPORT = "overdrive_quantization_report"  # the returned model's attachment: what Quantize Model did, for callers
@@ -280,8 +293,9 @@ class OverdriveQuantizeModel(io.ComfyNode):
                         "Reason: %s", error_line(error, 500), exc_info=log.isEnabledFor(logging.DEBUG))
             patched = model.clone()
         patched.set_attachments(REPORT, report)
-        patched.set_attachments(RECIPE, (config, attention_config, run.cache_context(), quant_cache_dir())
-                                if report is not None else None)
+        made = quantized_set_of(patched)  # the decisions' context: the first run's, where later ones reuse its layers
+        patched.set_attachments(RECIPE, (config, attention_config, made.context, quant_cache_dir())
+                                if report is not None and made is not None else None)
         checkpoint_formats.report_conversions(stored, report.formats() if report else {})
         log.info("Overdrive %s", install_attention(patched, attention_config))
         return io.NodeOutput(patched)

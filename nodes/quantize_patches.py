@@ -7,7 +7,6 @@
   the GPU while they run, for the file they were loaded from where it holds them (nodes/file_weights.py).
 """
 import copy
-import hashlib
 import logging
 import uuid
 import weakref
@@ -21,10 +20,9 @@ from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ..compiler.switch_weights import structural_copy
 from ..quantization import gelu_fusion
-from ..quantization.cache import tensor_hash
 from ..quantization.kernels import fp8_gemm_gelu_runs_as
 from ..quantization.linear_layers import dequantized, float_weight
-from ..quantization.low_rank import LowRankSidePath, layer_shape
+from ..quantization.low_rank import LowRankSidePath, base_of, layer_shape
 from ..quantization.modules import requantize
 from . import file_weights
 from .load_state import LAYER_LOADER_STATE, forget_load_state
@@ -57,17 +55,21 @@ def patched_tensor(patcher, key: str, device, float_tree):
 
 
 def bake_weight_patches(patcher, layers: dict, names, float_tree, device) -> dict:
-    """Copies of `layers`' `names` ({name: quantized layer}) re-quantized from their float weights in `float_tree`
-    with `patcher`'s weight patches applied, those patches dropped from `patcher`: for the patches no side path runs
-    (LoHa, LoKr, DoRA, full or bias differences). The shared layers stay as they are. Returns {name: baked copy}."""
+    """Copies of `layers`' `names` ({name: quantized layer}) re-quantized on `device` from their float weights in
+    `float_tree` with `patcher`'s weight patches applied, those patches dropped from `patcher`: for the patches no side
+    path runs (LoHa, LoKr, DoRA, full or bias differences). The shared layers stay as they are; the copies wait where
+    ComfyUI keeps offloaded weights until the model loads. Returns {name: baked copy}."""
     baked = {}
     for name in names:
         weight, bias = (patched_tensor(patcher, key, device, float_tree) for key in patch_keys(name))
-        home = on_device(layers[name])  # quantized where the patched weight was computed, then back where it waits
-        baked[name] = copy.deepcopy(layers[name]).to(device).load_float_weight(dequantized(weight), bias).to(home)
+        layer = copy.deepcopy(layers[name]).to(device)
+        gelu_fusion.unlink(layer)
+        baked[name] = layer.load_float_weight(dequantized(weight), bias).to(patcher.offload_device)
     for name in baked:
         for key in patch_keys(name):
             patcher.patches.pop(key, None)
+    if baked:
+        patcher.patches_uuid = uuid.uuid4()  # other weights than the input MODEL's: ComfyUI must not share them
     return baked
 
 
@@ -112,6 +114,17 @@ class QuantizedPatchRouter:
     def on_clone(self, source, clone) -> None:
         self.guard(clone)
 
+    def on_hook_patches(self, patcher, *args) -> None:
+        """ComfyUI's hook LoRAs (a LoRA scheduled on conditioning) patch weights while sampling, which the quantized
+        layers do not have: ComfyUI skips those keys. Said once per model, with the fix."""
+        keys = {key for patches in patcher.hook_patches.values() for key in patches}
+        hit = sorted(name for name in self.quantized.layers if weight_key(name) in keys)
+        if hit and not getattr(patcher, "_overdrive_hooks_warned", False):
+            patcher._overdrive_hooks_warned = True
+            log.warning("Overdrive quantization: a hook LoRA (scheduled on conditioning) patches %d quantized layer(s) "
+                        "(%s...), which it cannot: those layers run without it. Load that LoRA with a LoRA loader on "
+                        "the model (before or after Quantize Model) instead.", len(hit), hit[0])
+
 
 def quantized_name(key: str) -> str | None:
     if not key.startswith(PREFIX):
@@ -123,12 +136,11 @@ def quantized_name(key: str) -> str | None:
 
 
 def place_quantized(patcher, quantized: QuantizedSet) -> None:
-    """`patcher`'s object patches for the quantized layers (side paths where its LoRAs need them), its patch identity,
-    and its forward rebuilt over them (compiled graphs are keyed by the layers swapped in)."""
+    """`patcher`'s object patches for the quantized layers (side paths where its LoRAs need them), its size, and its
+    forward rebuilt over them (compiled graphs are keyed by the layers swapped in)."""
     from .forward_patch import rebuild
-    layers = quantized_modules(patcher)
-    place_side_paths(patcher, quantized.side_paths, layers)
-    set_patches_uuid(patcher, layers)
+    place_side_paths(patcher, quantized.side_paths, quantized_modules(patcher))
+    patcher.size = resident_bytes(patcher)
     rebuild(patcher)
 
 
@@ -236,7 +248,8 @@ class QuantizedModules:
                      f", {copied / 2**30:.2f} GiB copied to host memory (not found in the file)" if copied else "")
 
     def on_load(self, patcher, *args) -> None:
-        """After ComfyUI's load: float layers its unpatching copied to the host meanwhile go back to their file."""
+        """After ComfyUI's load: float layers it brought onto the GPU meanwhile (its unpatching moves the whole tree)
+        leave it again."""
         if self in followers(patcher) and self.originals:
             self.float_layers_off_gpu()
 
@@ -277,7 +290,7 @@ class QuantizedModules:
         for look_up_again in (False, True):  # again: a layer not where it was found (a container replaced since)
             missed = False
             for parent, attribute, quantized, original in self.slots(tree, look_up_again):
-                if runs(parent._modules.get(attribute), quantized):
+                if base_of(parent._modules.get(attribute)) is quantized:
                     setattr(parent, attribute, original)
                 else:
                     missed = True
@@ -298,11 +311,6 @@ class QuantizedModules:
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone deep-copies model_options: clones share the layers
         return self
-
-
-def runs(module, layer) -> bool:
-    """Whether `module` (in the tree) is quantized `layer` or its LoRA side path."""
-    return module is layer or (isinstance(module, LowRankSidePath) and module.base is layer)
 
 
 def return_hook(follower: QuantizedModules):
@@ -387,13 +395,13 @@ def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size
                                 patcher.model, file_weights.source_file(patcher), patcher.backup)
     follower.float_size = float_size
     for kind, callback in ((CallbacksMP.ON_CLONE, router.on_clone), (CallbacksMP.ON_DETACH, follower.on_detach),
-                           (CallbacksMP.ON_CLEANUP, follower.on_cleanup), (CallbacksMP.ON_LOAD, follower.on_load)):
+                           (CallbacksMP.ON_CLEANUP, follower.on_cleanup), (CallbacksMP.ON_LOAD, follower.on_load),
+                           (CallbacksMP.ON_REGISTER_ALL_HOOK_PATCHES, router.on_hook_patches)):
         patcher.remove_callbacks_with_key(kind, ROUTER_KEY)
         patcher.add_callback_with_key(kind, ROUTER_KEY, callback)
     patcher.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY)
     patcher.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY, record_activations)
     patcher.set_model_patch(follower, FOLLOWER)
-    set_patches_uuid(patcher, layers)
     # ComfyUI loads a model whole (model.to(device), every tensor) only where its size fits; told the float size, it
     # loaded a 4-bit Wan 14B that fits a short card partially, leaving the blocks' own modulation tensors in host
     # memory, which kept every compiled block off CUDA graphs.
@@ -403,15 +411,6 @@ def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size
 def is_quantized(module) -> bool:
     """A layer Quantize Model made (or its LoRA side path)."""
     return hasattr(module, "load_float_weight") or isinstance(module, LowRankSidePath)
-
-
-def set_patches_uuid(patcher, layers: dict) -> None:
-    """`patcher`'s patch identity, which ComfyUI compares with the loaded one to decide whether to unpatch and patch
-    the model's weights again: a digest of the patches ComfyUI applies itself, without those on `layers` (which run
-    beside them). Two clones that differ only in the strengths or files of LoRAs on quantized layers then load as the
-    same weights: a strength change moves nothing."""
-    own = {key: value for key, value in patcher.patches.items() if quantized_name(key) not in layers}
-    patcher.patches_uuid = uuid.uuid5(uuid.NAMESPACE_OID, f"overdrive-quantized|{patches_digest(own)}")
 
 
 def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
@@ -426,52 +425,12 @@ def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
     return executor(model, noise_shape, conds, *args, **kwargs)
 
 
-_TENSOR_HASHES: dict = {}  # id(tensor) -> (weak reference, hash): a LoRA's tensors are hashed once per load
-
-
-def cached_tensor_hash(tensor: torch.Tensor) -> int:
-    held = _TENSOR_HASHES.get(id(tensor))
-    if held is not None and held[0]() is tensor:
-        return held[1]
-    value = tensor_hash(tensor)
-    _TENSOR_HASHES[id(tensor)] = (weakref.ref(tensor, lambda _, key=id(tensor): _TENSOR_HASHES.pop(key, None)), value)
-    return value
-
-
-def patches_digest(patches: dict) -> str:
-    """sha256 of a ModelPatcher's weight patches (keys, strengths and tensors). Equal for the same LoRA loaded twice:
-    ComfyUI's weight adapters (LoRAAdapter, ...) and patch functions are fed by class or name and their tensors, never
-    by repr (which holds the object's address)."""
-    digest = hashlib.sha256()
-
-    def feed(value):
-        if isinstance(value, torch.Tensor):
-            digest.update(f"T{value.dtype}{tuple(value.shape)}{cached_tensor_hash(value)}".encode())
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[")
-            for item in value:
-                feed(item)
-            digest.update(b"]")
-        elif isinstance(getattr(value, "weights", None), (list, tuple)):  # comfy.weight_adapter.WeightAdapterBase
-            digest.update(f"A{type(value).__module__}.{type(value).__qualname__}".encode())
-            feed(value.weights)
-        elif callable(value):
-            digest.update(f"F{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}".encode())
-        else:
-            digest.update(repr(value).encode())
-
-    for key in sorted(patches):
-        digest.update(key.encode())
-        feed(patches[key])
-    return digest.hexdigest()
-
-
 def quantized_modules(patcher) -> dict:
     """{layer name: quantized layer} that Quantize Model installed on `patcher` (empty if none); a side path's layer."""
     layers = {}
     for key, value in patcher.object_patches.items():
         if key.startswith(PREFIX) and is_quantized(value):
-            layers[key[len(PREFIX):]] = value.base if isinstance(value, LowRankSidePath) else value
+            layers[key[len(PREFIX):]] = base_of(value)
     return layers
 
 
@@ -507,7 +466,8 @@ def requantize_onto(patcher, diffusion_model) -> list:
         state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
     fresh = requantize(old, state, copy=True)
     previous = quantized_set_of(patcher)
-    switched = QuantizedSet(fresh, previous.report, SidePaths(fresh, previous.side_paths.dtype))
+    switched = QuantizedSet(fresh, previous.report, SidePaths(fresh, previous.side_paths.dtype),
+                            context=previous.context)
     reinstall(patcher, switched, fresh)
     return sorted(fresh)
 

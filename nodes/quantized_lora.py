@@ -170,9 +170,11 @@ def needed_rank(terms: dict) -> int:
 
 
 def place_side_paths(patcher, side_paths: SidePaths, layers: dict) -> int:
-    """`patcher`'s object patches for `layers` ({name: the layer it runs there}): the side paths of the rank its LoRAs
-    need, or the layers themselves without LoRAs on them. A layer baked for this patcher (not one of `side_paths`'
-    layers) keeps its own object patch. Returns the rank (0: none)."""
+    """`patcher`'s object patches for `layers` ({name: the layer it runs there}): where any of its LoRAs needs a side
+    path, every shared layer runs beside one of the rank they need (zero rows where a layer has no LoRA: one compiled
+    graph then serves every LoRA of that rank, whichever layers it patches); without LoRAs, the layers themselves. A
+    layer baked for this patcher (not one of `side_paths`' layers) keeps its own object patch. Returns the rank (0:
+    none)."""
     shared = {name: layer for name, layer in layers.items() if side_paths.layers.get(name) is layer}
     rank = needed_rank(terms_of(patcher, shared))
     paths = side_paths.at_rank(rank) if rank else {}

@@ -22,13 +22,15 @@ _LIVE: "weakref.WeakValueDictionary[str, QuantizedSet]" = weakref.WeakValueDicti
 @dataclasses.dataclass(eq=False)
 class QuantizedSet:
     """`layers`: {name: quantized layer}, shared by every clone that runs them (never written after they are made);
-    `report`: the decisions; `side_paths`: their LoRA side paths; `streaming`: the pinned host copies of those a short
-    card streams (one per layer, whichever clone runs it)."""
+    `report`: the decisions, saved under the calibration's `context` (another process quantizing its copy the same way
+    reads them there: Parallel Model's workers); `side_paths`: their LoRA side paths; `streaming`: the pinned host
+    copies of those a short card streams (one per layer, whichever clone runs it)."""
 
     layers: dict
     report: QuantReport
     side_paths: SidePaths
     key: str = ""
+    context: str | None = None
     streaming: StreamedBlocks = dataclasses.field(default_factory=StreamedBlocks)
 
 

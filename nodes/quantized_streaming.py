@@ -8,6 +8,7 @@ import logging
 import torch
 
 from ..compiler.block_graphs import WEIGHTS_COPIED_IN
+from ..quantization.low_rank import base_of
 from .gpu_budget import room_for_weights
 
 log = logging.getLogger("overdrive")
@@ -158,7 +159,7 @@ class StreamedBlocks:
     def _bring_in(self, index: int):
         def hook(block, args):
             first_name, first_layer, host = self.blocks[index]
-            if block.get_submodule(first_name) is not first_layer:
+            if base_of(block.get_submodule(first_name)) is not first_layer:  # a side path runs the layer too
                 return
             ahead, self.ahead = self.ahead, None
             ticket = ahead[1] if ahead is not None and ahead[0] == index else self._send_now(host)

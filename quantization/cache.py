@@ -96,7 +96,7 @@ def weights_fingerprint(named_tensors) -> str:
     """sha256 over `(name, tensor)` pairs: names, dtypes, shapes and `tensor_hash` of three short chunks of each
     tensor (its start, middle and end). Two checkpoints of one architecture (fine-tunes, merges) differ in every chunk;
     reading a few pages per tensor keeps it fast where the weights are a memory-mapped file on the host, where hashing
-    every byte took tens of seconds for Flux. Tensor subclasses (a checkpoint's stored low-bit layers) are hashed
+    every byte is slow for a large model. Tensor subclasses (a checkpoint's stored low-bit layers) are hashed
     whole."""
     digest, samples = hashlib.sha256(), []
     for name, tensor in named_tensors:

@@ -112,6 +112,12 @@ def _original_class(module) -> type:
     return getattr(type(module), "fused_from", type(module))
 
 
+def unlink(layer: nn.Module) -> None:
+    """A copy of a quantized layer out of the MLP pair `fuse` linked it into (its own pair is fused anew, or not)."""
+    if isinstance(layer, Fp8Linear):
+        layer.gelu_dtype, layer.gelu_output_scale_inverse, layer.e4m3_input_dtype = None, None, None
+
+
 def restore_class(module: nn.Module) -> None:
     """Give a module `fuse` swapped a class for its own class back (any other module is left as it is)."""
     module.__class__ = _original_class(module)

@@ -133,6 +133,11 @@ class LowRankSidePath(nn.Module):
         return f"rank={self.rank}"
 
 
+def base_of(module: nn.Module) -> nn.Module:
+    """The quantized layer a module runs: a side path's layer, or the module itself."""
+    return module.base if isinstance(module, LowRankSidePath) else module
+
+
 def side_path_reference(base_weight: torch.Tensor, terms) -> torch.Tensor:
     """The float weight that `terms` beside a layer of float weight `base_weight` stand for (tests and the report's
     error figures): W + sum(strength * up @ down) at each term's slice."""

@@ -779,6 +779,28 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
     assert len(tree.blocks[1]._forward_pre_hooks) == 1  # only this test's own hook is left
 
 
+def test_a_streamed_block_brings_in_the_layers_its_lora_side_paths_run(comfy):
+    """With a LoRA every quantized layer runs beside a side path, which the tree holds in the layer's place: a streamed
+    block still copies the layers in (its hook looks through the side path), and computes the layer with its LoRA."""
+    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    from overdrive.quantization.low_rank import LowRankSidePath, LowRankTerm
+    torch.manual_seed(0)
+    tree = torch.nn.Module()
+    tree.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(64, 64)) for _ in range(2)])
+    layers = {f"blocks.{i}.0": Int8Linear.from_float(tree.blocks[i][0]) for i in range(2)}
+    paths = {name: LowRankSidePath(layer, 32, torch.float32) for name, layer in layers.items()}
+    for name, path in paths.items():
+        path.write([LowRankTerm(torch.randn(64, 4), torch.randn(4, 64) * 0.1, 0.5)])
+        tree.get_submodule(name.rpartition(".")[0])[0] = path
+    x = torch.randn(4, 64)
+    expected = tree.blocks[1](tree.blocks[0](x))
+    streaming = StreamedBlocks()
+    streaming.start(tree, {"blocks.1": {"blocks.1.0": layers["blocks.1.0"]}}, "cpu")
+    assert layers["blocks.1.0"].weight_q is None  # streamed: empty outside its block's call
+    assert torch.equal(tree.blocks[1](tree.blocks[0](x)), expected)
+    streaming.stop()
+
+
 def test_room_is_kept_for_the_float_tensors_comfyui_loads_after_the_quantized_layers(comfy, monkeypatch):
     """ComfyUI's loader brings the model's float tensors (norms, embeddings, a block's own tensors) onto the card after
     the quantized layers are placed: their room is kept, or the classic loader would load them beyond the card."""

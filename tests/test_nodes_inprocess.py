@@ -122,9 +122,11 @@ def test_a_stop_while_compiling_ends_the_run_as_interrupted_and_keeps_the_model_
     assert "stopped in" in caplog.text and "finished in" not in caplog.text, caplog.text  # cut short mid-compile
     forward = model.object_patches["diffusion_model.forward"]
     assert forward.graph.failure is None and "runs eager" not in caplog.text
-    assert dynamo_graph_count() == graphs  # no graph came out of the stopped compile
+    # No compiled graph came out of the stopped compile. (Dynamo counts a graph once it is traced, before Inductor
+    # compiles it: where the stop lands after the trace, that count has moved; the entry point's has not.)
+    assert forward.graph.graphs_compiled == 0
     assert relative_error(sample(model), eager_latent) < TOLERANCE  # the next prompt compiles and runs compiled
-    assert dynamo_graph_count() > graphs and forward.graph.failure is None
+    assert dynamo_graph_count() > graphs and forward.graph.graphs_compiled > 0 and forward.graph.failure is None
 
 
 def test_lora_on_a_compiled_model_applies_without_recompiling(base, compiled, sample):

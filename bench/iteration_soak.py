@@ -19,8 +19,11 @@ import sys
 import tempfile
 
 
+FOLDERS = ("diffusion_models", "vae", "loras")  # the ComfyUI model folders the soak's files are read from
+
+
 def soak_files(size: str, directory: pathlib.Path):
-    """(Files, {ComfyUI folder: [directories]}, GiB of the block linears' weights in 8 bits)."""
+    """(Files, GiB of the block linears' weights in 8 bits), written into `directory` once."""
     from overdrive.builtin_models.dit import ensure_diffusion_model, ensure_vae
     from overdrive.builtin_models.lora import block_linears, ensure_lora
     from overdrive.harness.iteration_soak import Files
@@ -28,22 +31,20 @@ def soak_files(size: str, directory: pathlib.Path):
     vae = ensure_vae("flux", size, 0, directory)
     loras = [ensure_lora(model, directory, rank=16, seed=seed) for seed in (0, 1)]
     eight_bit = sum(out * inp for _, out, inp in block_linears(model)) / 2**30
-    folders = {folder: [directory] for folder in ("diffusion_models", "vae", "loras")}
-    return Files(model.name, other.name, vae.name, tuple(p.name for p in loras)), folders, eight_bit
+    return Files(model.name, other.name, vae.name, tuple(p.name for p in loras)), eight_bit
 
 
 def run(args) -> tuple:
     """(rows, GiB of the quantized layers) of this process's phase."""
     import torch
     from overdrive.harness.executor import InProcessComfy
-    from overdrive.harness.inprocess import import_comfy
     from overdrive.harness.iteration_soak import Soak, plan, restart_plan
 
-    cpu = not torch.cuda.is_available()
-    import_comfy(cpu=cpu, dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)  # once
-    files, folders, eight_bit_gib = soak_files(args.size, pathlib.Path(args.files_dir))
-    comfy = InProcessComfy(pathlib.Path(args.workdir) / "output", folders, cpu=cpu,
+    cpu, directory = not torch.cuda.is_available(), pathlib.Path(args.files_dir)
+    # ComfyUI first (the files' layouts are read off its classes), reading the folder the files go to
+    comfy = InProcessComfy(pathlib.Path(args.workdir) / "output", {folder: [directory] for folder in FOLDERS}, cpu=cpu,
                            dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
+    files, eight_bit_gib = soak_files(args.size, directory)
     info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items()
             if name in USED}
     steps = (plan(info, files, args.res, args.steps, args.cycles, not args.no_stops, args.core) if args.phase == "soak"

@@ -21,9 +21,8 @@ LOADER_RECORDS = "overdrive_loader_records"  # on the classic copy: its loader's
 OVERDRIVE_RECORDS = (CLASSIC_TWIN, FILE_TENSORS, LOADER_RECORDS, "_apply")
 
 
-def with_diffusion_model(model, diffusion_model, disable_dynamic: bool = False):
-    """A clone of `model` around a new BaseModel that holds `diffusion_model` (the rest copied, it is small); on
-    ComfyUI's classic loader with `disable_dynamic`.
+def with_diffusion_model(model, diffusion_model):
+    """A clone of `model` around a new BaseModel that holds `diffusion_model` (the rest copied, it is small).
 
     ComfyUI treats clones of one BaseModel as sharing weights: it would keep the old weights on the GPU and skip
     moving the new ones. A BaseModel of its own makes the new model a separate model to ComfyUI's memory management
@@ -32,7 +31,7 @@ def with_diffusion_model(model, diffusion_model, disable_dynamic: bool = False):
     mark_unloaded(base, model.offload_device)
     # ComfyUI's clone convention: the model and the loader's records of what it changed on it (weights and buffers
     # moved or patched, object patches applied, pinned weights), none yet for the new model.
-    return model.clone(disable_dynamic=disable_dynamic, model_override=(base, ({}, {}, {}, set())))
+    return model.clone(model_override=(base, ({}, {}, {}, set())))
 
 
 def base_model_around(base_model, diffusion_model):

@@ -446,7 +446,7 @@ def resident_bytes(patcher) -> int:
     follower = next(iter(followers(patcher)), None)
     size = follower.float_size if follower is not None and follower.float_size else patcher.model_size()
     tree = patcher.model.diffusion_model
-    for name, module in quantized_modules(patcher).items():
+    for name in quantized_modules(patcher):
         original = patcher.object_patches_backup.get(PREFIX + name) or tree.get_submodule(name)
         size += tensor_bytes(patcher.object_patches[PREFIX + name]) - (0 if is_quantized(original) else
                                                                        tensor_bytes(original))

@@ -126,8 +126,7 @@ class SidePaths:
         """Every side path's own buffers onto `device` (their layers move with the model)."""
         for paths in self.by_rank.values():
             for path in paths.values():
-                for name in ("down", "up", "scale"):
-                    path._buffers[name] = path._buffers[name].to(device)
+                path.buffers_to(device)
 
     def write(self, rank: int, terms: dict) -> str:
         """`terms` ({name: [LowRankTerm]}) into the side paths of `rank`; "" when they are written already, else what

@@ -37,7 +37,7 @@ class QuantizedSet:
 def set_key(fingerprint: str, config: dict, fmt: str, device, float_layers) -> str:
     """The registry's key: the weights' fingerprint, the settings, the format, the device and the layers a family keeps
     in 16 bits. Not the calibration's resolution or prompt: layers measured at one size serve the others (a user
-    changing the size mid-session waits for no calibration; a new process calibrates at its own)."""
+    changing the size between prompts waits for no calibration; a new process calibrates at its own)."""
     text = json.dumps([fingerprint, config, fmt, str(device), sorted(map(str, float_layers))], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -119,6 +119,11 @@ class LowRankSidePath(nn.Module):
             start = end
         self.write_strengths([(term.rank, term.strength) for term in terms])
 
+    def buffers_to(self, device) -> None:
+        """Its own buffers onto `device` (its layer moves with the model)."""
+        for name in ("down", "up", "scale"):
+            self._buffers[name] = self._buffers[name].to(device)
+
     @torch.no_grad()
     def write_strengths(self, strengths) -> None:
         """New strengths for the terms written last (one per term, in their order), without touching their factors."""

@@ -1,7 +1,7 @@
 """Overdrive: fast diffusion inference for ComfyUI on NVIDIA GPUs.
 
 This folder is both a ComfyUI custom-node pack (ComfyUI calls `comfy_entrypoint` below for its V3 nodes) and the
-Python package `overdrive`, whose core (compiler/, quantization/, deepcache/) works on plain torch modules without
+Python package `overdrive`, whose core (compiler/, quantization/, step_cache/) works on plain torch modules without
 ComfyUI.
 """
 import importlib.util

@@ -19,7 +19,8 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..errors import OverdriveError
+from ..core.errors import OverdriveError
+from ..core.registry import Registry
 from . import cudnn8, fa3, fa3_fp8, triton8
 from .reference import relative_error
 
@@ -103,14 +104,15 @@ class Backend:
     exact: bool  # a 16-bit kernel (`exact` mode's), else an 8-bit one
 
 
-BACKENDS = {
-    "sdpa_cudnn": Backend(cuda_16_bit, sdpa_cudnn, exact=True),
-    "fa3_bf16": Backend(fa3.supports, fa3.attention, exact=True),
-    "int8_fp8": Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8"), exact=False),
-    "int8_fp16": Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16"), exact=False),
-    "cudnn_fp8": Backend(cudnn8.supports, cudnn8.attention, exact=False),
-    "fa3_fp8": Backend(fa3_fp8.supports, fa3_fp8.attention, exact=False),
-}
+BACKENDS = Registry("attention backend")  # measured in this order
+BACKENDS.register("sdpa_cudnn", Backend(cuda_16_bit, sdpa_cudnn, exact=True))
+BACKENDS.register("fa3_bf16", Backend(fa3.supports, fa3.attention, exact=True))
+BACKENDS.register("int8_fp8", Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp8"),
+                                      exact=False))
+BACKENDS.register("int8_fp16", Backend(triton8.supports, lambda q, k, v: triton8.attention(q, k, v, pv="fp16"),
+                                       exact=False))
+BACKENDS.register("cudnn_fp8", Backend(cudnn8.supports, cudnn8.attention, exact=False))
+BACKENDS.register("fa3_fp8", Backend(fa3_fp8.supports, fa3_fp8.attention, exact=False))
 
 
 def considered(config: AttentionConfig) -> list:

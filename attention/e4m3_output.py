@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from ..cuda_streams import capturing, out_of_memory
+from ..core.cuda_streams import capturing, out_of_memory
 from ..quantization.kernels import EPS, FP8_DTYPE, FP8_MAX
 from . import cudnn8
 from .choice import CHOOSER, AttentionConfig, sdpa

@@ -5,7 +5,7 @@ except where cuDNN's fp8 graph hands its e4m3 output to the graph (`attend`, e4m
 """
 import torch
 
-from ..cuda_streams import capturing, out_of_memory
+from ..core.cuda_streams import capturing, out_of_memory
 from . import e4m3_output
 from .choice import BACKENDS, CHOOSER, AttentionConfig, sdpa
 

@@ -3,7 +3,7 @@ the row's final max instead of the kernel's running one. It runs anywhere (the C
 with it) and is what the GPU tests compare the kernel against, beside the exact fp32 attention."""
 import torch
 
-from ..deepcache.runner import relative_error  # noqa: F401 - ‖out − ref‖ / ‖ref‖, the one the project uses
+from ..step_cache.runner import relative_error  # noqa: F401 - ‖out − ref‖ / ‖ref‖, the one the project uses
 from ..quantization.kernels import FP8_MAX, INT8_MAX
 
 

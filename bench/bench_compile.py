@@ -26,7 +26,7 @@ from overdrive.attention.choice import AttentionConfig
 from overdrive.builtin_models import dit
 from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.families import registered as dit_families
-from overdrive.latents import latent_parts
+from overdrive.comfy_host.latents import latent_parts
 from overdrive.harness.inprocess import build_dit_model, build_model, conditioning, import_comfy, run_node
 from report import (add_speedups, compile_phases, copy_rates, environment, finish, profile_run, sync_sources,
                     write_report)
@@ -157,7 +157,7 @@ def loaded_from_file(comfy, arch, size, dtype, directory, layout=None):
 def slow_activations():
     """Until the returned function is called, DiT blocks compile with torch's own tanh-GELU (block_options without
     fast_activations), for the whole of one variant's run."""
-    from overdrive import blockwise
+    from overdrive.core import blockwise
     original = blockwise.block_options
     blockwise.block_options = lambda options: dataclasses.replace(original(options), fast_activations=False)
     return lambda: setattr(blockwise, "block_options", original)
@@ -433,7 +433,7 @@ def main():
         (the same input in every variant: noise at the first sigma)."""
         options = patcher.model_options
         if first_call is not None:  # on the timed model itself: a clone would be another model to ComfyUI's loader
-            from overdrive.nodes.quantize_patches import followers
+            from overdrive.comfy_host.quantize_patches import followers
 
             def record(apply_model, call):
                 out = apply_model(call["input"], call["timestep"], **call["c"])

@@ -15,7 +15,7 @@ import time
 import torch
 
 from overdrive.builtin_models import dit
-from overdrive.deepcache.runner import relative_error
+from overdrive.step_cache.runner import relative_error
 from overdrive.families import family_of
 from overdrive.quantization import QuantConfig, apply_modules, plan_quantization, restore_modules
 from overdrive.quantization.candidates import keeping_float

@@ -42,7 +42,7 @@ def main():
 
     from overdrive.builtin_models import dit
     from overdrive.nodes import NODES
-    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from overdrive.comfy_host.parallel_calls import POOLS, parallelize
     logging.getLogger("overdrive").setLevel(logging.INFO)  # ComfyUI's handler prints it
     folder = pathlib.Path("/tmp/overdrive-bench-models")
     rows = []

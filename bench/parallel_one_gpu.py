@@ -39,7 +39,7 @@ def main():
 
     from overdrive.builtin_models import dit
     from overdrive.nodes import NODES
-    from overdrive.nodes.sequence_parallel import as_each_process_runs
+    from overdrive.comfy_host.sequence_split import as_each_process_runs
     from overdrive.parallel.workers import leave_group
     log = logging.getLogger("overdrive")
     log.addHandler(logging.StreamHandler(sys.stdout))

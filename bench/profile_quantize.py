@@ -37,7 +37,8 @@ def main():
     logging.getLogger("overdrive").setLevel(logging.INFO)
     os.environ["OVERDRIVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="overdrive-quantize-")  # a cache miss: calibrate
     comfy = import_comfy(cpu=not torch.cuda.is_available())
-    from overdrive.nodes.quantize_node import OverdriveQuantizeModel, quantization_report
+    from overdrive.comfy_host.quantized_model import quantization_report
+    from overdrive.nodes.quantize_node import OverdriveQuantizeModel
 
     base = build_dit_model(comfy, args.arch, args.size, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     latent = {"samples": dit.empty_latent(args.arch, args.res, args.res, args.frames)}

@@ -48,7 +48,7 @@ def main():
     import comfy.model_management
     import comfy.sample
     from overdrive.nodes import NODES as nodes
-    from overdrive.nodes.quantize_patches import PREFIX
+    from overdrive.comfy_host.quantize_patches import PREFIX
 
     base = build_dit_model(comfy, args.arch, "full", torch.bfloat16)
     positive, negative = dit.conditioning(args.arch, 1), dit.conditioning(args.arch, 2)

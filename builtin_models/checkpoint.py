@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..storage import cache_dir
+from ..core.storage import cache_dir
 from .clip import CLIP_BIGG, CLIP_L, clip_l_tensors, open_clip_tensors
 from .tensors import Specs, with_prefix
 from .unet import unet_config, unet_tensors

@@ -26,8 +26,8 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from ..latents import latent_parts
-from ..storage import cache_dir
+from ..comfy_host.latents import latent_parts
+from ..core.storage import cache_dir
 from .tensors import Specs, TensorSpec
 from .weights import SMALL_GAIN, make_tensor
 from .writer import DTYPE_NAMES, write_safetensors

@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from ..errors import OverdriveError
+from ..core.errors import OverdriveError
 
 SIZES = {"small": 0.16, "large": 0.28}  # radius, a fraction of the image side
 COLOURS = {"red": (0.90, 0.15, 0.10), "green": (0.15, 0.75, 0.20), "blue": (0.15, 0.30, 0.90),

@@ -8,7 +8,7 @@ from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 
-from ..storage import atomic_file
+from ..core.storage import atomic_file
 
 DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 

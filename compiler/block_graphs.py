@@ -34,8 +34,8 @@ import weakref
 
 import torch
 
-from ..cuda_streams import give_back_cache_if_short, out_of_memory, replace_side_stream, side_stream
-from ..interrupts import raise_if_interrupt
+from ..core.cuda_streams import give_back_cache_if_short, out_of_memory, replace_side_stream, side_stream
+from ..core.interrupts import raise_if_interrupt
 
 log = logging.getLogger("overdrive.compiler")
 
@@ -44,7 +44,7 @@ RECORD_AT_CALL = 2  # the first call compiles and chooses; the second records
 # the cost of a warm-up and a capture (out of memory stops it at the first).
 FAILED_RECORDINGS_LIMIT = 2
 # Set (True) on a block whose weights are copied in at each of its calls, by whatever streams them
-# (nodes/quantized_streaming.py): their addresses are the allocator's of the moment, so it runs without a graph.
+# (comfy_host/quantized_streaming.py): their addresses are the allocator's of the moment, so it runs without a graph.
 WEIGHTS_COPIED_IN = "overdrive_weights_copied_in"
 
 
@@ -190,7 +190,7 @@ class BlockGraphs:
     def describe(self) -> str:
         return f"{len(self._recordings)} block CUDA graphs recorded ({self.replays} replays)"
 
-    def call(self, path: str, block: torch.nn.Module, stack, run, args: tuple, kwargs: dict):
+    def call(self, path: str, block: torch.nn.Module, block_stack, run, args: tuple, kwargs: dict):
         """run(*args, **kwargs), the block's compiled call, through its recording when one applies."""
         if torch.is_grad_enabled():
             return run(*args, **kwargs)
@@ -214,7 +214,7 @@ class BlockGraphs:
         why = self._stopped or weights.why_not(tensors[0].device)
         if why is None:
             try:
-                recording = self._record(stack, run, args, kwargs, tensors, signature, objects, pointers)
+                recording = self._record(block_stack, run, args, kwargs, tensors, signature, objects, pointers)
             except Exception as error:  # noqa: BLE001 - a block that cannot be recorded runs as before
                 raise_if_interrupt(error)
                 why = f"{type(error).__name__}: {str(error)[:200]}"
@@ -274,11 +274,11 @@ class BlockGraphs:
             statics.append(static)
         return statics
 
-    def _record(self, stack, run, args, kwargs, tensors, signature, objects, pointers) -> _Recording:
+    def _record(self, block_stack, run, args, kwargs, tensors, signature, objects, pointers) -> _Recording:
         statics = self._static_inputs(tensors)
         tensors_in_order = iter(statics)  # args take theirs first, as _flatten listed them
         static_args, static_kwargs = _rebuilt(args, tensors_in_order), _rebuilt(kwargs, tensors_in_order)
-        streams = stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
+        streams = block_stack.carried(static_args, static_kwargs)  # the hidden states, by name: where outputs go back
         current = torch.cuda.current_stream()
         if self._pool is None:  # also after release(): the model's graphs share one pool again
             _hold(self)
@@ -295,7 +295,7 @@ class BlockGraphs:
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                out = stack.named(run(*static_args, **static_kwargs))
+                out = block_stack.named(run(*static_args, **static_kwargs))
                 for name, value in out.items():
                     target = streams.get(name)
                     if value is None or (target is not None and _same_view(value, target)):
@@ -318,7 +318,7 @@ class BlockGraphs:
             for static, copy in zip(statics, before):  # the arguments' values, for the caller's replay
                 static.copy_(copy)
         current.wait_stream(stream)
-        output = stack.output({name: None if value is None else streams[name] for name, value in out.items()})
+        output = block_stack.output({name: None if value is None else streams[name] for name, value in out.items()})
         return _Recording(signature, objects, pointers, graph, statics, written, output)
 
 

@@ -5,9 +5,9 @@ import logging
 
 import torch
 
-from ..cuda_streams import capturing, out_of_memory
-from ..errors import error_line
-from ..interrupts import raise_if_interrupt
+from ..core.cuda_streams import capturing, out_of_memory
+from ..core.errors import error_line
+from ..core.interrupts import raise_if_interrupt
 from .fingerprint import architecture_fingerprint, describe
 from .options import CompileOptions
 from .regions import install_regions, uninstall_regions
@@ -105,7 +105,7 @@ class CompiledMethod:
         self.options = options
         self.disk = options.disk_cache()  # the folder is read here, not at every step
         if options.regional:
-            install_regions(self.module)
+            install_regions(self.module, self.options.call_options)
         else:
             uninstall_regions(self.module)
         extra = {"method": self.method, "options": options.as_key()}

@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-from ..interrupts import stops_held
-from ..storage import cache_dir, cache_key, discard, read_framed, write_framed
+from ..core.interrupts import stops_held
+from ..core.storage import cache_dir, cache_key, discard, read_framed, write_framed
 
 log = logging.getLogger("overdrive.compiler")
 _lock = threading.Lock()

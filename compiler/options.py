@@ -1,20 +1,13 @@
 """What the user can choose about compilation, validated once, in one place."""
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+
+from ..core.call_options import NO_CALL_OPTIONS, CallOptions
+from ..families import family_of
 
 MODES = ("default", "max-autotune")
 DYNAMIC = ("auto", "static", "dynamic")
 ATTENTION = ("default", "cudnn")
 STATIC_SHAPES = ("first", "first_step")
-
-# Model classes that dynamic="auto" compiles one static graph per shape for, instead of a shape-generic one (measured
-# on ComfyUI 0.7.0, tests/test_dit_families.py): ComfyUI's Flux, Qwen-Image and Wan build their position ids with
-# torch.linspace(steps=<latent size>), which Dynamo specialises anyway (a generic graph only adds a compile), and in
-# Z-Image's (NextDiT) shape-generic graph the token padding `(-n) % 32` came out wrong on the CPU (relative error 0.69
-# at a third resolution, then a segfault). SD3's MMDiT and the UNets stay shape-generic. This applies when one of these
-# models is compiled whole (compile_module); Compile Model compiles them per block (blockwise.py), whose blocks are
-# shape-generic, with the position and padding code running eager around them.
-STATIC_UNDER_AUTO = frozenset({"Flux", "QwenImageTransformer2DModel", "WanModel", "NextDiT"})
-
 
 @dataclass(frozen=True)
 class CompileOptions:
@@ -47,7 +40,7 @@ class CompileOptions:
              as Z-Image's refiners and main layers; the caller says when that step is over with
              `SharedGraph.seal_shapes`).
     fast_activations: trace tanh-GELU as the same function through a sigmoid (compiler/activations.py), which
-             Inductor compiles into a faster kernel; on for DiT blocks (blockwise.py), whose MLPs use it.
+             Inductor compiles into a faster kernel; on for DiT blocks (core/blockwise.py), whose MLPs use it.
     cache_dir: the folder of compiled artifacts on disk (ComfyUI's nodes: beside its models); None:
              $OVERDRIVE_CACHE_DIR/compiled, else ~/.cache/overdrive/compiled. OVERDRIVE_DISK_CACHE=0 keeps them in
              memory only. Not part of any key: the same graph serves every folder.
@@ -65,6 +58,7 @@ class CompileOptions:
     static_shapes: str = "first"
     fast_activations: bool = False
     cache_dir: str | None = field(default=None, compare=False)
+    call_options: CallOptions = field(default=NO_CALL_OPTIONS, compare=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -90,14 +84,18 @@ class CompileOptions:
 
     def for_module(self, module) -> "CompileOptions":
         """The options `module` compiles with: "auto" means one graph per shape for the classes above."""
-        if self.dynamic == "auto" and type(module).__name__ in STATIC_UNDER_AUTO:
+        if self.dynamic == "auto" and getattr(family_of(module), "static_under_auto", False):
             return replace(self, dynamic="static")
         return self
 
     def as_key(self) -> dict:
-        key = asdict(self)
-        del key["cache_dir"]
-        return key
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cache_dir", "call_options")}
+
+    def __getstate__(self):  # the host's call options stay in its process: a host in another gives its own
+        return {k: v for k, v in self.__dict__.items() if k != "call_options"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, call_options=NO_CALL_OPTIONS)
 
     def disk_cache(self):
         from .disk_cache import disk_cache_for

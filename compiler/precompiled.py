@@ -33,16 +33,16 @@ import inspect
 import logging
 import re
 import time
+import types
 import uuid
 import weakref
 
 import torch
 
-from .. import call_options
-from ..errors import error_line
-from ..interrupts import stops_held
-from ..weights_watch import weights_generation
-from ..storage import discard, read_framed, write_framed
+from ..core.errors import error_line
+from ..core.interrupts import stops_held
+from ..core.weights_watch import weights_generation
+from ..core.storage import discard, read_framed, write_framed
 from .traced_reads import GlobalsRead, ValuesRead, from_bytes, to_bytes
 
 log = logging.getLogger("overdrive.compiler")
@@ -65,7 +65,7 @@ def _slot_names(cls: type) -> tuple:
     return tuple(names)
 
 
-def _describe(value, parts: list) -> bool:
+def _describe(value, parts: list, inert) -> bool:
     """Append what the compiled code may depend on in `value`; False if `value` holds something unkeyable."""
     if isinstance(value, torch.Tensor):
         parts.append(("T", tuple(value.shape), str(value.dtype), str(value.device), tuple(value.stride())))
@@ -75,22 +75,21 @@ def _describe(value, parts: list) -> bool:
         # Overdrive's own objects that the forward calls and whose behaviour is their settings (the attention
         # override): keyed by those settings, which the traced code baked in.
         parts.append(("S", type(value).__qualname__))
-        return _describe(value.precompile_key, parts)
+        return _describe(value.precompile_key, parts, inert)
     elif isinstance(value, uuid.UUID) or getattr(value, "forward_inert", False) is True:
         # Ids (ComfyUI's per-cond uuids) and objects that declare the forward never calls them (Overdrive's own
         # device followers): read by patches only, and a patch is a function, which makes the call unkeyable.
         parts.append(("O", type(value).__qualname__))
     elif isinstance(value, (list, tuple)):
         parts.append((type(value).__name__, len(value)))
-        return all(_describe(item, parts) for item in value)
+        return all(_describe(item, parts, inert) for item in value)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Plain records of tensors (Flux's ModulationOut, which Chroma hands its blocks): keyed by class and fields,
         # as a tuple is; the frame reads the fields at every call.
         parts.append(("D", type(value).__module__, type(value).__qualname__))
-        return all(_describe(getattr(value, field.name), parts) for field in dataclasses.fields(value))
+        return all(_describe(getattr(value, field.name), parts, inert) for field in dataclasses.fields(value))
     elif isinstance(value, dict):
         parts.append(("dict", len(value)))
-        inert = call_options.current().inert  # entries of the front end's options that no forward reads
         for key, item in value.items():
             if not isinstance(key, (str, int)):
                 return False
@@ -99,25 +98,26 @@ def _describe(value, parts: list) -> bool:
                 if inert[key] is None:
                     continue
                 item = inert[key](item)
-            if not _describe(item, parts):
+            if not _describe(item, parts, inert):
                 return False
     elif _slot_names(type(value)):
         # Plain records with __slots__ (LTX-2's CompressedTimestep since ComfyUI 0.33): as a dataclass.
         parts.append(("R", type(value).__module__, type(value).__qualname__))
-        return all(_describe(getattr(value, name, None), parts) for name in _slot_names(type(value)))
+        return all(_describe(getattr(value, name, None), parts, inert) for name in _slot_names(type(value)))
     else:
         return False
     return True
 
 
-def call_signature(method: str, args, kwargs) -> tuple | None:
+def call_signature(method: str, args, kwargs, inert=types.MappingProxyType({})) -> tuple | None:
     """Everything about a call that a guard-free frame is specialised on, as a hashable tuple (looked up in memory
-    at every call; hashed into a file name only when a frame is loaded or saved); None if not keyable."""
+    at every call; hashed into a file name only when a frame is loaded or saved); None if not keyable. `inert`: entries of
+    the front end's per-call options that no forward reads (CallOptions.inert)."""
     parts = [method, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     # A TorchFunctionMode around the call (attention routing: attention/routing.py) is traced into the frame; one
     # without a precompile_key (torch.device(...) as a context) makes the call unkeyable.
     modes = tuple(torch.overrides._get_current_function_mode_stack())
-    if not _describe((args, kwargs, modes), parts):
+    if not _describe((args, kwargs, modes), parts, inert):
         return None
     return tuple(parts)
 

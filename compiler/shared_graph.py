@@ -18,9 +18,9 @@ import types
 
 import torch
 
-from ..cuda_streams import capturing, out_of_memory
-from ..errors import error_line
-from ..interrupts import raise_if_interrupt, stop_in
+from ..core.cuda_streams import capturing, out_of_memory
+from ..core.errors import error_line
+from ..core.interrupts import raise_if_interrupt, stop_in
 from . import precompiled
 from .activations import FastActivations
 from .disk_cache import compile_key
@@ -221,7 +221,7 @@ class SharedGraph:
         frames = self.frames
         if frames is None or frames.failure is not None:
             return None, False
-        signature = precompiled.call_signature(self.method, args, kwargs)
+        signature = precompiled.call_signature(self.method, args, kwargs, self.options.call_options.inert)
         if signature is None or not precompiled.weights_on(module, _first_device(args, kwargs)):
             return None, False
         # The folder only matters for a frame not in memory yet (a path built at every block call adds up).

@@ -13,7 +13,7 @@ import threading
 import torch
 from safetensors import safe_open
 
-from ..errors import OverdriveError
+from ..core.errors import OverdriveError
 
 SWITCH_LOCK = threading.RLock()
 log = logging.getLogger("overdrive")

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from ..weights_watch import weights_generation
+from ..core.weights_watch import weights_generation
 
 # Dynamo's guards on code and classes read from globals; a saved frame drops them, GlobalsRead checks them instead.
 _CODE_GUARDS = {"CLOSURE_MATCH", "FUNCTION_MATCH", "ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH"}

@@ -18,7 +18,7 @@ torch.nn.Module; deepcache_ takes a UNet2DConditionModel or a family's transform
 """
 from ..attention.choice import AttentionConfig
 from ..compiler import CompileOptions, WeightMismatchError
-from ..deepcache import DeepCacheConfig
+from ..step_cache import DeepCacheConfig
 from ..parallel.config import ParallelConfig
 from ..quantization import QuantConfig
 from .attention import attention_

@@ -1,6 +1,6 @@
 """attention_: a pipeline's (or a module's) SDPA calls through Overdrive's attention kernels, chosen per shape."""
 from ..attention.choice import AttentionConfig
-from ..stack import Stack
+from ..core.stack import Stack
 from .installed import install_each, installed_stack
 from .targets import target_modules
 

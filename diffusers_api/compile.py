@@ -5,11 +5,11 @@ import logging
 import torch.nn as nn
 
 from ..attention.routing import unwrapped
-from ..blockwise import BlockwiseForward
+from ..core.blockwise import BlockwiseForward
 from ..compiler import CompiledMethod, CompileOptions
 from ..compiler.eager_vaes import eager_reason
 from ..compiler.layouts import conv_weights_channels_last_
-from ..stack import Stack
+from ..core.stack import Stack
 from .installed import install_each, installed_stack
 from .targets import is_pipeline, pipeline_denoisers, pipeline_vae
 
@@ -60,7 +60,7 @@ def compile_(target, options: CompileOptions | None = None, *, methods=("forward
     forwards = install_each(stacks)
     for (name, _), (_, stack), forward in zip(denoisers, stacks, forwards):
         runner = unwrapped(forward)
-        if stack.cache is not None and not isinstance(runner, BlockwiseForward):  # DeepCache's forward, paths
+        if stack.cache_config is not None and not isinstance(runner, BlockwiseForward):  # DeepCache's forward, paths
             compiled.update({f"{name}.forward": runner.native, f"{name}.deepcache.full_forward": runner.full_path,
                              f"{name}.deepcache.shallow_forward": runner.shallow_path})
         else:

@@ -1,9 +1,9 @@
 """deepcache_: DeepCache on a diffusers UNet2DConditionModel, or the DiT step cache on a family transformer (Flux,
 Wan, Qwen-Image, SD3, Z-Image; a pipeline's, or a bare one)."""
 from ..attention.routing import unwrapped
-from ..deepcache import DeepCacheConfig, DeepCacheRunner
+from ..step_cache import DeepCacheConfig, DeepCacheRunner
 from ..families import family_of
-from ..stack import Stack
+from ..core.stack import Stack
 from .installed import DiffusersHost, install, install_each, installed_stack
 from .targets import SUPPORTED, is_diffusers_unet, is_pipeline, target_modules
 
@@ -30,11 +30,11 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
     if not isinstance(config, DeepCacheConfig):
         raise TypeError(f"deepcache_: config must be a DeepCacheConfig, not {type(config).__name__}; e.g. "
                         "DeepCacheConfig(cache_interval=3). Nothing was changed.")
-    stacks = [(module, (installed_stack(module) or Stack()).with_cache(config)) for _, module in denoisers]
+    stacks = [(module, (installed_stack(module) or Stack()).with_cache_config(config)) for _, module in denoisers]
     module = denoisers[0][1]
     if not is_diffusers_unet(module) and family_of(module) is not None:  # a pipeline's DiTs are all of a family
         forwards = install_each(stacks, host_for=DiffusersHost, keep_runner=False)
-        caches = {name: unwrapped(forward).cache for (name, _), forward in zip(denoisers, forwards)}
+        caches = {name: unwrapped(forward).step_cache for (name, _), forward in zip(denoisers, forwards)}
         return caches if len(caches) > 1 else caches[denoisers[0][0]]
     if not is_diffusers_unet(module):
         raise TypeError(f"deepcache_ needs a diffusers UNet2DConditionModel or a DiT transformer of a known family "

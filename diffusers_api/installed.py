@@ -1,10 +1,10 @@
-"""What Overdrive installed on a diffusers UNet's forward (stack.py), and how each API function extends it: compile_
+"""What Overdrive installed on a diffusers UNet's forward (core/stack.py), and how each API function extends it: compile_
 then deepcache_ (or the other way round) compiles DeepCache's two paths; quantize_ calibrates on the eager forward and
 rebuilds the same Stack over the new layers, so compiled graphs are keyed by them."""
 import contextlib
 
-from ..deepcache import DeepCacheRunner
-from ..stack import Host, Stack, build, stack_of
+from ..step_cache import DeepCacheRunner
+from ..core.stack import Host, Stack, build, stack_of
 from .steps import DiffusersSteps
 
 
@@ -34,7 +34,7 @@ class DiffusersHost(Host):
         return self.foreign
 
     def split(self, inner, config):
-        from .parallel import SplitForward
+        from .sequence_split import SplitForward
         return SplitForward(self.module, inner if inner is not None else self.foreign, config, self.family())  # someone else's forward (e.g. their own torch.compile) keeps running on full steps
 
 

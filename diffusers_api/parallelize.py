@@ -2,7 +2,7 @@
 import torch.distributed as dist
 
 from ..parallel.config import ParallelConfig
-from ..stack import Stack
+from ..core.stack import Stack
 from .installed import install_each, installed_stack
 from .targets import target_modules
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..families import family_of
 from ..quantization import QuantConfig, QuantReport
-from ..quantization import quantize_ as quantize_module_
+from ..quantization import quantize_module
 from ..quantization.candidates import keeping_float
 from .installed import eager_forward, rebuild
 from .targets import is_pipeline, target_modules
@@ -70,15 +70,15 @@ def _decided_once(module, config, calibration, filter_fn, **kwargs) -> QuantRepo
     calibrates and decides, the others take its decisions, so every process runs the same layers (decisions timed on
     each would differ) and only one calibrates. Every process of the group must call it, as torchrun scripts do."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return quantize_module_(module, config, calibration, filter_fn, **kwargs)
+        return quantize_module(module, config, calibration, filter_fn, **kwargs)
     if dist.get_rank() != 0:
         decided = [None]
         dist.broadcast_object_list(decided, src=0)
         if isinstance(decided[0], str):
             raise RuntimeError(f"quantize_: process 0 could not decide ({decided[0]}); nothing was changed")
-        return quantize_module_(module, config, None, filter_fn, decided=decided[0])
+        return quantize_module(module, config, None, filter_fn, decided=decided[0])
     try:
-        report = quantize_module_(module, config, calibration, filter_fn, **kwargs)
+        report = quantize_module(module, config, calibration, filter_fn, **kwargs)
     except BaseException as error:
         dist.broadcast_object_list([f"{type(error).__name__}: {error}"], src=0)  # the others must not wait forever
         raise

@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from ..deepcache.schedule import DeferredFloats
+from ..step_cache.schedule import DeferredFloats
 
 # Inputs that add ControlNet residuals between blocks (Flux, Qwen-Image, Z-Image; SD3): skipped blocks would drop them.
 CONTROLNET_INPUTS = ("controlnet_block_samples", "controlnet_single_block_samples", "block_controlnet_hidden_states")

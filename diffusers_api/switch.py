@@ -55,7 +55,7 @@ def switch_weights_(target, weights) -> None:
         # In place: the pipeline owns its denoiser, and compiled graphs read these very tensors.
         copy_weights_(module, state, source, reference, rebuild=lambda: requantize(layers, state, copy=False))
         stack = installed_stack(module)
-        if stack is not None and stack.cache is not None:
+        if stack is not None and stack.cache_config is not None:
             installed(module).reset()  # features computed with the old weights are never reused
 
 

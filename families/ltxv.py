@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import Family, HostSyncFix, BlockStack
+from .family import BlockStack, Family, HostSyncFix, register
 
 
 def latent_coords(self, latent_num_frames, latent_height, latent_width, batch_size, device):
@@ -39,7 +39,7 @@ _WHY = "ComfyUI's copies a small tensor from the CPU at every model call, which 
 
 _TEXT_ONLY = "runs on the prompt's tokens only (few rows, little to gain) and its 8-bit error reaches every block"
 
-FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
+FAMILY = register(Family("ltxv", frozenset({"LTXVModel"}), (
     BlockStack("transformer_blocks", streams=(("x", 0),), returns=("x",)),
 ), float_layers=(
     # 768x512 (4,992 tokens against the prompt's 128), fp8 with QuantizeModel's defaults, one model call against bf16:
@@ -52,17 +52,17 @@ FAMILY = Family("ltxv", frozenset({"LTXVModel"}), (
                 probe=(SimpleNamespace(_patch_size=(1, 2, 2), start_end=True), 3, 4, 6, 2, "cpu")),
     HostSyncFix("comfy.ldm.lightricks.model", "latent_to_pixel_coords", pixel_coords, _WHY,
                 probe=(torch.arange(2 * 3 * 5 * 2).reshape(2, 3, 5, 2), (8, 32, 32), True)),
-))
+), display_name="LTX-Video"))
 
-DIFFUSERS = Family("ltxv", frozenset({"LTXVideoTransformer3DModel"}), (
+DIFFUSERS = register(Family("ltxv", frozenset({"LTXVideoTransformer3DModel"}), (
     BlockStack("transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
-), noise_timestep=1000.0)
+), noise_timestep=1000.0, display_name="LTX-Video"))
 
 # LTX-2: its prompt reaches the video and the audio tokens through a caption projection and a cross-attention each.
-LTX2 = Family("ltx2", frozenset({"LTXAVModel"}), (
+LTX2 = register(Family("ltx2", frozenset({"LTXAVModel"}), (
     BlockStack("transformer_blocks", streams=(("x", 0),), returns=("x",), parts=(("x", ("video", "audio")),),
           options=("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")),
 ), float_layers=(
     (r"(audio_)?caption_projection\.", _TEXT_ONLY),
     (r"transformer_blocks\.\d+\.(audio_)?attn2\.to_[kv]$", _TEXT_ONLY),
-), host_sync_fixes=FAMILY.host_sync_fixes)
+), host_sync_fixes=FAMILY.host_sync_fixes, display_name="LTX-2"))

@@ -2,7 +2,8 @@
 video tokens."""
 import torch
 
-from . import Family, HostSyncFix, BlockStack
+from ..parallel.split_rules import DiffusersSplit, PerToken, SplitFamily, double_blocks, patches
+from .family import BlockStack, Family, HostSyncFix, register
 
 
 def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
@@ -21,16 +22,20 @@ def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
 
 _WHY = "ComfyUI's copies its frequencies from the CPU at every model call, which waits for the GPU to drain"
 
-FAMILY = Family("wan", frozenset({"WanModel"}), (
+FAMILY = register(Family("wan", frozenset({"WanModel"}), (
     BlockStack("blocks", streams=(("x", 0),), returns=("x",)),
 ), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY,
                                      probe=(16, torch.tensor([0.0, 0.5, 999.0])))
-                         for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")))
+                         for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")),
+   display_name="Wan", static_under_auto=True, sequence_splits=(
+    SplitFamily(lambda m: double_blocks(m.blocks), lambda m: m.blocks[0].self_attn.num_heads,
+                lambda m: tuple(m.patch_size), joint=False, pe_dim=1, vec_per_token=True),)))
 
-DIFFUSERS = Family("wan", frozenset({"WanTransformer3DModel"}), (
+DIFFUSERS = register(Family("wan", frozenset({"WanTransformer3DModel"}), (
     BlockStack("blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
 ), noise_timestep=1000.0, float_layers=(
     # diffusers' Wan casts the timestep to `next(time_embedder.parameters()).dtype`: with both its linears quantized
     # (whose weights are buffers) that raises StopIteration. Two GEMVs a call: nothing to gain from 8 bits.
     (r"condition_embedder\.time_embedder\.", "diffusers' Wan reads the float dtype from this module's parameters"),
-))
+), display_name="Wan", sequence_splits=(
+    DiffusersSplit(patches, text_first=None, per_token=(PerToken("rotary_emb", 1), PerToken("temb", 1))),)))

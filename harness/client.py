@@ -6,7 +6,7 @@ import urllib.error
 import urllib.request
 import uuid
 
-from ..errors import OverdriveError
+from ..core.errors import OverdriveError
 
 
 class PromptFailed(OverdriveError, RuntimeError):

@@ -1,16 +1,12 @@
 """The ComfyUI nodes (V3 schema), each a thin adapter over the core packages, and the extension that lists them."""
 from comfy_api.latest import ComfyExtension, io
 
-from ..call_options import describe
-from .comfy_call_options import COMFY_CALL_OPTIONS
 from .builtin_conditioning import OverdriveBuiltinConditioning
 from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
 from .parallel_model import OverdriveParallelModel
 from .quantize_node import OverdriveQuantizeModel
 from .switch_weights_node import OverdriveSwitchDiffusionModel, OverdriveSwitchWeights
-
-describe(COMFY_CALL_OPTIONS)  # the core routes ComfyUI's transformer_options by this description
 
 NODE_LIST = [OverdriveCompileModel, OverdriveCompileVAE, OverdriveSwitchWeights, OverdriveSwitchDiffusionModel,
              OverdriveDeepCache, OverdriveQuantizeModel, OverdriveBuiltinConditioning, OverdriveParallelModel]

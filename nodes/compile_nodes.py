@@ -1,26 +1,11 @@
-"""CompileModel and CompileVAE: thin ComfyUI adapters over overdrive.compiler."""
-import copy
-import logging
-
-import torch
-
-from comfy.patcher_extension import CallbacksMP
+"""Compile Model and Compile VAE (comfy_host/compiled_model.py)."""
 from comfy_api.latest import io
 
-from ..compiler import CompiledMethod, CompileOptions
-from ..stack import Stack
+from ..comfy_host.compiled_model import compile_options, compiled_model, compiled_vae
+from ..compiler import CompileOptions
 from ..compiler.options import DYNAMIC, MODES
-from ..compiler.eager_vaes import eager_reason
-from ..compiler.layouts import conv_weights_channels_last_
-from . import checkpoint_formats, quantize_patches
-from .attention_override import EXACT, install_attention
-from .cache_folder import comfy_cache_dir
-from .dynamic_vram import WORKSPACE_MIN_BYTES, compile_clone, is_dynamic
-from .forward_patch import FORWARD, install, installed_stack
-from .progress import comfy_progress
 from .schema import node_schema, patched_copy_input
 
-log = logging.getLogger("overdrive")
 DEFAULTS = CompileOptions()  # the nodes' defaults are the core's
 FAST_ATTENTION = True  # Compile Model installs the 16-bit attention chooser (attention_override.EXACT) unless off
 COMPILE_ENCODER = False  # img2img only: most workflows never encode
@@ -84,18 +69,6 @@ def compile_settings() -> list:
             io.Combo.Input("dynamic", options=list(DYNAMIC), default=DEFAULTS.dynamic, tooltip=DYNAMIC_TOOLTIP)]
 
 
-def release_held_memory(patcher, unpatch_all) -> None:
-    """ComfyUI unloads the model (a detach that unpatches; it detaches without unpatching before every run): the
-    memory its precompiled frames (a compiled whole forward) and its blocks' CUDA graphs (a DiT's) hold goes with it."""
-    if not unpatch_all:
-        return
-    forward = patcher.object_patches.get(FORWARD)
-    for name in ("release_precompiled", "release_graphs"):
-        release = getattr(forward, name, None)
-        if release is not None:
-            release()
-
-
 class OverdriveCompileModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -117,24 +90,9 @@ class OverdriveCompileModel(io.ComfyNode):
     def execute(cls, model, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
                 regional=DEFAULTS.regional, precompile=DEFAULTS.precompile,
                 fast_attention=FAST_ATTENTION) -> io.NodeOutput:
-        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
-                                 precompile=precompile, cache_dir=str(comfy_cache_dir("compiled")))
-        patched, reloaded = compile_clone(model)
-        checkpoint_formats.advise_before_compile(patched)
-        if fast_attention:  # also where the blocks stay uncompiled below
-            log.info("Overdrive Compile Model %s", install_attention(patched, EXACT))
-        if reloaded:  # a new module tree: Quantize Model's layers stand in for its float layers now
-            quantize_patches.retarget(patched)
-        elif is_dynamic(patched):  # its weights stream per layer: compiled blocks would run slower than eager
-            return io.NodeOutput(patched)
-        # An object patch is applied while this clone is loaded and undone after, so the input MODEL and other
-        # clones keep running eager; LoRA weight patches still resolve, because the module tree is unchanged.
-        # A DeepCache already on the model is kept, with its paths compiled.
-        install(patched, (installed_stack(patched) or Stack()).with_compile(options))
-        patched.model_options[quantize_patches.WORKSPACE_KEY] = WORKSPACE_MIN_BYTES  # where 8-bit layers stream
-        if precompile or cuda_graphs:
-            patched.add_callback(CallbacksMP.ON_DETACH, release_held_memory)
-        return io.NodeOutput(patched)
+        options = compile_options(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic, regional=regional,
+                                  precompile=precompile)
+        return io.NodeOutput(compiled_model(model, options, fast_attention))
 
 
 class OverdriveCompileVAE(io.ComfyNode):
@@ -156,17 +114,5 @@ class OverdriveCompileVAE(io.ComfyNode):
     @classmethod
     def execute(cls, vae, mode=DEFAULTS.mode, cuda_graphs=DEFAULTS.cuda_graphs, dynamic=DEFAULTS.dynamic,
                 compile_encoder=COMPILE_ENCODER) -> io.NodeOutput:
-        reason = eager_reason(vae.first_stage_model)
-        if reason is not None:
-            convs = conv_weights_channels_last_(vae.first_stage_model, torch.nn.Conv3d)
-            log.info("Overdrive Compile VAE: %s (%d convolutions).", reason, convs)
-            return io.NodeOutput(vae)
-        options = CompileOptions(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic,
-                                 cache_dir=str(comfy_cache_dir("compiled")))
-        patched = copy.copy(vae)
-        patched.patcher = vae.patcher.clone()
-        autoencoder = vae.first_stage_model
-        methods = ["decode", "encode"] if compile_encoder else ["decode"]
-        for method in methods:
-            patched.patcher.add_object_patch(method, CompiledMethod(autoencoder, method, options, reporter=comfy_progress))
-        return io.NodeOutput(patched)
+        options = compile_options(mode=mode, cuda_graphs=cuda_graphs, dynamic=dynamic)
+        return io.NodeOutput(compiled_vae(vae, options, compile_encoder))

@@ -1,16 +1,11 @@
-"""DeepCache: a thin ComfyUI adapter over overdrive.deepcache (MODEL -> MODEL, through a ModelPatcher object patch)."""
-import logging
-
+"""DeepCache: a thin ComfyUI adapter over overdrive.step_cache (MODEL -> MODEL, through a ModelPatcher object patch)."""
 from comfy_api.latest import io
 
-from ..deepcache import DeepCacheConfig, DeepCacheConfigError, UnsupportedUNetError
-from ..deepcache.config import MODES
-from ..families import family_of
-from ..stack import Stack
-from .forward_patch import foreign_forward, install, installed_stack
+from ..comfy_host.step_cached_model import with_step_cache
+from ..step_cache import DeepCacheConfig
+from ..step_cache.config import MODES
 from .schema import node_schema, patched_copy_input
 
-log = logging.getLogger("overdrive")
 DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
 
 DESCRIPTION = (
@@ -73,35 +68,4 @@ class OverdriveDeepCache(io.ComfyNode):
                 threshold=DEFAULTS.threshold) -> io.NodeOutput:
         config = DeepCacheConfig(cache_interval, cache_depth, float(start_percent), float(end_percent), mode=mode,
                                  threshold=float(threshold))
-        patched = model.clone()
-        unet = patched.model.diffusion_model
-        family = family_of(unet)
-        if family is None and mode != "fixed":
-            raise DeepCacheConfigError(f"mode={mode!r} applies to DiT models (Flux, Qwen-Image, Wan, Z-Image, SD3.5); "
-                                       f"this {type(unet).__name__} takes mode='fixed' (cache_interval sets its "
-                                       "schedule).")
-        foreign = foreign_forward(patched)
-        if foreign is not None:
-            log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "
-                        "DeepCache cannot wrap without bypassing it; the model is returned unchanged.",
-                        type(foreign).__name__)
-            return io.NodeOutput(patched)
-        previous = installed_stack(patched) or Stack()
-        try:
-            forward = install(patched, previous.with_cache(config))
-        except UnsupportedUNetError as error:
-            log.warning("Overdrive DeepCache: %s; DeepCache supports openaimodel UNets (SD1.5, SD2, SDXL) and the DiT "
-                        "families. The model is returned unchanged.", error)
-            return io.NodeOutput(patched)
-        # ComfyUI (before sample_sigmas reached the model) never tells a model that sampling ended: a run's schedule
-        # is logged when the next run on this model starts.
-        if family is not None:
-            log.info("Overdrive DeepCache on %s (%s): %s; a run's full / reused steps are logged when the next run "
-                     "starts", type(unet).__name__, family.name, forward.describe())
-        else:
-            log.info("Overdrive DeepCache on %s: %s, %d of %d skip branches run on shallow steps%s%s; a run's schedule "
-                     "(full / shallow steps) is logged when the next one starts", type(unet).__name__,
-                     config.describe(), cache_depth, forward.paths.skip_branches,
-                     ", paths compiled" if previous.compile is not None else "",
-                     ", replacing the DeepCache already on this model" if previous.cache is not None else "")
-        return io.NodeOutput(patched)
+        return io.NodeOutput(with_step_cache(model, config))

@@ -8,7 +8,7 @@ rotates keys and values the same way by default): more traffic than Ulysses (all
 the same result. Only the attention sees every token; everything else in a block works token by token, so the shards
 are exact. The group is every process, or within `over(group)` one of `sequence_groups`' (CFG and sequence
 parallelism at once: each CFG pass's processes split its tokens). The arithmetic only: where a front end shards,
-attends and gathers is its own (nodes/sequence_parallel.py, diffusers_api/parallel.py)."""
+attends and gathers is its own (comfy_host/sequence_split.py, diffusers_api/sequence_split.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
-from ..errors import OverdriveError
+from ..core.errors import OverdriveError
 from .agreement import whole_group_call
 from .sequence_split import forget_sequence_groups
 

@@ -1,7 +1,7 @@
-"""`quantize_(model, config, calibration=..., filter_fn=None)` and its non-mutating half `plan_quantization`.
+"""`quantize_module(model, config, calibration=..., filter_fn=None)` and its non-mutating half `plan_quantization`.
 
 `plan_quantization` never touches the model: it returns the replacement modules `{qualified_name: module}` and
-the report (for ComfyUI, where they become ModelPatcher object patches on a shared model). `quantize_` applies a
+the report (for ComfyUI, where they become ModelPatcher object patches on a shared model). `quantize_module` applies a
 plan all at once: either every chosen layer is swapped or, if anything fails, the model is left as it was.
 """
 from __future__ import annotations
@@ -241,7 +241,7 @@ def restore_modules(model: nn.Module, originals: dict):
         setattr(parent, attr, module)
 
 
-def quantize_(model: nn.Module, config: QuantConfig | None = None, calibration=None,
+def quantize_module(model: nn.Module, config: QuantConfig | None = None, calibration=None,
               filter_fn: FilterFn | None = None, **kwargs) -> QuantReport:
     """Quantize `model` in place, as measured (see `plan_quantization` for the arguments), with the MLPs whose two
     projections became static fp8 layers fused (quantization/gelu_fusion.py). Returns the report.

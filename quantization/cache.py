@@ -19,8 +19,7 @@ import pathlib
 
 import torch
 
-from ..storage import (CorruptEntry, atomic_file, cache_dir, cache_key, discard, file_sha256, read_framed_json,
-                       write_framed_json)
+from ..core.storage import (CorruptEntry, atomic_file, cache_dir, cache_key, discard, file_sha256, read_framed_json, write_framed_json)
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")

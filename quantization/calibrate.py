@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..interrupts import raise_if_interrupt
+from ..core.interrupts import raise_if_interrupt
 from . import formats, metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from ..errors import OverdriveError
+from ..core.errors import OverdriveError
 
 # cublasLt.h / cublas_api.h / library_types.h (CUDA 12 and 13 agree on these values)
 _COMPUTE_32F = 68

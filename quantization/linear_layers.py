@@ -1,5 +1,5 @@
 """Which modules are linear layers (x @ W.T + b), and their weights in float. nn.Linear, and other libraries' layers
-registered by their host: ComfyUI's mixed-precision ops (nodes/checkpoint_formats.py), whose weight may be a tensor
+registered by their host: ComfyUI's mixed-precision ops (comfy_host/checkpoint_formats.py), whose weight may be a tensor
 subclass holding a checkpoint's stored low-bit data (comfy-kitchen's QuantizedTensor), which `float_weight`
 dequantizes."""
 from __future__ import annotations

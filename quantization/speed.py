@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from ..cuda_streams import side_stream
+from ..core.cuda_streams import side_stream
 from .linear_layers import baseline
 
 log = logging.getLogger("overdrive.quantization")

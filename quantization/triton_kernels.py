@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from .numerics import EPS, FP8_DTYPE, FP8_MAX, INT4_TO_FP8, INT8_MAX
+
 try:
     import triton
     import triton.language as tl
@@ -175,7 +177,6 @@ def weight_only_matmul(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Ten
 
 def dequantize_int4_fp8(packed: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
     """(N, K/2) uint8 codes, (N, K/group) float16 ratios -> (N, K) float8_e4m3fn (kernels.dequantize_int4_fp8)."""
-    from .kernels import FP8_DTYPE, INT4_TO_FP8
     n, half_k = packed.shape
     out = torch.empty((n, 2 * half_k), dtype=FP8_DTYPE, device=packed.device)
     if packed.numel():
@@ -188,7 +189,6 @@ def dequantize_int4_fp8(packed: torch.Tensor, ratios: torch.Tensor) -> torch.Ten
 
 def quantize_tensor_fp8(x: torch.Tensor):
     """(M, K) float -> (float8_e4m3fn (M, K), float32 scale (1, 1)), one dynamic scale for the tensor."""
-    from .kernels import EPS, FP8_DTYPE
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((1, 1), dtype=torch.float32, device=x.device)
@@ -201,7 +201,6 @@ def quantize_tensor_fp8(x: torch.Tensor):
 
 def quantize_tensor_fp8_static(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
     """(M, K) float, 1 / the float32 scale (1, 1) -> float8_e4m3fn (M, K), one kernel."""
-    from .kernels import FP8_DTYPE
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if x.numel():
@@ -211,7 +210,6 @@ def quantize_tensor_fp8_static(x: torch.Tensor, inverse_scale: torch.Tensor) -> 
 
 
 def _cast_fp8(x, q, scale, low, high, static: bool):
-    from .kernels import EPS, FP8_MAX
     block = 4096
     _quantize_tensor_kernel[(triton.cdiv(x.numel(), block),)](x, q, scale, low, high, x.numel(), QMAX=FP8_MAX,
                                                               EPS=EPS, BLOCK=block, STATIC=static, num_warps=8)
@@ -219,7 +217,6 @@ def _cast_fp8(x, q, scale, low, high, static: bool):
 
 def quantize_rows_int8(x: torch.Tensor):
     """(M, K) float -> (int8 (M, K), float32 scale (M, 1)), one fused kernel."""
-    from .kernels import EPS, INT8_MAX
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape

@@ -284,7 +284,7 @@ def test_a_block_traced_where_cudnn_fp8_was_chosen_dequantizes_its_e4m3_output_i
 
 @pytest.fixture()
 def comfy_attention(comfy):
-    from overdrive.nodes.attention_override import OverdriveAttention, install_attention
+    from overdrive.comfy_host.attention_override import OverdriveAttention, install_attention
     return OverdriveAttention, install_attention
 
 
@@ -333,7 +333,7 @@ def test_install_keeps_another_nodes_override_and_sdpa_removes_its_own(comfy, co
 
 
 def test_compiled_blocks_get_overdrives_override_alone(comfy_attention):
-    from overdrive.nodes.comfy_call_options import shared_block_options as block_transformer_options
+    from overdrive.comfy_host.comfy_call_options import shared_block_options as block_transformer_options
     OverdriveAttention, _ = comfy_attention
     own = OverdriveAttention(AttentionConfig())
     assert block_transformer_options({"block_index": 3}) == {}

@@ -164,7 +164,7 @@ def test_calls_comfyui_marks_not_low_precision_get_16_bit_kernels_only(comfy):
     """ComfyUI 0.33 passes low_precision_attention=False where 8-bit attention must not run (Wan's image
     cross-attention): under an 8-bit setting those calls are measured and run among the 16-bit kernels."""
     from overdrive.attention.choice import CHOOSER, EXACT_MAX_ERROR, AttentionConfig, sdpa
-    from overdrive.nodes.attention_override import OverdriveAttention
+    from overdrive.comfy_host.attention_override import OverdriveAttention
     shape = (1, 24, 1040, 128)
     q4, k4, v4 = inputs(shape, seed=5)
     q, k, v = (t.transpose(1, 2).reshape(1, shape[2], -1) for t in (q4, k4, v4))  # ComfyUI's (batch, tokens, ...)

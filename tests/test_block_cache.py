@@ -1,12 +1,12 @@
 """The DiT step cache's arithmetic on a toy two-stack model, its steps read as ComfyUI's nodes read them
-(nodes/comfy_steps.py, from ComfyUI-shaped transformer_options): what a reused step computes, run and branch
+(comfy_host/comfy_steps.py, from ComfyUI-shaped transformer_options): what a reused step computes, run and branch
 boundaries, the adaptive rule, and bad settings. The families' real models are covered in test_dit_families.py."""
 import pytest
 import torch
 
-from overdrive.blockwise import BlockwiseForward
-from overdrive.deepcache import DeepCacheConfig, DeepCacheConfigError, DeepCacheUnsupportedError
-from overdrive.deepcache.block_cache import relative_change
+from overdrive.core.blockwise import BlockwiseForward
+from overdrive.step_cache import DeepCacheConfig, DeepCacheConfigError, DeepCacheUnsupportedError
+from overdrive.step_cache.block_cache import relative_change
 from overdrive.families import Family, BlockStack
 
 
@@ -70,13 +70,13 @@ def toy(comfy):  # the step reader is in nodes/, which imports ComfyUI
 
 
 def cached(toy, **config):
-    from overdrive.nodes.comfy_steps import ComfySteps
-    return BlockwiseForward(toy, TOY, cache=DeepCacheConfig(**config), read_step=ComfySteps())
+    from overdrive.comfy_host.comfy_steps import ComfySteps
+    return BlockwiseForward(toy, TOY, cache_config=DeepCacheConfig(**config), read_step=ComfySteps())
 
 
 def test_a_step_cache_without_a_step_reader_is_refused(toy):
     with pytest.raises(ValueError, match="a step cache needs read_step"):
-        BlockwiseForward(toy, TOY, cache=DeepCacheConfig())
+        BlockwiseForward(toy, TOY, cache_config=DeepCacheConfig())
 
 
 def test_interval_1_runs_every_block(toy):
@@ -105,7 +105,7 @@ def test_a_reused_step_runs_the_first_blocks_and_adds_each_stack_s_recorded_resi
     out = call(forward, img, txt, 0.5)
     assert torch.allclose(out, expected, atol=1e-6)
     assert not torch.allclose(out, toy(img, txt), atol=1e-3)  # it really reused
-    assert forward.cache.stats.shallow_steps == 1 and forward.cache.stats.full_steps == 1
+    assert forward.step_cache.stats.shallow_steps == 1 and forward.step_cache.stats.full_steps == 1
 
 
 class InPlaceSingle(Single):
@@ -128,8 +128,8 @@ def test_blocks_that_add_to_their_input_in_place_leave_the_same_residual(toy):
     out_of_place, forward = cached(toy, cache_interval=2), cached(in_place, cache_interval=2)
     expected = [call(out_of_place, *x, sigma) for sigma, x in steps]
     outs = [call(forward, *x, sigma) for sigma, x in steps]
-    assert forward.cache.stats.shallow_steps == out_of_place.cache.stats.shallow_steps == 1
-    residual = forward.cache._residuals[((0,), (1, 6, 8)), 1]["x"]
+    assert forward.step_cache.stats.shallow_steps == out_of_place.step_cache.stats.shallow_steps == 1
+    residual = forward.step_cache._residuals[((0,), (1, 6, 8)), 1]["x"]
     assert residual.abs().max() > 0.1
     assert torch.allclose(outs[-1], expected[-1], atol=1e-6)
 
@@ -141,7 +141,7 @@ def test_a_new_run_never_reuses_the_last_run_s_residuals(toy):
     call(forward, *inputs(2), 0.5)
     img, txt = inputs(3)
     assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))  # sigma went up: a new run, full
-    assert forward.cache.last_stats.steps == 2
+    assert forward.step_cache.last_stats.steps == 2
 
 
 def test_each_branch_reuses_its_own_residuals_and_a_branch_without_any_runs_full(toy):
@@ -155,7 +155,7 @@ def test_each_branch_reuses_its_own_residuals_and_a_branch_without_any_runs_full
     assert torch.equal(reused_cond, call(only_cond, *inputs(3), 0.5, branch=(0,)))
     img, txt = inputs(4)
     assert torch.equal(call(forward, img, txt, 0.5, branch=(0, 1)), toy(img, txt))  # nothing recorded for (0, 1)
-    assert forward.cache.stats.fallback_calls == 1
+    assert forward.step_cache.stats.fallback_calls == 1
 
 
 def test_adaptive_reuses_only_while_the_first_blocks_changed_less_than_the_threshold(toy):
@@ -166,9 +166,9 @@ def test_adaptive_reuses_only_while_the_first_blocks_changed_less_than_the_thres
         small_change = (img * (1 + 0.01 * (1 - sigma)), txt)
         assert torch.equal(call(never, *small_change, sigma), toy(*small_change))
         call(always, *small_change, sigma)
-    assert never.cache.stats.full_steps == 3
-    assert (always.cache.stats.full_steps, always.cache.stats.shallow_steps) == (1, 2)
-    assert len(always.cache.changes) == 2 and all(0 < c < 0.01 for c in always.cache.changes)
+    assert never.step_cache.stats.full_steps == 3
+    assert (always.step_cache.stats.full_steps, always.step_cache.stats.shallow_steps) == (1, 2)
+    assert len(always.step_cache.changes) == 2 and all(0 < c < 0.01 for c in always.step_cache.changes)
 
 
 def test_adaptive_measures_the_image_stream_the_family_names_not_the_first_returned(toy):
@@ -180,7 +180,7 @@ def test_adaptive_measures_the_image_stream_the_family_names_not_the_first_retur
     call(forward, later, txt, 0.8)
     with torch.no_grad():
         (_, before), (_, after) = toy.pairs[0](img, txt), toy.pairs[0](later, txt)
-    assert forward.cache.changes == [pytest.approx(relative_change(after, before))]
+    assert forward.step_cache.changes == [pytest.approx(relative_change(after, before))]
 
 
 def test_a_cache_depth_the_model_does_not_have_is_refused_with_the_range(toy):
@@ -198,7 +198,7 @@ def test_the_model_s_own_forward_is_back_after_each_call_even_when_it_fails(toy)
     img, txt = inputs(1)
     assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))
     # The failed call ended before its step was decided (the first block): it counts in no run.
-    stats = forward.cache.stats
+    stats = forward.step_cache.stats
     assert (stats.steps, stats.full_calls, stats.decisions) == (1, 1, [True])
 
 

@@ -134,7 +134,7 @@ def test_sequence_parallel_blocks_replay_their_collectives_and_drop_them_before_
 
     import torch.distributed as dist
 
-    from overdrive.nodes.sequence_parallel import as_each_process_runs
+    from overdrive.comfy_host.sequence_split import as_each_process_runs
     from overdrive.parallel.workers import leave_group
 
     with_graphs, without = compiled
@@ -222,7 +222,7 @@ def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apar
     eager, and the fused model stays within bf16 rounding of the same layers run apart (fc1's output is no longer
     rounded to bf16 before GELU)."""
     from overdrive.builtin_models.dit import conditioning, empty_latent
-    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantize_patches import quantized_modules
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
     quantized = nodes["OverdriveQuantizeModel"].execute(

@@ -49,7 +49,7 @@ def eager(model, sample):
 
 def test_comfyui_loads_the_file_with_its_quantized_layers(model, layout):
     from comfy.quant_ops import QuantizedTensor
-    from overdrive.nodes.checkpoint_formats import stored_formats
+    from overdrive.comfy_host.checkpoint_formats import stored_formats
 
     tree = model.model.diffusion_model
     stored = stored_formats(tree)
@@ -78,8 +78,8 @@ def quantized(nodes, family, model):
 
 
 def test_quantize_model_converts_the_stored_layers_and_says_so(model, layout, quantized, sample, eager):
-    from overdrive.nodes.checkpoint_formats import stored_formats
-    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.comfy_host.checkpoint_formats import stored_formats
+    from overdrive.comfy_host.quantize_patches import quantized_modules
 
     report, patched, logged = quantized
     stored = stored_formats(model.model.diffusion_model)
@@ -139,8 +139,8 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
                                                                                           layout, models_folder,
                                                                                           family, sample):
     import comfy.sd
-    from overdrive.nodes.checkpoint_formats import stored_formats
-    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.comfy_host.checkpoint_formats import stored_formats
+    from overdrive.comfy_host.quantize_patches import quantized_modules
 
     from overdrive.compiler import dynamo_graph_count
 
@@ -165,7 +165,7 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
 def test_weights_stored_in_fp8_without_a_scale_are_reported_and_read_in_16_bits(comfy):
     """What ComfyUI keeps of a plain fp8 file on the GPU (weights cast per call): Quantize Model lists those layers and
     measures them from their values in bf16 (few torch ops take fp8 operands)."""
-    from overdrive.nodes.checkpoint_formats import stored_formats
+    from overdrive.comfy_host.checkpoint_formats import stored_formats
     from overdrive.quantization.linear_layers import float_weight
 
     tree = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
@@ -183,7 +183,7 @@ def test_an_int8_feed_forward_traced_by_torch_compile_computes_comfyuis_values(c
     import comfy.ops
     import comfy.sd
     from comfy.quant_ops import QuantizedTensor
-    from overdrive.nodes import traceable_ops
+    from overdrive.comfy_host import traceable_ops
 
     tree = comfy.sd.load_diffusion_model(str(ensure_quantized_diffusion_model("wan22", "tiny", 0, models_folder,
                                                                               "int8_convrot"))).model.diffusion_model

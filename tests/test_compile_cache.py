@@ -12,7 +12,7 @@ import torch
 
 from overdrive.compiler import CompileDiskCache
 from overdrive.compiler.disk_cache import compile_key
-from overdrive.storage import device_identity
+from overdrive.core.storage import device_identity
 
 CHILD = pathlib.Path(__file__).with_name("compile_cache_child.py")
 
@@ -556,7 +556,7 @@ def test_a_stop_while_a_finished_compile_is_saved_lands_after_its_frame_is_on_di
     import comfy.model_management as management
     import comfy.utils
     from overdrive.compiler import CompileOptions, clear_shared_graphs, compile_module, dynamo_graph_count, precompiled
-    from overdrive.nodes.progress import comfy_progress
+    from overdrive.comfy_host.progress import comfy_progress
 
     def model():
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Models with an Overdrive forward sample with their conds moved to the sampling device once (nodes/conds_on_device):
+"""Models with an Overdrive forward sample with their conds moved to the sampling device once (comfy_host/conds_on_device):
 ComfyUI's own cond objects, a real sampling on the tiny SD1.5 model, and the wrapper's bookkeeping on the patcher."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ from test_nodes_inprocess import base, nodes  # noqa: F401
 
 @pytest.fixture(scope="module")
 def conds_on_device(comfy):
-    from overdrive.nodes import conds_on_device
+    from overdrive.comfy_host import conds_on_device
     return conds_on_device
 
 

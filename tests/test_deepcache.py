@@ -14,8 +14,7 @@ import math
 import pytest
 import torch
 
-from overdrive.deepcache import (DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner, DeepCacheSchedule,
-                                 DeepCacheUnsupportedError)
+from overdrive.step_cache import (DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner, DeepCacheSchedule, DeepCacheUnsupportedError)
 
 SHALLOW_RTOL = 1.0
 COMPILE_RTOL = 1e-4  # compiled (inductor, float32 CPU) vs eager; measured ~1.5e-6
@@ -133,7 +132,7 @@ def test_depth_must_fit_this_unet_and_window_needs_sigmas(tiny):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_deferred_floats_read_every_tensor_s_values_in_order(device):
-    from overdrive.deepcache.schedule import DeferredFloats, host_floats
+    from overdrive.step_cache.schedule import DeferredFloats, host_floats
 
     tensors = [torch.tensor([0.5, 2.0], device=device), torch.tensor(3.25, dtype=torch.bfloat16, device=device),
                torch.arange(6, device=device).reshape(2, 3)]
@@ -197,7 +196,7 @@ def test_interval_3_counts_full_steps_exact_and_shallow_steps_bounded(tiny, capl
     assert len(errors) == 6 and all(0.0 < e <= SHALLOW_RTOL for e in errors), errors
     assert len(runner.cache) == 1  # one feature for the one (batched cond+uncond) layout
 
-    with caplog.at_level(logging.INFO, logger="overdrive.deepcache"):
+    with caplog.at_level(logging.INFO, logger="overdrive.step_cache"):
         runner.reset()
     assert "DeepCache: 10 steps, 4 full / 6 shallow, interval 3, depth 1" in caplog.text
     assert len(runner.cache) == 0
@@ -264,7 +263,7 @@ def test_cache_resets_when_the_weights_are_replaced(tiny):
 def test_weights_are_walked_only_after_something_was_registered(tiny, monkeypatch):
     """The per-step weights check is one integer comparison; the module walk runs again only after a Parameter or
     submodule was registered somewhere (here: a module swapped in, as QuantizeModel does), and then sees it."""
-    from overdrive import weights_watch as weights
+    from overdrive.core import weights_watch as weights
     unet = copy.deepcopy(tiny.unet)
     runner = tiny.runner(unet=unet, cache_interval=3)
     walks = []
@@ -296,7 +295,7 @@ def test_temporary_containers_in_a_forward_are_not_weight_changes_and_do_not_rec
     """Regression (H100, torch 2.11): the registration hook ran inside the compiled diffusers UNet, Dynamo guarded on
     the counter and recompiled every call until its limit, and SDXL ran eager (3.2 s/image instead of ~0.8 s)."""
     from overdrive.compiler import CompileOptions, compile_module, dynamo_graph_count
-    from overdrive.weights_watch import weights_generation
+    from overdrive.core.weights_watch import weights_generation
     model, x = _SlicesItsLayers(), torch.randn(2, 4)
     generation = weights_generation()
     with torch.no_grad():
@@ -345,7 +344,7 @@ def test_control_residuals_run_the_full_model_or_raise(tiny, caplog):
     runner = tiny.runner(cache_interval=3)
     tiny.step(runner, tiny.sigmas[0])  # full step, feature cached
     control = _control(tiny, tiny.sigmas[1])
-    with caplog.at_level(logging.WARNING, logger="overdrive.deepcache"):
+    with caplog.at_level(logging.WARNING, logger="overdrive.step_cache"):
         out = tiny.step(runner, tiny.sigmas[1], control=control())  # a shallow step with ControlNet residuals
     assert "ControlNet" in caplog.text
     assert runner.stats.decisions == [True, False] and runner.stats.fallback_calls == 1
@@ -363,7 +362,7 @@ def test_unknown_patches_and_a_drifted_forward_are_loud_not_silent(tiny, caplog)
     runner = tiny.runner(cache_interval=3)
     args, kwargs = tiny.inputs(tiny.sigmas[0])
     kwargs["transformer_options"]["patches"] = {"emb_patch": [lambda emb, channels, options: emb * 2.0]}
-    with caplog.at_level(logging.WARNING, logger="overdrive.deepcache"):
+    with caplog.at_level(logging.WARNING, logger="overdrive.step_cache"):
         with torch.no_grad():
             out = runner(*args, **kwargs)
     with torch.no_grad():  # the model's own forward with the same patches (ComfyUI's UNet applies emb_patch there)
@@ -393,7 +392,7 @@ def test_unknown_patches_and_a_drifted_forward_are_loud_not_silent(tiny, caplog)
     drifted.__class__ = DriftedUNet
     runner = tiny.runner(unet=drifted, cache_interval=3)
     caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="overdrive.deepcache"):
+    with caplog.at_level(logging.ERROR, logger="overdrive.step_cache"):
         outs = [tiny.step(runner, s) for s in tiny.sigmas[:3]]
     assert "DeepCache is OFF" in caplog.text and runner.disabled
     with torch.no_grad():
@@ -500,7 +499,7 @@ def test_compiled_paths_two_graphs_no_recompile_per_step(tiny):
         compiled_graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
-    def compile_paths(runner):  # as the compile stack routes them (stack.py)
+    def compile_paths(runner):  # as the compile stack routes them (core/stack.py)
         runner.full_path = torch.compile(runner.paths.full_forward, backend=counting_inductor)
         runner.shallow_path = torch.compile(runner.paths.shallow_forward, backend=counting_inductor)
 

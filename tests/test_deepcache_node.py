@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from overdrive.compiler import CompiledMethod, dynamo_graph_count
-from overdrive.deepcache import DeepCacheConfigError, DeepCacheRunner
+from overdrive.step_cache import DeepCacheConfigError, DeepCacheRunner
 from overdrive.harness.inprocess import conditioning
 from overdrive.harness.workflows import load_workflow, set_inputs
 # Fixtures: the node classes, the tiny SD1.5 model (seed 0), and its eager latent (through this module's `sample`).
@@ -130,8 +130,8 @@ def test_the_sampler_s_step_clock_decides_as_the_sigma_reads_do_without_reading_
     wrong is dropped with a warning."""
     import comfy.sample
 
-    from overdrive.deepcache.clock import STEP_CLOCK, StepClock
-    from overdrive.nodes import step_clock
+    from overdrive.step_cache.clock import STEP_CLOCK, StepClock
+    from overdrive.comfy_host import step_clock
 
     def reads_of(model, **run):
         runner, counted = runner_of(model), []
@@ -170,7 +170,7 @@ def test_the_sampler_s_step_clock_decides_as_the_sigma_reads_do_without_reading_
         call["c"]["transformer_options"][STEP_CLOCK] = stuck
         return apply_model(call["input"], call["timestep"], **call["c"])
     wrong.set_model_unet_function_wrapper(with_stuck_clock)
-    with caplog.at_level(logging.WARNING, logger="overdrive.deepcache"):
+    with caplog.at_level(logging.WARNING, logger="overdrive.step_cache"):
         _, reads, _ = reads_of(wrong)
     assert 0 < reads < STEPS and "do not follow its sigma schedule" in caplog.text, caplog.text
 

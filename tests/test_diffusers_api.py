@@ -14,7 +14,7 @@ from diffusers_tiny import tiny_sd_pipeline, tiny_unet
 from overdrive.api import (CompileOptions, DeepCacheConfig, QuantConfig, WeightMismatchError, compile_, deepcache_,
                            quantize_, switch_weights_)
 from overdrive.compiler import clear_shared_graphs, dynamo_graph_count
-from overdrive.deepcache import DeepCacheRunner, UnsupportedUNetError
+from overdrive.step_cache import DeepCacheRunner, UnsupportedUNetError
 
 STEPS = 10
 COMPILE_RTOL = 1e-4     # Inductor vs eager, float32 on the CPU (measured ~1e-6)

@@ -10,9 +10,9 @@ from diffusers_tiny import (dit_prompt, flux_prompt, tiny_chroma_pipeline, tiny_
                             tiny_ltx_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline, tiny_wan_pipeline,
                             tiny_zimage_pipeline)
 from overdrive.api import CompileOptions, DeepCacheConfig, QuantConfig, compile_, deepcache_, quantize_, switch_weights_
-from overdrive.blockwise import BlockwiseForward
+from overdrive.core.blockwise import BlockwiseForward
 from overdrive.compiler import dynamo_graph_count
-from overdrive.deepcache.block_cache import BlockStepCache
+from overdrive.step_cache.block_cache import BlockStepCache
 
 COMPILE_RTOL = 1e-4  # Inductor vs eager, float32 on the CPU (measured ~2e-7)
 # A reused call against the full transformer on the same input, interval 2 (measured 3.3-5.6 %; with one residual
@@ -133,7 +133,7 @@ def test_flux_step_cache_window_and_a_later_compile_keep_the_callers_statistics(
     pipe = tiny_flux_pipeline()
     cache = deepcache_(pipe, DeepCacheConfig(cache_interval=2, start_percent=0.5))
     compile_(pipe, CompileOptions(precompile=False))
-    assert pipe.transformer.forward.cache is cache
+    assert pipe.transformer.forward.step_cache is cache
     generate(pipe, "flux")
     timesteps = (pipe.scheduler.timesteps / 1000).tolist()
     outside = [t > 0.5 for t in timesteps]

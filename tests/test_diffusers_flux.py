@@ -6,7 +6,7 @@ import torch
 
 from diffusers_tiny import flux_prompt, tiny_flux_pipeline
 from overdrive.api import CompileOptions, QuantConfig, compile_, quantize_, switch_weights_
-from overdrive.blockwise import BlockwiseForward
+from overdrive.core.blockwise import BlockwiseForward
 from overdrive.compiler import dynamo_graph_count
 
 COMPILE_RTOL = 1e-4  # Inductor vs eager per transformer call, float32 on the CPU

@@ -8,7 +8,7 @@ import torch
 from diffusers_tiny import dit_prompt, tiny_flux_pipeline, tiny_wan_pipeline
 from overdrive.api import (AttentionConfig, CompileOptions, DeepCacheConfig, QuantConfig, WeightMismatchError,
                            attention_, compile_, deepcache_, quantize_, switch_weights_)
-from overdrive.blockwise import BlockwiseForward
+from overdrive.core.blockwise import BlockwiseForward
 from overdrive.compiler import dynamo_graph_count
 from overdrive.diffusers_api.installed import installed_stack
 from overdrive.quantization.modules import quantized_layers

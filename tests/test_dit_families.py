@@ -148,7 +148,7 @@ def test_the_builtin_file_loads_as_its_family(base, family):
 
 def distinct_blocks(model) -> int:
     """How many distinct block graphs Compile Model's blockwise forward compiles for this model."""
-    from overdrive.blockwise import BlockwiseForward
+    from overdrive.core.blockwise import BlockwiseForward
     forward = model.object_patches["diffusion_model.forward"]
     assert isinstance(forward, BlockwiseForward) and forward.compiled
     return len({c.fingerprint for c in forward.compiled.values()})
@@ -298,7 +298,7 @@ def quantize_every_layer(nodes, model, family, fmt="int8", **settings):
     """QuantizeModel with no density or speed rule (every layer whose error passes is quantized), calibrated for one
     step on the family's built-in conditioning and latent: (its report, None where it fell back, and the quantized
     model)."""
-    from overdrive.nodes.quantize_node import quantization_report
+    from overdrive.comfy_host.quantized_model import quantization_report
     from overdrive.quantization import formats
 
     quantized = nodes["OverdriveQuantizeModel"].execute(model, format=fmt, bits=formats.get(fmt).bits,
@@ -351,7 +351,7 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
     module passing the e4m3 result through. Per model call it matches the same 8-bit layers run apart, and compiled
     it matches itself eager (the first call, on the same input, within 1 %; the next one's input is each run's own
     step, and a flipped e4m3 rounding moves it further)."""
-    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantize_patches import quantized_modules
     from overdrive.quantization import fp8_supported
     from overdrive.quantization.gelu_fusion import gelu_mlps
     mlps = gelu_mlps(base.model.diffusion_model)

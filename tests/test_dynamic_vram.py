@@ -32,7 +32,7 @@ def mismatched(module):
 
 def test_the_classic_loaders_model_gets_its_layers_dtypes(comfy, tmp_path):
     import comfy.sd
-    from overdrive.nodes.dynamic_vram import cast_to_layer_dtypes_
+    from overdrive.comfy_host.dynamic_vram import cast_to_layer_dtypes_
 
     import comfy.utils
 
@@ -52,7 +52,7 @@ def test_the_classic_loaders_model_gets_its_layers_dtypes(comfy, tmp_path):
 
 def test_compile_clone_of_a_classic_model_is_a_plain_clone(comfy, tmp_path):
     import comfy.sd
-    from overdrive.nodes.dynamic_vram import compile_clone
+    from overdrive.comfy_host.dynamic_vram import compile_clone
 
     model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("wan22", "tiny", 0, tmp_path)))
     clone, reloaded = compile_clone(model)
@@ -64,7 +64,7 @@ def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower
     16 GiB, not 16 less the 125 reserved. On a real card only the reserve applies. No GPU here, so the card's figures
     are given."""
     import comfy.model_management as mm
-    from overdrive.nodes.gpu_budget import gpu_budget_bytes
+    from overdrive.comfy_host.gpu_budget import gpu_budget_bytes
     gib, card = 2**30, torch.device("cuda", 0)
     monkeypatch.setattr(mm, "get_total_memory", lambda device=None, torch_total_too=False: 141 * gib)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Card", (), {"total_memory": 141 * gib}))
@@ -81,11 +81,11 @@ def test_a_quantized_model_too_large_for_the_card_compiles_with_its_quantized_la
     card with the working memory even where its quantized layers do not all fit: Overdrive streams those block by
     block, and compiled blocks run through them. A float model that does not fit keeps dynamic VRAM."""
     import comfy.sd
-    from overdrive.nodes.dynamic_vram import streams_quantized_layers, with_workspace
-    from overdrive.nodes.quantize_patches import install_quantized, resident_bytes
-    from overdrive.nodes.quantized_lora import SidePaths
-    from overdrive.nodes.quantized_sets import QuantizedSet
-    from overdrive.nodes.quantized_streaming import tensor_bytes
+    from overdrive.comfy_host.dynamic_vram import streams_quantized_layers, with_workspace
+    from overdrive.comfy_host.quantize_patches import install_quantized, resident_bytes
+    from overdrive.comfy_host.quantized_lora import SidePaths
+    from overdrive.comfy_host.quantized_sets import QuantizedSet
+    from overdrive.comfy_host.quantized_streaming import tensor_bytes
     from overdrive.quantization import Int8Linear
 
     model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("flux", "tiny", 0, tmp_path)))
@@ -105,7 +105,7 @@ def test_a_float_model_too_large_for_the_card_is_told_that_8_bits_would_fit(comf
     """Compile Model's log on a card the float model does not fit: where its linear weights in 8 bits would fit with
     the working memory, it says to put Quantize Model first (fp8 Flux fits a 16 GiB card; bf16 does not)."""
     import comfy.sd
-    from overdrive.nodes.dynamic_vram import eight_bit_bytes, quantize_first_hint, with_workspace
+    from overdrive.comfy_host.dynamic_vram import eight_bit_bytes, quantize_first_hint, with_workspace
 
     model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("flux", "tiny", 0, tmp_path)))
     linears = [m.weight for m in model.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]

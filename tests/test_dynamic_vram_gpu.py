@@ -85,12 +85,12 @@ def test_quantize_model_fp8_then_compile_model(nodes, base, family, sample, eage
 def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, nodes, base, family, sample,
                                                                           monkeypatch):
     """A card too small for every 8-bit layer (fp8 Flux on an 8 GiB card): the layers beyond the room stay in pinned
-    host memory and their blocks copy them in as they run (nodes/quantized_streaming.py), on dynamic VRAM, whose
+    host memory and their blocks copy them in as they run (comfy_host/quantized_streaming.py), on dynamic VRAM, whose
     loader moves every buffer it finds onto the GPU. The tiny model fits any card, so the room is set to half of its
     8-bit layers' bytes. Same kernels on the same inputs: the calls match the resident run's. Compile Model over it
     takes the classic loader (the card holds its float part) and its compiled blocks run through the streamed layers."""
-    from overdrive.nodes import dynamic_vram, quantized_streaming
-    from overdrive.nodes.quantize_patches import followers, quantized_modules, resident_bytes
+    from overdrive.comfy_host import dynamic_vram, quantized_streaming
+    from overdrive.comfy_host.quantize_patches import followers, quantized_modules, resident_bytes
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
@@ -231,7 +231,7 @@ def test_a_quantized_checkpoint_through_quantize_compile_and_switch(comfy, nodes
     Switch Diffusion Model takes another file of the layout without recompiling."""
     import comfy.sd
     from overdrive.builtin_models.quantized import ensure_quantized_diffusion_model
-    from overdrive.nodes.quantize_node import quantization_report
+    from overdrive.comfy_host.quantized_model import quantization_report
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")

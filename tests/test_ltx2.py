@@ -41,7 +41,7 @@ def test_quantize_model_calibrates_on_the_audio_video_latent(nodes, base, family
     from overdrive.families import family_of
 
     # Two calibration steps: not the decisions test_dit_families caches for this model (it checks a first run's).
-    from overdrive.nodes.quantize_node import quantization_report
+    from overdrive.comfy_host.quantized_model import quantization_report
 
     with caplog.at_level(logging.INFO, logger="overdrive"):
         quantized = nodes["OverdriveQuantizeModel"].execute(base, format="int8", compute_density_threshold=0.0, min_speedup=0.0,

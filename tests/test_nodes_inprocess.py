@@ -84,7 +84,7 @@ def test_a_stop_lost_in_a_weakref_callback_is_raised_again(comfy, comfy_progress
     runs them inside the compiler: a body still running after its stop was raised gets it again. Here the body drops
     the first one itself."""
     from comfy.model_management import InterruptProcessingException, interrupt_current_processing
-    from overdrive.nodes import progress
+    from overdrive.comfy_host import progress
     monkeypatch.setattr(progress._StopInjector, "AGAIN_AFTER_S", 0.5)
     caught, start = [], time.perf_counter()
     threading.Timer(0.3, interrupt_current_processing, args=(True,)).start()

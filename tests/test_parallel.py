@@ -195,7 +195,7 @@ def family_case(family, builtin_dit_files, builtin_checkpoints):
 def kept_workers():
     """Worker processes kept from one test to the next (each loads the next test's model into them), stopped after
     the last."""
-    from overdrive.nodes.parallel_model import POOLS
+    from overdrive.comfy_host.parallel_calls import POOLS
     yield POOLS
     POOLS.close()
     assert not multiprocessing.active_children()
@@ -209,7 +209,7 @@ def test_parallel_model_samples_what_one_process_samples(comfy, builtin_dit_file
     model's in this process alone."""
     import comfy.sample
 
-    from overdrive.nodes.parallel_model import parallelize
+    from overdrive.comfy_host.parallel_calls import parallelize
     from test_dit_families import assert_calls_match, record_calls, relative_error
 
     model, positive, negative, latent = family_case(family, builtin_dit_files, builtin_checkpoints)
@@ -244,12 +244,12 @@ def test_compile_models_forward_and_a_lora_applied_after_parallel_model_reach_th
     import comfy.sd
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
-    from overdrive.harness.comfy_worker import ComfyReload
+    from overdrive.comfy_host.worker_reload import ComfyReload
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
     from overdrive.nodes import NODES
-    from overdrive.nodes.comfy_call_options import ATTENTION_OVERRIDE
-    from overdrive.nodes.forward_patch import installed_stack
-    from overdrive.nodes.parallel_model import POOLS, carried, parallelize, why_not_carried
+    from overdrive.comfy_host.comfy_call_options import ATTENTION_OVERRIDE
+    from overdrive.comfy_host.forward_patch import installed_stack
+    from overdrive.comfy_host.parallel_calls import POOLS, carried, parallelize, why_not_carried
 
     model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
     compiled = NODES["OverdriveCompileModel"].execute(model)[0]
@@ -305,7 +305,7 @@ def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_
     from overdrive.builtin_models.dit import conditioning, empty_latent
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
     from overdrive.nodes import NODES
-    from overdrive.nodes.parallel_model import POOLS, parallelize, why_not_carried, why_not_with_idle_gpus
+    from overdrive.comfy_host.parallel_calls import POOLS, parallelize, why_not_carried, why_not_with_idle_gpus
     from test_dit_families import quantize_every_layer
 
     model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
@@ -348,8 +348,8 @@ def test_switch_diffusion_models_weights_reach_the_workers(comfy, builtin_dit_fi
     from overdrive.builtin_models.dit import conditioning, default_directory, empty_latent, ensure_diffusion_model
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
     from overdrive.nodes import NODES
-    from overdrive.nodes.parallel_model import POOLS, parallelize
-    from overdrive.nodes.switch_weights_node import reloading
+    from overdrive.comfy_host.parallel_calls import POOLS, parallelize
+    from overdrive.comfy_host.switched_weights import reloading
 
     second = ensure_diffusion_model("wan22", "tiny", 1, default_directory())
     folder_paths.add_model_folder_path("diffusion_models", str(default_directory()))
@@ -382,8 +382,8 @@ def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy,
     import comfy.sd
 
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
-    from overdrive.nodes.parallel_model import chosen_split
-    from overdrive.nodes.sequence_parallel import how_attention_splits
+    from overdrive.comfy_host.parallel_calls import chosen_split
+    from overdrive.comfy_host.sequence_split import how_attention_splits
 
     wan = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
     chroma = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["chroma"][0]]))
@@ -415,7 +415,8 @@ def test_sequence_parallelism_refuses_what_it_does_not_split_and_says_why(comfy,
 def test_the_node_runs_on_one_gpu_with_a_warning_where_the_gpus_are_missing_and_names_bad_input(comfy, caplog):
     import comfy.model_patcher
 
-    from overdrive.nodes.parallel_model import KEY, OverdriveParallelModel, parallelize
+    from overdrive.comfy_host.parallel_calls import KEY, parallelize
+    from overdrive.nodes.parallel_model import OverdriveParallelModel
     model = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
     with caplog.at_level("WARNING", logger="overdrive"):
         out = OverdriveParallelModel.execute(model, gpus=max(2, torch.cuda.device_count() + 1))[0]
@@ -435,7 +436,7 @@ def test_an_interrupted_prompt_leaves_the_workers_ready_for_the_next(comfy, buil
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
-    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from overdrive.comfy_host.parallel_calls import POOLS, parallelize
 
     model = comfy.sd.load_diffusion_model(str(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]]))
     latent = empty_latent("wan22", 64, 64, frames=5)
@@ -473,7 +474,7 @@ def test_workers_that_cannot_start_leave_the_generation_on_one_process_with_a_wa
 
     from overdrive.builtin_models.dit import conditioning, empty_latent
     from overdrive.harness.workflows import BUILTIN_DIT_NAMES
-    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from overdrive.comfy_host.parallel_calls import POOLS, parallelize
 
     path = tmp_path / "moved.safetensors"
     shutil.copy(builtin_dit_files["diffusion_models"][BUILTIN_DIT_NAMES["wan22"][0]], path)
@@ -498,7 +499,7 @@ def test_cfg_and_sequence_at_once_split_each_pass_over_its_own_two_of_four_proce
     tests/test_diffusers_parallel.py)."""
     import comfy.sample
 
-    from overdrive.nodes.parallel_model import POOLS, parallelize
+    from overdrive.comfy_host.parallel_calls import POOLS, parallelize
     from test_dit_families import assert_calls_match, record_calls
 
     try:

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import overdrive.quantization as oq
 from overdrive.quantization import (Calibrator, Fp8Linear, Int8Linear, QuantCache, QuantConfig, QuantConv2d1x1,
-                                    QuantReport, apply_modules, plan_quantization, quantize_)
+                                    QuantReport, apply_modules, plan_quantization, quantize_module)
 from overdrive.quantization import calibrate as calibrate_mod
-from overdrive.quantization import formats as formats_mod
+from overdrive.quantization.formats import base as formats_mod
 from overdrive.quantization import kernels
 
 ALL = dict(linear_mse_threshold=1e9, conv_mse_threshold=1e9, compute_density_threshold=0)
@@ -162,12 +162,12 @@ def test_a_format_registered_from_outside_runs_through_the_whole_pipeline(tmp_pa
         model = make_model()
         x, t = inputs(5)
         expected = model(x, t)
-        report = quantize_(model, config, calibration=calibration_for(model), cache=tmp_path)
+        report = quantize_module(model, config, calibration=calibration_for(model), cache=tmp_path)
         assert report.format == "int8_tensorwise_test" and set(report.quantized) == QUANTIZABLE
         assert isinstance(model.block.ff1, _Int8TensorwiseLinear) and model.block.ff1.weight_scale.numel() == 1
         assert 0 < rel(model(x, t), expected) < REL_TOL
         again = make_model()
-        assert quantize_(again, config, calibration=None, cache=tmp_path).cache_hit
+        assert quantize_module(again, config, calibration=None, cache=tmp_path).cache_hit
         torch.testing.assert_close(again(x, t), model(x, t))
         assert QuantConfig().resolve_format("cpu") == "int8"  # a lower auto priority leaves auto alone
     finally:
@@ -312,7 +312,7 @@ def test_quantized_modules_keep_dtype_and_reload_weights_in_place():
 def test_threshold_zero_quantizes_nothing():
     model = make_model()
     before = state(model)
-    report = quantize_(model, QuantConfig(linear_mse_threshold=0, conv_mse_threshold=0, compute_density_threshold=0),
+    report = quantize_module(model, QuantConfig(linear_mse_threshold=0, conv_mse_threshold=0, compute_density_threshold=0),
                        calibration=calibration_for(model))
     assert report.quantized == []
     assert all(isinstance(m, (nn.Linear, nn.Conv2d)) for n, m in model.named_modules() if n in QUANTIZABLE)
@@ -324,7 +324,7 @@ def test_huge_threshold_quantizes_every_layer_a_kernel_can_run():
     model = make_model()
     x, t = inputs(7)
     reference = model(x, t)
-    report = quantize_(model, QuantConfig(**ALL), calibration=calibration_for(model))
+    report = quantize_module(model, QuantConfig(**ALL), calibration=calibration_for(model))
     assert set(report.quantized) == QUANTIZABLE
     assert "no low-precision kernel for 3x3 conv" in report["conv_in"].reason
     assert "N=36 not a multiple of 8" in report["odd"].reason
@@ -345,7 +345,7 @@ def test_fp8_model_stays_close():
     reference = model(x, t)
     seen = []
     hook = model.block.ff1.register_forward_pre_hook(lambda m, args: seen.append(args[0].abs().amax()))
-    report = quantize_(model, QuantConfig(format="fp8_e4m3", **ALL), calibration=calibration_for(model))
+    report = quantize_module(model, QuantConfig(format="fp8_e4m3", **ALL), calibration=calibration_for(model))
     hook.remove()
     assert set(report.quantized) == QUANTIZABLE - {"odd"} and report.format == "fp8_e4m3"
     assert isinstance(model.block.ff1, Fp8Linear) and model.block.ff1.static_input
@@ -356,7 +356,7 @@ def test_fp8_model_stays_close():
     assert rel(model(x, t), reference) < REL_TOL_FP8
 
     dynamic = make_model()
-    quantize_(dynamic, QuantConfig(format="fp8_e4m3", fp8_static_activations=False, **ALL),
+    quantize_module(dynamic, QuantConfig(format="fp8_e4m3", fp8_static_activations=False, **ALL),
               calibration=calibration_for(dynamic))
     assert not dynamic.block.ff1.static_input
     assert rel(dynamic(x, t), reference) < REL_TOL_FP8
@@ -367,7 +367,7 @@ def test_fp8_model_stays_close():
                                                                     "block.attn_out"})])
 def test_switches_leave_layers_alone(flag, left_alone):
     model = make_model()
-    report = quantize_(model, QuantConfig(**ALL, **{flag: False}), calibration=calibration_for(model))
+    report = quantize_module(model, QuantConfig(**ALL, **{flag: False}), calibration=calibration_for(model))
     assert set(report.quantized) == QUANTIZABLE - left_alone
     for name in left_alone:
         assert type(model.get_submodule(name)) in (nn.Linear, nn.Conv2d)
@@ -415,7 +415,7 @@ def test_memory_bound_layers_keep_their_weights_in_int8(tmp_path):
         assert torch.equal(gemm_of(again.modules[name]).weight_q, gemm_of(first.modules[name]).weight_q)
     x, t = inputs(5)
     expected = model(x, t)
-    quantize_(model, config, calibration=calibration_for(model))
+    quantize_module(model, config, calibration=calibration_for(model))
     assert rel(model(x, t), expected) < REL_TOL
 
     # Too much error: the layer stays in float and the reason says both why.
@@ -547,13 +547,13 @@ def test_failures_leave_the_model_untouched(tmp_path):
         raise RuntimeError("sampler crashed")
 
     with pytest.raises(RuntimeError, match="sampler crashed"):
-        quantize_(model, QuantConfig(**ALL), calibration=broken)
+        quantize_module(model, QuantConfig(**ALL), calibration=broken)
     with pytest.raises(ValueError, match="calibration is needed"):
-        quantize_(model, QuantConfig(**ALL), cache=tmp_path)
+        quantize_module(model, QuantConfig(**ALL), cache=tmp_path)
     with pytest.raises(ValueError, match="bits=7"):
-        quantize_(model, QuantConfig(bits=7), calibration=calibration_for(model))
+        quantize_module(model, QuantConfig(bits=7), calibration=calibration_for(model))
     with pytest.raises(ValueError, match="no candidate layer was called"):
-        quantize_(model, QuantConfig(**ALL), calibration=lambda: None)
+        quantize_module(model, QuantConfig(**ALL), calibration=lambda: None)
     assert {n: type(m) for n, m in model.named_modules()} == types
     assert not any(m._forward_pre_hooks for m in model.modules())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -645,7 +645,7 @@ def test_4_bits_where_the_error_passes_else_the_8_bit_decision_and_the_cache_kee
     model, x = Wide().eval().requires_grad_(False), torch.randn(64, 64)
     expected = model(x)
     cache = QuantCache(tmp_path, store_weights=store_weights)
-    report = quantize_(model, config, calibration=lambda: model(torch.randn(64, 64)), cache=cache)
+    report = quantize_module(model, config, calibration=lambda: model(torch.randn(64, 64)), cache=cache)
     layer_formats = report.formats()
     assert {name for name, fmt in layer_formats.items() if fmt == "int4_fp8"} == in_4_bits
     assert {name for name, fmt in layer_formats.items() if fmt == "int8"} == {"narrow_in", "up", "down"} - in_4_bits
@@ -659,7 +659,7 @@ def test_4_bits_where_the_error_passes_else_the_8_bit_decision_and_the_cache_kee
         with safe_open(str(tmp_path / f"{report.cache_key}.safetensors"), "pt") as stored:
             assert {"up.weight_q", "up.group_scale", "narrow_in.weight_q"} <= set(stored.keys())
     again = Wide().eval().requires_grad_(False)
-    cached = quantize_(again, config, calibration=None, cache=cache)
+    cached = quantize_module(again, config, calibration=None, cache=cache)
     assert cached.cache_hit and cached.formats() == layer_formats
     assert {name: type(m) for name, m in again.named_children()} == {name: type(m) for name, m in model.named_children()}
     torch.testing.assert_close(again(x), model(x))
@@ -685,7 +685,7 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt, s
     first = make_model()
     calibration = calibration_for(first)
     cache = QuantCache(tmp_path, store_weights=store_weights)
-    report = quantize_(first, config, calibration=lambda: runs.append(1) or calibration(), cache=cache,
+    report = quantize_module(first, config, calibration=lambda: runs.append(1) or calibration(), cache=cache,
                        resolution=(8, 8))
     assert report.calibrated and not report.cache_hit and measured and runs
     assert set(report.quantized) == QUANTIZABLE
@@ -695,7 +695,7 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt, s
 
     measured.clear(), runs.clear()
     second = make_model()                            # same weights: same key
-    report2 = quantize_(second, config, calibration=lambda: runs.append(1), cache=cache, resolution=(8, 8))
+    report2 = quantize_module(second, config, calibration=lambda: runs.append(1), cache=cache, resolution=(8, 8))
     assert report2.cache_hit and not report2.calibrated and not measured and not runs
     assert report2.quantized == report.quantized and report2.cache_key == report.cache_key
     torch.testing.assert_close(second(x, t), expected)
@@ -705,10 +705,10 @@ def test_cache_skips_calibration_on_the_second_run(tmp_path, monkeypatch, fmt, s
         assert torch.equal(second.block.ff1.input_scale_inverse, first.block.ff1.input_scale_inverse)
 
     other = make_model(seed=1)                       # other weights: other key, calibrates
-    report3 = quantize_(other, config, calibration=calibration_for(other), cache=cache, resolution=(8, 8))
+    report3 = quantize_module(other, config, calibration=calibration_for(other), cache=cache, resolution=(8, 8))
     assert report3.calibrated and report3.cache_key != report.cache_key
     third = make_model()                             # other resolution bucket: calibrates
-    report4 = quantize_(third, config, calibration=calibration_for(third), cache=cache, resolution=(64, 64))
+    report4 = quantize_module(third, config, calibration=calibration_for(third), cache=cache, resolution=(64, 64))
     assert report4.calibrated and report4.cache_key != report.cache_key
 
 
@@ -731,7 +731,7 @@ def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
     config = QuantConfig(**ALL)
     model = make_model()
     cache = QuantCache(tmp_path, store_weights=True)
-    key = quantize_(model, config, calibration=calibration_for(model), cache=cache).cache_key
+    key = quantize_module(model, config, calibration=calibration_for(model), cache=cache).cache_key
     decisions = tmp_path / f"{key}.decisions"
 
     # Edited decisions (checksum mismatch), then garbage: logged, ignored, re-calibrated; never a crash.
@@ -744,7 +744,7 @@ def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
         model = make_model()
         with caplog.at_level(logging.WARNING, logger="overdrive.quantization"):
             caplog.clear()
-            report = quantize_(model, config, calibration=calibration_for(model), cache=cache)
+            report = quantize_module(model, config, calibration=calibration_for(model), cache=cache)
         assert report.calibrated and not report.cache_hit
         assert "corrupt cache file" in caplog.text and "calibrated and measured again" in caplog.text
         assert set(report.quantized) == QUANTIZABLE
@@ -755,7 +755,7 @@ def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
     model = make_model()
     with caplog.at_level(logging.WARNING, logger="overdrive.quantization"):
         caplog.clear()
-        report = quantize_(model, config, calibration=calibration_for(model), cache=cache)
+        report = quantize_module(model, config, calibration=calibration_for(model), cache=cache)
     assert report.cache_hit and not report.calibrated and "corrupt cache file" in caplog.text
     assert "cached decisions stand" in caplog.text and "calibrated" not in caplog.text  # says what happens
     x, t = inputs(3)
@@ -767,7 +767,7 @@ def test_corrupt_cache_falls_back_to_calibration(tmp_path, caplog):
 def test_quantized_model_compiles_without_graph_breaks_and_follows_new_weights():
     torch._dynamo.reset()
     model = make_model()
-    quantize_(model, QuantConfig(**ALL), calibration=calibration_for(model))
+    quantize_module(model, QuantConfig(**ALL), calibration=calibration_for(model))
     compiles = []
 
     def backend(gm, example_inputs):

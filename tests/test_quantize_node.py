@@ -75,7 +75,7 @@ def sample(comfy, prompt):
 
 def quantize(node, model, prompt, **settings):
     """Run the node as ComfyUI does (in inference mode); returns (patched MODEL, report)."""
-    from overdrive.nodes.quantize_node import quantization_report
+    from overdrive.comfy_host.quantized_model import quantization_report
 
     with torch.inference_mode():
         (patched,) = node.execute(model, calibration_steps=2, **{**prompt, **settings})
@@ -83,7 +83,7 @@ def quantize(node, model, prompt, **settings):
 
 
 def quantized_names(model):
-    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantize_patches import quantized_modules
     return set(quantized_modules(model))
 
 
@@ -139,7 +139,7 @@ def snapshot(model):
 
 def quantized_layers(model):
     """{name: 8-bit layer} that `model` runs (the layer itself where a LoRA side path holds it)."""
-    from overdrive.nodes.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantize_patches import quantized_modules
     return dict(sorted(quantized_modules(model).items()))
 
 
@@ -185,7 +185,7 @@ def test_the_input_model_is_never_changed(comfy, quantized, quantized_latent, ba
 def new_process(monkeypatch):
     """No quantized layers alive from earlier runs, as in a new process (the disk cache stays)."""
     import weakref
-    from overdrive.nodes import quantized_sets
+    from overdrive.comfy_host import quantized_sets
     monkeypatch.setattr(quantized_sets, "_LIVE", weakref.WeakValueDictionary())
 
 
@@ -228,7 +228,7 @@ def test_a_new_process_takes_the_cached_decisions_without_calibrating(quantized,
 
 
 def test_quantized_layers_follow_the_model_between_devices(quantized, node, base, prompt, new_process):
-    from overdrive.nodes import quantize_patches
+    from overdrive.comfy_host import quantize_patches
     again, _ = quantize(node, base, prompt, **EVERYTHING)
     layers = list(quantized_layers(again).values())
     again.model_patches_to(torch.float16)  # ComfyUI also passes the model dtype: the 8-bit storage keeps its dtype
@@ -239,9 +239,9 @@ def test_quantized_layers_follow_the_model_between_devices(quantized, node, base
 
 
 def test_the_resident_size_counts_quantized_layers_at_their_8_bit_size(quantized, base):
-    """Compile Model decides from it whether a model fits the card whole (nodes/dynamic_vram.py): the float size
+    """Compile Model decides from it whether a model fits the card whole (comfy_host/dynamic_vram.py): the float size
     would keep a quantized Flux, which fits a 16 GiB card, on the streaming path."""
-    from overdrive.nodes.quantize_patches import quantized_modules, resident_bytes, tensor_bytes
+    from overdrive.comfy_host.quantize_patches import quantized_modules, resident_bytes, tensor_bytes
     model = quantized["model"]
     layers = quantized_modules(model)
     tree = base.model.diffusion_model
@@ -253,7 +253,7 @@ def test_the_resident_size_counts_quantized_layers_at_their_8_bit_size(quantized
     # ComfyUI sizes its loads by model_size(): told the float size, it loads a model that fits partially (tensors of
     # the blocks themselves left in host memory, compiled blocks kept off CUDA graphs)
     assert model.model_size() == resident_bytes(model)
-    from overdrive.nodes.quantize_patches import retarget
+    from overdrive.comfy_host.quantize_patches import retarget
     again = model.clone()
     assert retarget(again) == len(layers) and again.model_size() == resident_bytes(again) == resident_bytes(model)
 
@@ -287,7 +287,7 @@ class Moves(list):
 def moves(monkeypatch):
     """On a CPU-only machine there is no second device to see moves on (tests/test_quantize_memory_gpu.py moves for
     real): the meta device stands for the GPU, and moves are tracked instead of made."""
-    from overdrive.nodes import quantize_patches
+    from overdrive.comfy_host import quantize_patches
     tracked = Moves()
     monkeypatch.setattr(quantize_patches, "move", tracked)
     monkeypatch.setattr(quantize_patches, "on_device", tracked.device_of)
@@ -296,9 +296,9 @@ def moves(monkeypatch):
 
 def follower_for(layers, originals, load, offload, tree=None):
     """Quantize Model's follower of `layers` ({name: 8-bit layer}) standing in for `originals` (float layers)."""
-    from overdrive.nodes.quantize_patches import QuantizedModules
-    from overdrive.nodes.quantized_lora import SidePaths
-    from overdrive.nodes.quantized_sets import QuantizedSet
+    from overdrive.comfy_host.quantize_patches import QuantizedModules
+    from overdrive.comfy_host.quantized_lora import SidePaths
+    from overdrive.comfy_host.quantized_sets import QuantizedSet
     quantized = QuantizedSet(layers, None, SidePaths(layers, torch.float32))
     return QuantizedModules(quantized, layers, originals, torch.device(load), torch.device(offload), tree)
 
@@ -309,7 +309,7 @@ def follower_of_one_layer(load, offload):
 
 
 def test_loading_a_quantized_model_sends_the_float_layers_it_replaced_off_the_gpu(quantized, moves):
-    from overdrive.nodes import quantize_patches
+    from overdrive.comfy_host import quantize_patches
     model = quantized["model"]
     follower = quantize_patches.followers(model)[0]
     assert set(follower.originals) == set(quantized_layers(model))
@@ -332,7 +332,7 @@ def test_comfyui_detaching_a_model_it_keeps_loaded_moves_nothing(comfy, quantize
     """ComfyUI 0.7 detaches (without unpatching) a loaded model before each of its sampling runs, and any clone it
     collects: moving the layers each time cost Flux's fp8 model 22 GB of copies per image."""
     import gc
-    from overdrive.nodes import quantize_patches
+    from overdrive.comfy_host import quantize_patches
     follower = follower_of_one_layer("meta", "cpu")
     parent = quantized["model"].clone()
     parent.set_model_patch(follower, quantize_patches.FOLLOWER)
@@ -444,7 +444,7 @@ def test_a_lora_before_quantize_runs_beside_the_same_quantized_layers(quantized,
                                                                       float_layers, sample, float_latent):
     """The decisions and 8-bit layers are those of the weights without the LoRA (no calibration, no quantizing); the
     LoRA's patches stay on the model and run beside the layers at their own precision."""
-    from overdrive.nodes.quantized_lora import side_paths_of
+    from overdrive.comfy_host.quantized_lora import side_paths_of
     lora = lora_for(base, float_layers, LORA_LAYERS + [CONV3X3])
     float_lora = with_lora(base, lora)
     calls, hook = runs_of(base)
@@ -469,7 +469,7 @@ def test_a_lora_strength_change_rewrites_only_the_strengths_beside_the_same_laye
                                                                                   float_layers, sample, caplog):
     """LoraLoader keeps its file's tensors: another strength is another clone with the same factors, whose strengths
     alone are written into the same side paths at its sampling's start (no recompile, no re-quantization)."""
-    from overdrive.nodes.quantized_lora import side_paths_of
+    from overdrive.comfy_host.quantized_lora import side_paths_of
     lora = lora_for(base, float_layers, LORA_LAYERS, seed=6)
     strong, weak = (quantize(node, with_lora(base, lora, strength), prompt, **EVERYTHING)[0] for strength in (1.0, 0.4))
     assert all(side_paths_of(strong)[name] is path for name, path in side_paths_of(weak).items())
@@ -499,7 +499,7 @@ def test_a_lora_model_run_after_a_quantized_model_gets_its_lora_on_every_layer(c
 
 def test_a_lora_after_quantize_runs_beside_the_quantized_layers_and_applies_elsewhere(quantized, quantized_latent,
                                                                                     base, float_layers, sample):
-    from overdrive.nodes.quantized_lora import side_paths_of
+    from overdrive.comfy_host.quantized_lora import side_paths_of
     patched = quantized["model"]
     object_patches = dict(patched.object_patches)
     lora = lora_for(base, float_layers, LORA_LAYERS + [CONV3X3], seed=7)
@@ -511,7 +511,7 @@ def test_a_lora_after_quantize_runs_beside_the_quantized_layers_and_applies_else
 
 def test_a_patch_no_side_path_runs_is_refused_after_quantize_before_anything_is_added(quantized):
     """Each clone of a quantized model routes its add_patches (through an ON_CLONE callback)."""
-    from overdrive.nodes.quantized_lora import NotLowRank
+    from overdrive.comfy_host.quantized_lora import NotLowRank
     clone = quantized["model"].clone()
     float_key, quantized_key = f"diffusion_model.{CONV3X3}.weight", f"diffusion_model.{LORA_LAYERS[1]}.weight"
     before = {k: list(v) for k, v in clone.patches.items()}
@@ -656,7 +656,7 @@ def test_a_failure_while_quantizing_returns_the_unquantized_model_with_a_warning
 
 
 def test_without_prompt_or_latent_calibration_uses_empty_conditioning_at_the_natural_size(comfy, base):
-    from overdrive.nodes.quantize_calibration import CalibrationRun
+    from overdrive.comfy_host.quantize_calibration import CalibrationRun
 
     run = CalibrationRun.build(base, None, None, None, 2)
     assert run.empty_conditioning and tuple(run.latent.shape) == (1, 4, 64, 64)  # SD1.5: 512² pixels
@@ -731,9 +731,9 @@ class LinearThenConv(torch.nn.Module):
 
 def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output(comfy):
     """On a card too small for every 8-bit layer (Flux in fp8 on an 8 GiB card), the last blocks' layers stay in host
-    memory and each block copies its own in as it runs (nodes/quantized_streaming.py). Here the CPU stands for both
+    memory and each block copies its own in as it runs (comfy_host/quantized_streaming.py). Here the CPU stands for both
     sides: what is checked is the split, the hooks' swap and that the model computes the same."""
-    from overdrive.nodes.quantized_streaming import StreamedBlocks, block_of, split_by_room, tensor_bytes
+    from overdrive.comfy_host.quantized_streaming import StreamedBlocks, block_of, split_by_room, tensor_bytes
     torch.manual_seed(0)
     tree = torch.nn.Module()
     mlps = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(2)]
@@ -782,7 +782,7 @@ def test_8_bit_layers_beyond_the_room_stream_block_by_block_with_the_same_output
 def test_a_streamed_block_brings_in_the_layers_its_lora_side_paths_run(comfy):
     """With a LoRA every quantized layer runs beside a side path, which the tree holds in the layer's place: a streamed
     block still copies the layers in (its hook looks through the side path), and computes the layer with its LoRA."""
-    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    from overdrive.comfy_host.quantized_streaming import StreamedBlocks
     from overdrive.quantization.low_rank import LowRankSidePath, LowRankTerm
     torch.manual_seed(0)
     tree = torch.nn.Module()
@@ -804,7 +804,7 @@ def test_a_streamed_block_brings_in_the_layers_its_lora_side_paths_run(comfy):
 def test_room_is_kept_for_the_float_tensors_comfyui_loads_after_the_quantized_layers(comfy, monkeypatch):
     """ComfyUI's loader brings the model's float tensors (norms, embeddings, a block's own tensors) onto the card after
     the quantized layers are placed: their room is kept, or the classic loader would load them beyond the card."""
-    from overdrive.nodes import quantized_streaming
+    from overdrive.comfy_host import quantized_streaming
     tree = torch.nn.Module()
     tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(2)])
     tree.norm = torch.nn.LayerNorm(64)
@@ -826,7 +826,7 @@ def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, 
     """ComfyUI's dynamic VRAM keeps float weights cached on the card while memory allows (those of the layers now
     quantized among them, from the calibration run): placing the quantized layers frees as much of that cache as they
     need first, and streams only what still does not fit."""
-    from overdrive.nodes import quantized_streaming
+    from overdrive.comfy_host import quantized_streaming
     torch.manual_seed(0)
     tree = torch.nn.Module()
     tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
@@ -858,7 +858,7 @@ def test_the_cards_cached_float_weights_give_way_to_the_quantized_layers(comfy, 
 def test_a_compiled_models_working_memory_is_kept_where_its_quantized_layers_stream(comfy, monkeypatch):
     """Compile Model's working memory (its CUDA graphs' pool beside the streamed copies) is kept free as well where
     some quantized layers stream anyway; where they all fit, placement is unchanged (the fit check counted it)."""
-    from overdrive.nodes import quantized_streaming
+    from overdrive.comfy_host import quantized_streaming
     tree = torch.nn.Module()
     tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
     layers = {f"blocks.{i}": Int8Linear.from_float(tree.blocks[i]) for i in range(3)}
@@ -881,7 +881,7 @@ def test_a_compiled_models_working_memory_is_kept_where_its_quantized_layers_str
 def test_a_quantized_sampling_keeps_comfyuis_activation_estimate_for_placing_its_layers(quantized, sample, prompt):
     """The quantized layers are placed at the load that a sampling starts; the room they leave for activations is
     ComfyUI's own estimate for that sampling's latent (what its partial loader keeps free), not a fixed reserve."""
-    from overdrive.nodes import quantize_patches
+    from overdrive.comfy_host import quantize_patches
     model = quantized["model"]
     follower = quantize_patches.followers(model)[0]
     follower.activations_bytes = 0
@@ -897,7 +897,7 @@ def test_compiled_blocks_run_their_streamed_layers_as_resident_ones_without_reco
     and compile once, not at each call."""
     from overdrive.compiler import CompiledMethod, CompileOptions
     from overdrive.compiler.shared_graph import dynamo_graph_count
-    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    from overdrive.comfy_host.quantized_streaming import StreamedBlocks
     torch.manual_seed(0)
     tree = torch.nn.Module()
     tree.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
@@ -973,7 +973,7 @@ class CopiesWithoutRoomAhead(CountingCopies):
 def three_streamed_int8_blocks():
     """Three blocks of one int8 layer each, their outputs, and a StreamedBlocks holding their host copies (each layer's
     `weight_q_host` names its copy, for the copy classes above)."""
-    from overdrive.nodes.quantized_streaming import StreamedBlocks
+    from overdrive.comfy_host.quantized_streaming import StreamedBlocks
     torch.manual_seed(0)
     tree = torch.nn.Module()
     tree.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])

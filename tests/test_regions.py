@@ -7,6 +7,7 @@ import torch
 
 from test_compile_core import relative_error
 
+from overdrive.comfy_host.comfy_call_options import COMFY_CALL_OPTIONS
 from overdrive.compiler import CompileOptions, clear_shared_graphs, compile_module, regions
 
 DEPTH = 3
@@ -52,7 +53,7 @@ def traced_regions(module, transformer_options):
 def test_each_block_shape_is_traced_once_and_every_block_keeps_its_weights(transformer):
     x, context = inputs()
     expected = transformer(x, context=context, transformer_options={})
-    assert regions.install_regions(transformer) == DEPTH
+    assert regions.install_regions(transformer, COMFY_CALL_OPTIONS) == DEPTH
     out, calls = traced_regions(transformer, {"block": ("input", 4), "block_index": 0})
     assert len(calls) == DEPTH and len(set(calls)) == 1  # three calls of one compiled subgraph
     # Distinct weights per block: a region that reused the first block's weights would be far off.
@@ -69,7 +70,7 @@ def test_a_block_with_an_attention_patch_runs_inline_with_it(transformer):
     x, context = inputs()
     expected = transformer(x, context=context, transformer_options=options)
     assert relative_error(expected, transformer(x, context=context, transformer_options={})) > 1e-3
-    regions.install_regions(transformer)
+    regions.install_regions(transformer, COMFY_CALL_OPTIONS)
     out, calls = traced_regions(transformer, options)
     assert calls == []  # the patch is applied inside each block, so no block runs as a shared region
     assert relative_error(out, expected) < 1e-5
@@ -84,7 +85,7 @@ def test_regions_failing_to_compile_fall_back_to_one_whole_graph(transformer, mo
 
     monkeypatch.setattr(regions, "_forwards_by_class", {})
     monkeypatch.setattr(regions, "_nested_region", lambda run_block: broken_region)
-    compiled = compile_module(transformer, CompileOptions(backend="aot_eager", cuda_graphs=False))
+    compiled = compile_module(transformer, CompileOptions(backend="aot_eager", cuda_graphs=False, call_options=COMFY_CALL_OPTIONS))
     with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
         out = transformer(x, context=context, transformer_options={})
     assert any("with regions failed" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""The one storage layer (overdrive.storage) and the core's import: what every on-disk cache relies on."""
+"""The one storage layer (overdrive.core.storage) and the core's import: what every on-disk cache relies on."""
 import json
 import os
 import subprocess
@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-from overdrive.storage import (CorruptEntry, atomic_file, cache_key, read_framed, read_framed_json, write_framed,
-                               write_framed_json)
+from overdrive.core.storage import (CorruptEntry, atomic_file, cache_key, read_framed, read_framed_json, write_framed, write_framed_json)
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -47,8 +46,8 @@ def test_importing_the_core_does_no_work(tmp_path):
 import os, sys, torch
 from torch.nn.modules import module as m
 before = (len(m._global_module_registration_hooks), len(m._global_parameter_registration_hooks))
-import overdrive.api, overdrive.compiler, overdrive.quantization, overdrive.deepcache, overdrive.weights_watch
-import overdrive.attention.choice, overdrive.blockwise, overdrive.families, overdrive.storage
+import overdrive.api, overdrive.compiler, overdrive.quantization, overdrive.step_cache, overdrive.core.weights_watch
+import overdrive.attention.choice, overdrive.core.blockwise, overdrive.families, overdrive.core.storage
 after = (len(m._global_module_registration_hooks), len(m._global_parameter_registration_hooks))
 print(before == after, "TORCHINDUCTOR_REDIS_URL" in os.environ, sorted(os.listdir(os.environ["OVERDRIVE_CACHE_DIR"])))
 """

@@ -11,7 +11,7 @@ import torch
 
 from .. import kernels
 from .fp8 import Fp8E4m3, Fp8Linear
-from . import QuantFormat, register
+from .base import QuantFormat, register
 
 
 class Int4Linear(Fp8Linear):

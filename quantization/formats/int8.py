@@ -6,7 +6,7 @@ import torch
 
 from .. import kernels
 from ..gemm import QuantizedGemm
-from . import QuantFormat, register
+from .base import QuantFormat, register
 
 
 class Int8Linear(QuantizedGemm):

@@ -1,0 +1,33 @@
+"""What this process may hold on a GPU: the figure Compile Model and Quantize Model size their work by."""
+import torch
+
+import comfy.model_management
+
+from ..core.cuda_streams import allocator_limit_bytes
+
+# Room kept free beside a model's weights for one uncompiled model call's activations, at least (ComfyUI's minimum
+# inference memory less its reserve, which the budget already leaves out); a sampling's own estimate raises it.
+ACTIVATIONS_BYTES = int(0.8 * 2**30)
+
+
+def gpu_budget_bytes(device) -> int:
+    """The card's memory less ComfyUI's reserve (--reserve-vram), capped by torch's per-process memory fraction where
+    one is set (an emulated card sets both: the lower is the card)."""
+    budget = comfy.model_management.get_total_memory(device) - comfy.model_management.EXTRA_RESERVED_VRAM
+    if getattr(device, "type", None) == "cuda":
+        budget = min(budget, allocator_limit_bytes(device))
+    return int(budget)
+
+
+def room_for_weights(device, activations: int = 0) -> int | None:
+    """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there and one call's
+    activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to keep). In use: what the
+    device reports used (ComfyUI's dynamic-VRAM weights live outside PyTorch's allocator) less what PyTorch caches
+    unused, and at least what PyTorch allocated."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    in_use = max(torch.cuda.memory_allocated(device), total - free - cached)
+    return gpu_budget_bytes(device) - in_use - max(ACTIVATIONS_BYTES, activations)

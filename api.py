@@ -2,9 +2,5 @@
 
     from overdrive.api import compile_, quantize_, deepcache_, switch_weights_, attention_, parallelize_
 """
-from .diffusers_api import (AttentionConfig, CompileOptions, DeepCacheConfig, ParallelConfig, QuantConfig,
-                            WeightMismatchError, attention_, compile_, deepcache_, parallelize_, quantize_,
-                            switch_weights_)
-
-__all__ = ["compile_", "quantize_", "deepcache_", "switch_weights_", "attention_", "parallelize_", "CompileOptions",
-           "QuantConfig", "DeepCacheConfig", "AttentionConfig", "ParallelConfig", "WeightMismatchError"]
+from .diffusers_api import *  # noqa: F401,F403 - the names diffusers_api.__all__ lists
+from .diffusers_api import __all__  # noqa: F401

@@ -22,12 +22,14 @@ import json
 import math
 import pathlib
 import re
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..comfy_host.latents import latent_parts
 from ..core.storage import cache_dir
+from ..families import registered
+from ..families.family import BuiltinModel
 from .tensors import Specs, TensorSpec
 from .weights import SMALL_GAIN, make_tensor
 from .writer import DTYPE_NAMES, write_safetensors
@@ -46,122 +48,8 @@ MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|modulation|adaLN_modulation|tim
 MODULATION_GAIN = SMALL_GAIN
 
 
-class BuiltinFamily(NamedTuple):
-    model_class: str     # the comfy.supported_models class detection must pick
-    full: dict           # the unet_config of the real model, as detection returns it
-    tiny: dict           # what "tiny" overrides
-    vae: str             # key of VAES
-    cond: dict           # conditioning shapes: context (tokens, width), pooled width (None: the key without a
-                         # vector), guidance, and the prompt's share of the tokens where the encoder also gives an
-                         # attention mask (LTX-Video's T5 pads to 128 tokens and masks the padding; its model
-                         # requires the mask)
-    latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis, and
-                         # whether that axis holds a video's frames (Qwen-Image's has one image frame), the VAE's
-                         # temporal compression ("temporal", 4 unless given), and ComfyUI's empty-latent node where
-                         # Flux's example graph (EmptySD3LatentImage) would give the wrong shape ("node")
-    sampling: dict       # CFG and steps as the family is usually sampled (Flux.1-dev and Z-Image Turbo are
-                         # guidance-distilled: CFG 1, one model call a step)
-    cpu_suite: bool = True  # whether the CPU test suite runs the tiny file (Flux.2's, 2.3 B parameters, is the GPU
-                            # tests' alone: tests/test_flux2_gpu.py)
-    file_config: tuple = ()  # unet_config keys that detection reads from the file's metadata ({"config":
-                             # {"transformer": {...}}}), not from the weights' shapes (LTX-2's audio stream)
-
-
-FAMILIES: Dict[str, BuiltinFamily] = {
-    "flux": BuiltinFamily(
-        "Flux",
-        dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
-             hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
-             theta=10000, qkv_bias=True, guidance_embed=True, patch_size=2, txt_ids_dims=[], yak_mlp=False,
-             txt_norm=False),
-        dict(depth=1, depth_single_blocks=1),
-        "flux_ae", dict(tokens=256, width=4096, pooled=768, guidance=3.5), dict(channels=16, spatial=8, frames=False),
-        dict(cfg=1.0, steps=20)),
-    "chroma": BuiltinFamily(  # Chroma1 (Flux.1-schnell's blocks without per-block modulation layers: one approximator
-        # makes every block's modulation from the timestep), T5-XXL only and unpadded, sampled with real CFG
-        "Chroma",
-        dict(image_model="chroma", in_channels=64, out_channels=64, in_dim=64, out_dim=3072, hidden_dim=5120,
-             n_layers=5, hidden_size=3072, context_in_dim=4096, mlp_ratio=4.0, num_heads=24, depth=19,
-             depth_single_blocks=38, axes_dim=[16, 56, 56], theta=10000, qkv_bias=True, patch_size=2,
-             txt_ids_dims=[], vec_in_dim=None),
-        dict(depth=1, depth_single_blocks=1),
-        "flux_ae", dict(tokens=64, width=4096, pooled=None), dict(channels=16, spatial=8, frames=False),
-        dict(cfg=4.0, steps=26)),
-    "flux2": BuiltinFamily(  # Flux.2 [dev] (32 B): 8 double and 48 single blocks at 48 heads x 128, their modulations
-        # made once per call by three global layers; Mistral Small 3.1's three stacked hidden layers as the text (15,360
-        # wide, padded to 512 tokens by ComfyUI); guidance-distilled. Detection fixes the heads and the rotary axes,
-        # so the width stays 6,144 and the tiny file is one block of each kind (2.3 B parameters)
-        "Flux2",
-        dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=15360,
-             hidden_size=6144, mlp_ratio=3.0, num_heads=48, depth=8, depth_single_blocks=48, axes_dim=[32, 32, 32, 32],
-             theta=2000, qkv_bias=False, guidance_embed=True, patch_size=1, txt_ids_dims=[3], yak_mlp=False,
-             txt_norm=False, global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
-             ref_index_scale=10.0),
-        dict(depth=1, depth_single_blocks=1),
-        "flux2_ae", dict(tokens=512, width=15360, pooled=None, guidance=4.0),
-        dict(channels=128, spatial=16, frames=False, node="EmptyFlux2LatentImage"),
-        dict(cfg=1.0, steps=28), cpu_suite=False),
-    "qwen_image": BuiltinFamily(
-        "QwenImage", dict(image_model="qwen_image", in_channels=64, num_layers=60), dict(num_layers=2),
-        "wan21", dict(tokens=64, width=3584), dict(channels=16, spatial=8, frames=True, video=False),  # Wan 2.1 VAE
-        dict(cfg=2.5, steps=20)),
-    "wan22": BuiltinFamily(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
-        "WAN22_T2V",
-        dict(image_model="wan2.1", model_type="t2v", dim=3072, out_dim=48, in_dim=48, num_heads=24, ffn_dim=14336,
-             num_layers=30, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
-             cross_attn_norm=True, eps=1e-6),
-        dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
-        "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True, video=True),
-        dict(cfg=5.0, steps=20)),
-    "wan22_14b": BuiltinFamily(  # Wan 2.2 A14B's experts (and Wan 2.1 14B), which ComfyUI loads as WAN21_T2V
-        "WAN21_T2V",               # (16-channel latents, Wan 2.1 VAE); the CPU suite runs Wan's blocks as wan22
-        dict(image_model="wan2.1", model_type="t2v", dim=5120, out_dim=16, in_dim=16, num_heads=40, ffn_dim=13824,
-             num_layers=40, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
-             cross_attn_norm=True, eps=1e-6),
-        dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
-        "wan21", dict(tokens=512, width=4096), dict(channels=16, spatial=8, frames=True, video=True),
-        dict(cfg=5.0, steps=20), cpu_suite=False),
-    "zimage": BuiltinFamily(
-        "ZImage",
-        dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, n_layers=30,
-             qk_norm=True, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
-             rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
-             pad_tokens_multiple=32),
-        dict(n_layers=2),
-        "flux_ae", dict(tokens=64, width=2560), dict(channels=16, spatial=8, frames=False),
-        dict(cfg=1.0, steps=8)),
-    "sd35": BuiltinFamily(  # SD3.5 Large: 38 joint blocks of 64 x 38 channels
-        "SD3",
-        dict(in_channels=16, patch_size=2, out_channels=16, depth=38, input_size=None, adm_in_channels=2048,
-             context_embedder_config={"target": "torch.nn.Linear",
-                                      "params": {"in_features": 4096, "out_features": 2432}},
-             num_patches=36864, pos_embed_max_size=192, qk_norm="rms", pos_embed_scaling_factor=None,
-             x_block_self_attn_layers=[]),
-        dict(depth=2, context_embedder_config={"target": "torch.nn.Linear",
-                                               "params": {"in_features": 4096, "out_features": 128}},
-             num_patches=1024, pos_embed_max_size=32),
-        "flux_ae", dict(tokens=154, width=4096, pooled=2048), dict(channels=16, spatial=8, frames=False),
-        dict(cfg=4.5, steps=20)),
-    "ltxv": BuiltinFamily(  # LTX-Video 13B (0.9.7/0.9.8): 48 blocks of 32 heads x 128; detection reads depth and widths
-        "LTXV", dict(image_model="ltxv", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
-        dict(num_layers=2, attention_head_dim=8, cross_attention_dim=256),
-        "ltxv", dict(tokens=128, width=4096, prompt_share=0.25),
-        dict(channels=128, spatial=32, frames=True, video=True, temporal=8),
-        dict(cfg=3.0, steps=20)),
-    "ltx2": BuiltinFamily(  # LTX-2 (18.9 B): 48 blocks, each a video stream (32 heads x 128) and an audio stream
-        # (32 x 64) with cross-attention between them; Gemma 3's output through two connectors, video and audio side
-        # by side (2 x 3,840 wide), which pad it with learned registers to at least 1,024 tokens. Its latent is LTXV
-        # Concat AV Latent's: the video's (LTX-Video's VAE compression) and the audio's (8 channels x 16 mel bins, 25
-        # latents a second of video at 25 fps), packed as one NestedTensor
-        "LTXAV", dict(image_model="ltxav", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
-        dict(num_layers=2, attention_head_dim=4, cross_attention_dim=128, audio_attention_head_dim=4,
-             audio_num_attention_heads=2, audio_cross_attention_dim=8),
-        "ltxv", dict(tokens=1024, width=7680),
-        dict(channels=128, spatial=32, frames=True, video=True, temporal=8,
-             audio=dict(channels=8, bins=16, per_second=25, frame_rate=25)),
-        dict(cfg=3.0, steps=20),
-        file_config=("audio_attention_head_dim", "audio_num_attention_heads", "audio_cross_attention_dim")),
-}
+# The built-in models, by name, from the families' own modules (families/<family>.py: its BuiltinModel-s).
+FAMILIES: Dict[str, BuiltinModel] = {model.name: model for family in registered() for model in family.builtin_models}
 
 CPU_SUITE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.cpu_suite)
 

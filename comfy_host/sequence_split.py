@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..parallel.sequence_split import (attention_split, gather, over, rank_and_world, sequence_groups, shard,
                                        sharded_attention, why_not_shard)
-from ..families import family_of, registered
+from ..families import family_of, family_titles
 from ..parallel.split_rules import SplitFamily
 from .comfy_call_options import ATTENTION_OVERRIDE, SEQUENCE_SHARD, active_patches
 
@@ -20,8 +20,8 @@ def split_family(diffusion_model) -> SplitFamily | None:
     return family.split_rule(SplitFamily) if family is not None else None
 
 
-def split_family_names() -> list:
-    return list(dict.fromkeys(f.title for f in registered() if f.split_rule(SplitFamily) is not None))
+def split_family_names() -> str:
+    return family_titles(lambda family: family.split_rule(SplitFamily) is not None)
 
 
 def why_not_sequence(diffusion_model, x, world: int, transformer_options: dict, cross_lengths: tuple) -> str | None:
@@ -30,7 +30,7 @@ def why_not_sequence(diffusion_model, x, world: int, transformer_options: dict, 
     family = split_family(diffusion_model)
     if family is None:
         return (f"{type(diffusion_model).__name__} is not among the families sequence parallelism splits "
-                f"({', '.join(split_family_names())})")
+                f"({split_family_names()})")
     patches, replaces = active_patches(transformer_options)
     if "dit" in replaces or "double_block" in patches:
         return "other nodes replace or patch its blocks"

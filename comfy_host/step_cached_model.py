@@ -3,7 +3,7 @@ DeepCache's paths for a UNet), kept with Compile Model's forward where one is in
 import logging
 
 from ..core.stack import Stack
-from ..families import family_of
+from ..families import family_of, family_titles
 from ..step_cache import DeepCacheConfig, DeepCacheConfigError, UnsupportedUNetError
 from .forward_patch import foreign_forward, install, installed_stack
 
@@ -18,7 +18,7 @@ def with_step_cache(model, config: DeepCacheConfig):
     unet = patched.model.diffusion_model
     family = family_of(unet)
     if family is None and config.mode != "fixed":
-        raise DeepCacheConfigError(f"mode={config.mode!r} applies to DiT models (Flux, Qwen-Image, Wan, Z-Image, SD3.5); "
+        raise DeepCacheConfigError(f"mode={config.mode!r} applies to DiT models ({family_titles()}); "
                                    f"this {type(unet).__name__} takes mode='fixed' (cache_interval sets its "
                                    "schedule).")
     foreign = foreign_forward(patched)

@@ -12,7 +12,9 @@ import contextlib
 import ctypes
 import threading
 
-STOP_EXCEPTIONS = {("comfy.model_management", "InterruptProcessingException")}
+# A constant, by name: the core imports no host. ComfyUI's is the only host stop there is (the diffusers API's is
+# KeyboardInterrupt).
+STOP_EXCEPTIONS = frozenset({("comfy.model_management", "InterruptProcessingException")})
 _held: dict = {}  # thread id -> how many stops_held sections it is in
 _held_lock = threading.Lock()
 

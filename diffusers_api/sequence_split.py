@@ -1,10 +1,10 @@
-"""parallelize_: each model call of a diffusers pipeline split over the processes of a torch.distributed group, as
-diffusers' own context parallelism and xDiT run: every process (launched by torchrun, one per GPU) runs the same
-pipeline with the same seed and holds its own copy of the model. A call's batch is split (the SD3, SDXL and LTX
-pipelines batch CFG's two passes: CFG parallelism), or its image tokens (Flux, Wan, SD3, Qwen-Image: sequence
-parallelism, parallel/sequence_split.py's Ulysses attention): the first block takes this process's shard, with its
-rotary frequencies and per-token modulation, every self- or joint attention runs over all shards, and the last block's
-output is gathered. Every process ends with the whole output."""
+"""A diffusers model's calls split over the processes of a torch.distributed group (`SplitForward`, which
+parallelize_ installs), as diffusers' own context parallelism and xDiT run: every process (launched by torchrun, one
+per GPU) runs the same pipeline with the same seed and holds its own copy of the model. A call's batch is split (the
+SD3, SDXL and LTX pipelines batch CFG's two passes: CFG parallelism), or its image tokens (sequence parallelism, by the
+family's DiffusersSplit rule, parallel/sequence_split.py's Ulysses attention): the first block takes this process's
+shard, with its rotary frequencies and per-token modulation, every self- or joint attention runs over all shards, and
+the last block's output is gathered. Every process ends with the whole output."""
 from __future__ import annotations
 
 import dataclasses

@@ -3,7 +3,7 @@ to: one `register(Family(...))` per diffusion-model class layout, looked up by t
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -144,6 +144,30 @@ _ORIGINALS: dict = {}  # (module, name) -> the function a fix replaced
 _DECLINED: set = set()  # (module, name, function) a fix found different: probed and warned about once
 
 
+class BuiltinModel(NamedTuple):
+    """A family's built-in test model: what builtin_models/dit.py needs to write a tiny file of its layout that
+    ComfyUI's own detection loads, and to make its conditioning and latents."""
+    name: str            # the built-in model's name (file names, Built-in Conditioning's family input)
+    model_class: str     # the comfy.supported_models class detection must pick
+    full: dict           # the unet_config of the real model, as detection returns it
+    tiny: dict           # what "tiny" overrides
+    vae: str             # key of VAES
+    cond: dict           # conditioning shapes: context (tokens, width), pooled width (None: the key without a
+                         # vector), guidance, and the prompt's share of the tokens where the encoder also gives an
+                         # attention mask (LTX-Video's T5 pads to 128 tokens and masks the padding; its model
+                         # requires the mask)
+    latent: dict         # latent channels, the VAE's spatial compression, whether latents have a time axis, and
+                         # whether that axis holds a video's frames (Qwen-Image's has one image frame), the VAE's
+                         # temporal compression ("temporal", 4 unless given), and ComfyUI's empty-latent node where
+                         # Flux's example graph (EmptySD3LatentImage) would give the wrong shape ("node")
+    sampling: dict       # CFG and steps as the family is usually sampled (Flux.1-dev and Z-Image Turbo are
+                         # guidance-distilled: CFG 1, one model call a step)
+    cpu_suite: bool = True  # whether the CPU test suite runs the tiny file (Flux.2's, 2.3 B parameters, is the GPU
+                            # tests' alone: tests/test_flux2_gpu.py)
+    file_config: tuple = ()  # unet_config keys that detection reads from the file's metadata ({"config":
+                             # {"transformer": {...}}}), not from the weights' shapes (LTX-2's audio stream)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -171,6 +195,8 @@ class Family:
     # How sequence parallelism splits its calls (parallel/split_rules.py: SplitFamily for ComfyUI's class,
     # DiffusersSplit for diffusers'); none: it does not split them.
     sequence_splits: tuple = ()
+    # BuiltinModel-s: the tiny files of this layout the tests and the main job write (builtin_models/dit.py).
+    builtin_models: tuple = ()
 
     @property
     def title(self) -> str:
@@ -203,6 +229,11 @@ def registered() -> tuple:
         if not any(family is seen for seen in out):
             out.append(family)
     return tuple(out)
+
+
+def family_titles(keep=None) -> str:
+    """What UI text lists: each registered family's display name once, in registration order (those `keep` accepts)."""
+    return ", ".join(dict.fromkeys(family.title for family in registered() if keep is None or keep(family)))
 
 
 def family_of(model: torch.nn.Module) -> Family | None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .family import BlockStack, Family, HostSyncFix, register
+from .family import BlockStack, BuiltinModel, Family, HostSyncFix, register
 
 
 def latent_coords(self, latent_num_frames, latent_height, latent_width, batch_size, device):
@@ -39,6 +39,30 @@ _WHY = "ComfyUI's copies a small tensor from the CPU at every model call, which 
 
 _TEXT_ONLY = "runs on the prompt's tokens only (few rows, little to gain) and its 8-bit error reaches every block"
 
+# The built-in test models of this layout (tiny files written by builtin_models/dit.py).
+BUILTIN_LTXV = BuiltinModel(  # LTX-Video 13B (0.9.7/0.9.8): 48 blocks of 32 heads x 128; detection reads depth and widths
+    "ltxv",
+    "LTXV", dict(image_model="ltxv", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
+    dict(num_layers=2, attention_head_dim=8, cross_attention_dim=256),
+    "ltxv", dict(tokens=128, width=4096, prompt_share=0.25),
+    dict(channels=128, spatial=32, frames=True, video=True, temporal=8),
+    dict(cfg=3.0, steps=20))
+
+BUILTIN_LTX2 = BuiltinModel(  # LTX-2 (18.9 B): 48 blocks, each a video stream (32 heads x 128) and an audio stream
+    # (32 x 64) with cross-attention between them; Gemma 3's output through two connectors, video and audio side
+    # by side (2 x 3,840 wide), which pad it with learned registers to at least 1,024 tokens. Its latent is LTXV
+    # Concat AV Latent's: the video's (LTX-Video's VAE compression) and the audio's (8 channels x 16 mel bins, 25
+    # latents a second of video at 25 fps), packed as one NestedTensor
+    "ltx2",
+    "LTXAV", dict(image_model="ltxav", num_layers=48, attention_head_dim=128, cross_attention_dim=4096),
+    dict(num_layers=2, attention_head_dim=4, cross_attention_dim=128, audio_attention_head_dim=4,
+         audio_num_attention_heads=2, audio_cross_attention_dim=8),
+    "ltxv", dict(tokens=1024, width=7680),
+    dict(channels=128, spatial=32, frames=True, video=True, temporal=8,
+         audio=dict(channels=8, bins=16, per_second=25, frame_rate=25)),
+    dict(cfg=3.0, steps=20),
+    file_config=("audio_attention_head_dim", "audio_num_attention_heads", "audio_cross_attention_dim"))
+
 FAMILY = register(Family("ltxv", frozenset({"LTXVModel"}), (
     BlockStack("transformer_blocks", streams=(("x", 0),), returns=("x",)),
 ), float_layers=(
@@ -52,7 +76,7 @@ FAMILY = register(Family("ltxv", frozenset({"LTXVModel"}), (
                 probe=(SimpleNamespace(_patch_size=(1, 2, 2), start_end=True), 3, 4, 6, 2, "cpu")),
     HostSyncFix("comfy.ldm.lightricks.model", "latent_to_pixel_coords", pixel_coords, _WHY,
                 probe=(torch.arange(2 * 3 * 5 * 2).reshape(2, 3, 5, 2), (8, 32, 32), True)),
-), display_name="LTX-Video"))
+), display_name="LTX-Video", builtin_models=(BUILTIN_LTXV,)))
 
 DIFFUSERS = register(Family("ltxv", frozenset({"LTXVideoTransformer3DModel"}), (
     BlockStack("transformer_blocks", streams=(("hidden_states", 0),), returns=("hidden_states",)),
@@ -65,4 +89,5 @@ LTX2 = register(Family("ltx2", frozenset({"LTXAVModel"}), (
 ), float_layers=(
     (r"(audio_)?caption_projection\.", _TEXT_ONLY),
     (r"transformer_blocks\.\d+\.(audio_)?attn2\.to_[kv]$", _TEXT_ONLY),
-), host_sync_fixes=FAMILY.host_sync_fixes, display_name="LTX-2"))
+), host_sync_fixes=FAMILY.host_sync_fixes, display_name="LTX-2",
+   builtin_models=(BUILTIN_LTX2,)))

@@ -3,7 +3,7 @@ video tokens."""
 import torch
 
 from ..parallel.split_rules import DiffusersSplit, PerToken, SplitFamily, double_blocks, patches
-from .family import BlockStack, Family, HostSyncFix, register
+from .family import BlockStack, BuiltinModel, Family, HostSyncFix, register
 
 
 def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
@@ -22,12 +22,33 @@ def time_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
 
 _WHY = "ComfyUI's copies its frequencies from the CPU at every model call, which waits for the GPU to drain"
 
+# The built-in test models of this layout (tiny files written by builtin_models/dit.py).
+BUILTIN_WAN22 = BuiltinModel(  # Wan 2.2 TI2V-5B, which ComfyUI loads as WAN22_T2V (48-channel latents, Wan 2.2 VAE)
+    "wan22",
+    "WAN22_T2V",
+    dict(image_model="wan2.1", model_type="t2v", dim=3072, out_dim=48, in_dim=48, num_heads=24, ffn_dim=14336,
+         num_layers=30, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
+         cross_attn_norm=True, eps=1e-6),
+    dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
+    "wan22", dict(tokens=512, width=4096), dict(channels=48, spatial=16, frames=True, video=True),
+    dict(cfg=5.0, steps=20))
+
+BUILTIN_WAN22_14B = BuiltinModel(  # Wan 2.2 A14B's experts (and Wan 2.1 14B), which ComfyUI loads as WAN21_T2V
+    "wan22_14b",
+    "WAN21_T2V",               # (16-channel latents, Wan 2.1 VAE); the CPU suite runs Wan's blocks as wan22
+    dict(image_model="wan2.1", model_type="t2v", dim=5120, out_dim=16, in_dim=16, num_heads=40, ffn_dim=13824,
+         num_layers=40, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
+         cross_attn_norm=True, eps=1e-6),
+    dict(dim=256, num_heads=2, ffn_dim=512, num_layers=2),
+    "wan21", dict(tokens=512, width=4096), dict(channels=16, spatial=8, frames=True, video=True),
+    dict(cfg=5.0, steps=20), cpu_suite=False)
+
 FAMILY = register(Family("wan", frozenset({"WanModel"}), (
     BlockStack("blocks", streams=(("x", 0),), returns=("x",)),
 ), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY,
                                      probe=(16, torch.tensor([0.0, 0.5, 999.0])))
                          for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")),
-   display_name="Wan", static_under_auto=True, sequence_splits=(
+   display_name="Wan", static_under_auto=True, builtin_models=(BUILTIN_WAN22, BUILTIN_WAN22_14B), sequence_splits=(
     SplitFamily(lambda m: double_blocks(m.blocks), lambda m: m.blocks[0].self_attn.num_heads,
                 lambda m: tuple(m.patch_size), joint=False, pe_dim=1, vec_per_token=True),)))
 

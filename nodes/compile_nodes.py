@@ -4,6 +4,7 @@ from comfy_api.latest import io
 from ..comfy_host.compiled_model import compile_options, compiled_model, compiled_vae
 from ..compiler import CompileOptions
 from ..compiler.options import DYNAMIC, MODES
+from ..families import family_titles
 from .schema import node_schema, patched_copy_input
 
 DEFAULTS = CompileOptions()  # the nodes' defaults are the core's
@@ -24,7 +25,7 @@ DYNAMIC_TOOLTIP = (
     "How new resolutions and batch sizes are handled. auto: the first shape gets a specialised graph, a second shape "
     "compiles one shape-generic graph that serves all later ones (batch 1 gets one of its own: at most 3 graphs). static: one specialised graph per shape "
     "(fastest, but each new shape compiles again). dynamic: one shape-generic graph from the start. DiT models "
-    "(Flux, Qwen-Image, Wan, Z-Image, SD3.5) follow the same rule per block."
+    f"({family_titles()}) follow the same rule per block."
 )
 
 REGIONAL_TOOLTIP = (
@@ -43,7 +44,7 @@ FAST_ATTENTION_TOOLTIP = (
 
 COMPILE_MODEL_DESCRIPTION = (
     "Compiles the diffusion model with torch.compile (Inductor/Triton) at the first sampling step: a UNet as one graph, "
-    "a DiT (Flux, Qwen-Image, Wan, Z-Image, SD3.5) block by block, each distinct block once. Graphs are shared by "
+    f"a DiT ({family_titles()}) block by block, each distinct block once. Graphs are shared by "
     "every checkpoint of the same architecture. Before or after DeepCache, its full and shallow steps are compiled. If "
     "compiling fails, sampling continues on the normal (eager) path with a warning in the log."
 )

@@ -2,6 +2,7 @@
 from comfy_api.latest import io
 
 from ..comfy_host.step_cached_model import with_step_cache
+from ..families import family_titles
 from ..step_cache import DeepCacheConfig
 from ..step_cache.config import MODES
 from .schema import node_schema, patched_copy_input
@@ -11,8 +12,8 @@ DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
 DESCRIPTION = (
     "DeepCache (Ma et al., 2023) and its DiT form: on most sampling steps only the first blocks run and the rest is "
     "reused from the last full step, for a small change in detail. Full steps are exact. UNets (SD1.5, SD2, SDXL) "
-    "reuse their deep features; DiTs (Flux, Qwen-Image, Wan, Z-Image, SD3.5) reuse the residual of their later blocks,"
-    " on a fixed schedule or adaptively (a step is reused while the first blocks' output barely changed). Works with "
+    f"reuse their deep features; DiTs ({family_titles()}) reuse the residual of their later blocks, on a fixed"
+    " schedule or adaptively (a step is reused while the first blocks' output barely changed). Works with "
     "Compile Model (before or after it), Quantize Model, LoRA and Switch Weights. ControlNet and block patches make "
     "their steps run the whole model. The log shows each run's full / reused steps."
 )
@@ -23,8 +24,8 @@ INTERVAL_TOOLTIP = (
     "adaptive mode.")
 DEPTH_TOOLTIP = (
     "UNets: how many of the outermost skip branches (input/output block pairs) still run on cached steps; 1, the "
-    "paper's choice, runs about a tenth of a full step (SD1.5 at most 12, SDXL 9). DiTs (Flux, Qwen-Image, Wan, "
-    "Z-Image, SD3.5): how many of the first transformer blocks run on every step (1 = only the first). Larger is "
+    f"paper's choice, runs about a tenth of a full step (SD1.5 at most 12, SDXL 9). DiTs ({family_titles()}): "
+    "how many of the first transformer blocks run on every step (1 = only the first). Larger is "
     "closer to the uncached image and less fast.")
 MODE_TOOLTIP = (
     "fixed: a full step every cache_interval steps (no extra work per step). adaptive (DiT families only): each step "

@@ -5,6 +5,7 @@ import torch
 from comfy_api.latest import io
 
 from ..comfy_host.parallel_calls import GPUS, parallelize
+from ..comfy_host.sequence_split import split_family_names
 from ..parallel.config import MODES
 from .schema import node_schema, patched_copy_input
 
@@ -12,7 +13,7 @@ log = logging.getLogger("overdrive")
 
 DESCRIPTION = ("One generation over several GPUs of this machine: each step's conditional and unconditional passes "
                "on different GPUs (CFG parallelism), each GPU with its share of the image tokens (sequence "
-               "parallelism: Wan, Flux, SD3, Qwen-Image), or both at once, each GPU holding its own copy of the "
+               f"parallelism: {split_family_names()}), or both at once, each GPU holding its own copy of the "
                "model, loaded once for the prompts that follow. Without the GPUs asked for it runs on one, with a "
                "warning.")
 
@@ -30,8 +31,8 @@ class OverdriveParallelModel(io.ComfyNode):
                                    tooltip="auto: the conditional and unconditional passes on different GPUs where "
                                            "there are as many passes as GPUs, else each pass on its own group of "
                                            "GPUs sharing its image tokens (4 GPUs, 2 passes), else every GPU with a "
-                                           "share of the image tokens where the model allows it (Wan, Flux, SD3, "
-                                           "Qwen-Image). cfg: the passes only. sequence: the tokens only. both: "
+                                           "share of the image tokens where the model allows it "
+                                           f"({split_family_names()}). cfg: the passes only. sequence: the tokens only. both: "
                                            "passes and tokens at once.")],
             outputs=[io.Model.Output(tooltip="The model, its sampling steps split over the GPUs.")])
 

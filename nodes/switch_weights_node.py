@@ -4,6 +4,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..comfy_host.switched_weights import switch_weights
+from ..families import family_titles
 from .schema import node_schema
 
 
@@ -42,7 +43,7 @@ class OverdriveSwitchDiffusionModel(SwitchNode):
     NODE_ID, DISPLAY_NAME, FOLDER, INPUT = "OverdriveSwitchDiffusionModel", "Switch Diffusion Model (Overdrive)", \
         "diffusion_models", "unet_name"
     DESCRIPTION_TEXT = ("Runs another diffusion-model file (the diffusion_models folder, as Load Diffusion Model "
-                        "reads: Flux, Qwen-Image, Wan, Z-Image, SD3.5 and other models shipped without their text "
+                        f"reads: {family_titles()} and other models shipped without their text "
                         "encoders) through a model compiled by Compile Model, without compiling again. The file must "
                         "be of the same architecture; otherwise you get an error naming the mismatch and nothing "
                         "changes.")

@@ -385,17 +385,19 @@ def test_the_weight_device_check_keeps_no_model_alive():
 def test_a_call_is_keyed_by_the_wrappers_its_forward_runs_not_by_the_samplers(comfy):
     """ComfyUI copies a model's wrappers into transformer_options; only the diffusion model's own ("diffusion_model")
     run inside the forward. A sampler wrapper (Overdrive's conds_on_device) leaves the call precompilable."""
-    import overdrive.nodes  # noqa: F401 - describes ComfyUI's call options to the core, as loading the nodes does
+    from overdrive.comfy_host.comfy_call_options import COMFY_CALL_OPTIONS
     from overdrive.compiler.precompiled import call_signature
 
     def wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
+
+    def signature(options):  # as the ComfyUI host keys a call: with its description of transformer_options
+        return call_signature("forward", (x,), {"transformer_options": options}, COMFY_CALL_OPTIONS.inert)
     x = torch.zeros(1, 4, 8, 8)
-    plain = call_signature("forward", (x,), {"transformer_options": {"wrappers": {}}})
-    around = call_signature("forward", (x,), {"transformer_options": {
-        "wrappers": {"sampler_sample": {"overdrive_conds_on_device": [wrapper]}, "outer_sample": {"x": [wrapper]}}}})
-    inside = call_signature("forward", (x,), {"transformer_options": {
-        "wrappers": {"diffusion_model": {"someone": [wrapper]}}}})
+    plain = signature({"wrappers": {}})
+    around = signature({"wrappers": {"sampler_sample": {"overdrive_conds_on_device": [wrapper]},
+                                     "outer_sample": {"x": [wrapper]}}})
+    inside = signature({"wrappers": {"diffusion_model": {"someone": [wrapper]}}})
     assert plain is not None and around == plain
     assert inside is None  # a function the forward calls: not keyable, so torch.compile's guarded path runs it
 

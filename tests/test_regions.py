@@ -85,7 +85,8 @@ def test_regions_failing_to_compile_fall_back_to_one_whole_graph(transformer, mo
 
     monkeypatch.setattr(regions, "_forwards_by_class", {})
     monkeypatch.setattr(regions, "_nested_region", lambda run_block: broken_region)
-    compiled = compile_module(transformer, CompileOptions(backend="aot_eager", cuda_graphs=False, call_options=COMFY_CALL_OPTIONS))
+    compiled = compile_module(transformer, CompileOptions(backend="aot_eager", cuda_graphs=False,
+                                                        call_options=COMFY_CALL_OPTIONS))
     with caplog.at_level(logging.WARNING, logger="overdrive.compiler"):
         out = transformer(x, context=context, transformer_options={})
     assert any("with regions failed" in r.getMessage() for r in caplog.records)

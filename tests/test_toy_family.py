@@ -2,6 +2,7 @@
 Overdrive's verbs (overdrive.api, on the bare module) compile it block by block, step-cache it, quantize it and split
 its CFG batch over processes, with nothing added anywhere else. (The sequence split reads a layout rule that a family
 declares for diffusers' and ComfyUI's classes, parallel/split_rules.py; the toy declares none.)"""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -11,7 +12,7 @@ from overdrive.api import (CompileOptions, DeepCacheConfig, ParallelConfig, Quan
                            parallelize_, quantize_)
 from overdrive.compiler import dynamo_graph_count
 from overdrive.core.blockwise import BlockwiseForward
-from overdrive.families import BlockStack, Family, family_of, register, registered
+from overdrive.families import FAMILIES, BlockStack, Family, family_of, register, registered
 
 WIDTH, DEPTH, TOKENS = 64, 6, 16
 
@@ -42,9 +43,19 @@ class ToyDiT(nn.Module):
         return self.out(x)
 
 
-TOY = register(Family("toy", frozenset({"ToyDiT"}), (
+TOY = Family("toy", frozenset({"ToyDiT"}), (
     BlockStack("blocks", streams=(("x", 0),), returns=("x",)),
-), display_name="Toy DiT"))
+), display_name="Toy DiT")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def toy_family():
+    """Registered as a family's module registers itself when imported (`register(Family(...))`); here only while
+    these tests run, so that the family names other tests read (the nodes' descriptions) stay those Overdrive ships."""
+    register(TOY)
+    yield TOY
+    for name in TOY.classes:
+        FAMILIES.pop(name)
 
 
 def toy(seed=0) -> ToyDiT:
@@ -98,6 +109,7 @@ def test_quantize_puts_8_bit_kernels_in_the_blocks_within_their_error():
 
 
 def _split_over_two_processes(rank: int, rendezvous: str, results: str) -> None:
+    register(TOY)  # a process of its own: the family registers as its module would at import
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)

@@ -324,7 +324,7 @@ class BlockGraphs:
 
 def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
     """End a recording that failed and undo what torch's capture_end leaves undone when the capture was invalidated
-    (it raises first; bench/capture_failure_probe.py): the allocator's routing of the stream into `pool`, the failed
+    (it raises first; bench/probes/capture_failure_probe.py): the allocator's routing of the stream into `pool`, the failed
     capture's hold on that pool (what it allocated there stayed reserved: a short card then ran out of memory with
     gigabytes reserved and unused), and the default CUDA generator's capture mode (every later random draw on the GPU
     failed: "Offset increment outside graph capture"). The pool itself takes no capture again ("already recording to

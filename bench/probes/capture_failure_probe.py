@@ -3,7 +3,7 @@ hold, as a short card's block recordings failed): whether capture_end still ends
 graph's pool, whether what the capture allocated in that pool comes back, and what ending the routing or releasing
 the pool by hand changes. One case per process (a failed capture could leave state behind); one JSON line each.
 
-  for case in plain end end-drop end-release-drop release-drop; do python3 bench/capture_failure_probe.py $case; done
+  for case in plain end end-drop end-release-drop release-drop; do python3 bench/probes/capture_failure_probe.py $case; done
 """
 import gc
 import json

@@ -2,7 +2,7 @@
 installing): the node run on a fresh cache under cProfile (its report's phase seconds and the top functions), then
 once more on the cache it filled (a cache hit: what a restart costs, less loading the model).
 
-  python bench/profile_quantize.py --arch flux --res 1024 [--top 30] [--out bench/results/x.json]
+  python bench/probes/profile_quantize.py --arch flux --res 1024 [--top 30] [--out bench/results/x.json]
 """
 import argparse
 import cProfile
@@ -20,7 +20,7 @@ import torch
 from overdrive.builtin_models import dit
 from overdrive.harness.inprocess import build_dit_model, import_comfy
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, beside probes/
 from report import environment  # noqa: E402
 
 

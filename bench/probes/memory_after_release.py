@@ -6,7 +6,7 @@ plain), runs it, drops it, and reports the bytes still allocated, then after for
 graphs, then after torch._dynamo.reset(); the `tmp` names torch leaked into Dynamo's guard closure
 variables (fixed in compiler/precompiled.py); plus the largest live CUDA tensors and who holds them.
 
-  python bench/memory_after_release.py --out bench/results/DATE_h100_memory_after_release.json
+  python bench/probes/memory_after_release.py --out bench/results/DATE_h100_memory_after_release.json
 """
 import argparse
 import gc
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/, beside probes/
 from bench_diffusers import SDXL_UNET  # noqa: E402
 from report import environment, write_report  # noqa: E402
 

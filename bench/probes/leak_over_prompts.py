@@ -2,7 +2,7 @@
 (fp8, every layer), SD1.5, Flux with Compile Model, eager SD3.5 and eager Flux (built-in tiny files), four rounds;
 after each prompt, the lines in which ComfyUI reports "memory leak with model ..." and the server's resident memory.
 
-    PYTHONPATH=<folder holding overdrive> python bench/leak_over_prompts.py --workdir DIR --out bench/results/x.json
+    PYTHONPATH=<folder holding overdrive> python bench/probes/leak_over_prompts.py --workdir DIR --out bench/results/x.json
 """
 import argparse
 import json

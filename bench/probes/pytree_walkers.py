@@ -1,7 +1,7 @@
 """Host time per block call of the argument walkers the block CUDA graphs and the compiled calls run (hand-written,
 compiler/block_graphs.py and compiler/compiled_method.py), against torch.utils._pytree doing the same walk, on the
 arguments of a Flux double block and an LTX-2 block as ComfyUI passes them. CPU only (host time):
-    python bench/pytree_walkers.py [--out bench/results/FILE.json]"""
+    python bench/probes/pytree_walkers.py [--out bench/results/FILE.json]"""
 import argparse
 import json
 import platform

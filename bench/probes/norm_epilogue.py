@@ -5,11 +5,12 @@ channels, so at the DiTs' 3072 it loops over each row twice (statistics, then th
 default, persistent reductions allowed up to 4096 channels (an InductorChoices override), Inductor's multi-kernel
 (both, picked by timing at run time), coordinate-descent tuning, and a copy of the bytes (the memory floor).
 
-    PYTHONPATH=<folder holding overdrive> python bench/norm_epilogue.py --out bench/results/DATE_GPU_norm_epilogue.json
+    PYTHONPATH=<folder holding overdrive> python bench/probes/norm_epilogue.py --out bench/results/DATE_GPU_norm_epilogue.json
 """
 import argparse
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 from triton.testing import do_bench
 
-from report import environment
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, beside probes/
+from report import environment  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SHAPES = {  # name: (batch, tokens, channels)

@@ -4,18 +4,21 @@ frame, the chunk that decode's Python loop calls (no CUDA graphs: its frame-cach
 attention compiled or eager; and eager with channels_last_3d conv weights. ComfyUI's own VAE class and decode,
 fixed-seed weights, bf16, 832x480, 33 frames.
 
-    PYTHONPATH=<folder holding overdrive> python bench/wan_vae_compile.py \
+    PYTHONPATH=<folder holding overdrive> python bench/probes/wan_vae_compile.py \
         --out bench/results/DATE_GPU_wan22_vae_compile.json
 """
 import argparse
 import copy
 import json
 import logging
+import pathlib
+import sys
 
 import torch
 
-from bench_compile import time_decodes
-from report import environment
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/, beside probes/
+from bench_compile import time_decodes  # noqa: E402
+from report import environment  # noqa: E402
 
 
 def patched(vae, patches: dict):

@@ -2,7 +2,7 @@
 the whole traceback of whatever fails and leaving without garbage collection (a failure inside comfy-aimdo's host
 buffers can take the process down while a test runner formats it).
 
-  python3 bench/dynamic_vram_probe.py wan22 flux
+  python3 bench/probes/dynamic_vram_probe.py wan22 flux
 """
 import os
 import pathlib

@@ -5,12 +5,13 @@ lowers to libdevice's tanh), the same function written through a sigmoid (0.5 (1
 activation (the memory-bound floor). Time (median of `triton.testing.do_bench`), bytes moved per second, and how far
 the sigmoid form's e4m3 output is from the tanh form's.
 
-    PYTHONPATH=<folder holding overdrive> python bench/gelu_epilogue.py --out bench/results/DATE_GPU_gelu_epilogue.json
+    PYTHONPATH=<folder holding overdrive> python bench/probes/gelu_epilogue.py --out bench/results/DATE_GPU_gelu_epilogue.json
 """
 import argparse
 import functools
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from overdrive.compiler.activations import tanh_gelu_via_sigmoid
-from report import environment
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, beside probes/
+from report import environment  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SHAPES = {  # name: (tokens, first GEMM's output width, MLP width, width concatenated before it)

@@ -2,7 +2,7 @@
 (pytorch/pytorch#115388: destroy_process_group hangs after such a capture), and what lets it: one NCCL process, a
 graph holding an all-to-all, then one way of leaving per run.
 
-  python3 bench/nccl_graph_teardown_probe.py keep-destroy | free-destroy | keep-abort | none-destroy
+  python3 bench/probes/nccl_graph_teardown_probe.py keep-destroy | free-destroy | keep-abort | none-destroy
 """
 import socket
 import sys

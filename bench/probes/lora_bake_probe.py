@@ -8,7 +8,7 @@ layer with the LoRA, the time to re-quantize every layer from float weights alre
 no transfer from host memory and no calibration), and the time of one side path's two GEMMs at 1024² (4096 image + 512
 text tokens), against the layer's fp8 GEMM.
 
-    python bench/lora_bake_probe.py --out bench/results/x.json        (the timings need CUDA)
+    python bench/probes/lora_bake_probe.py --out bench/results/x.json        (the timings need CUDA)
 """
 import argparse
 import json

@@ -4,10 +4,11 @@ with its GELU epilogue writing e4m3 (quantization/cublaslt.py). Per shape: time 
 each path's error against a float32 computation from the same e4m3 operands (dequantized e4m3 output), how often the
 two paths' e4m3 values differ, saturation (no NaN when the output overflows the scale), and a CUDA-graph replay.
 
-    PYTHONPATH=<folder holding overdrive> python bench/fp8_gelu_gemm.py --out bench/results/DATE_GPU_fp8_gelu_gemm.json
+    PYTHONPATH=<folder holding overdrive> python bench/probes/fp8_gelu_gemm.py --out bench/results/DATE_GPU_fp8_gelu_gemm.json
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +17,9 @@ from triton.testing import do_bench
 
 from overdrive.compiler.activations import tanh_gelu_via_sigmoid
 from overdrive.quantization import cublaslt, kernels
-from report import environment
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, beside probes/
+from report import environment  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SHAPES = {  # name: (rows, width, MLP width)

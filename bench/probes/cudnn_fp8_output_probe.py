@@ -3,7 +3,7 @@ bf16, in the (batch, heads, tokens, dim) layout or written straight into (batch,
 whether the graph builds, its time, and its relative error against fp32 attention after the best scalar rescale (the
 scalar says how cuDNN applies the output scale).
 
-    PYTHONPATH=<folder holding overdrive> python bench/cudnn_fp8_output_probe.py \
+    PYTHONPATH=<folder holding overdrive> python bench/probes/cudnn_fp8_output_probe.py \
         --out bench/results/DATE_GPU_cudnn_fp8_output.json
 """
 import argparse

@@ -6,10 +6,11 @@ Overdrive's own (`kernels.fp8_gemm`, `kernels.fp8_linear` with a static input sc
 CompileModel traces). Time: `triton.testing.do_bench` median; error: against the default compile's output; kernels:
 the GPU kernels of one call with their times (torch.profiler).
 
-    PYTHONPATH=<folder holding overdrive> python bench/fp8_mlp_autotune.py --out bench/results/DATE_GPU_fp8_mlp.json
+    PYTHONPATH=<folder holding overdrive> python bench/probes/fp8_mlp_autotune.py --out bench/results/DATE_GPU_fp8_mlp.json
 """
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from triton.testing import do_bench
 
 from overdrive.compiler.activations import tanh_gelu_via_sigmoid
 from overdrive.quantization import kernels
-from report import environment
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, beside probes/
+from report import environment  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SHAPES = {  # name: (rows, model width, MLP width)

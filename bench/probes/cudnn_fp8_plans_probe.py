@@ -3,7 +3,7 @@ and FALLBACK offer on this GPU and cuDNN, whether each builds, its time (CUDA ev
 chooser times them) and its relative error against fp32 attention. attention/cudnn8.py runs the first plan that
 builds from A and FALLBACK.
 
-    PYTHONPATH=<folder holding overdrive> python bench/cudnn_fp8_plans_probe.py \
+    PYTHONPATH=<folder holding overdrive> python bench/probes/cudnn_fp8_plans_probe.py \
         --out bench/results/DATE_GPU_cudnn_fp8_plans.json
 """
 import argparse

@@ -5,7 +5,7 @@ Why: in one bench_compile.py process, peak VRAM grew with each QuantizeModel out
 optionally compiles it, samples two steps, drops everything the way a workflow change does, and reports the bytes
 still allocated, whether the dropped 8-bit layers are still alive, and what holds them.
 
-    python bench/quantize_memory_repeat.py --arch wan22 --res 480 --width 832 --frames 33 --rounds 4 [--compile]
+    python bench/probes/quantize_memory_repeat.py --arch wan22 --res 480 --width 832 --frames 33 --rounds 4 [--compile]
 """
 import argparse
 import gc

@@ -4,7 +4,7 @@ defaults and the family's float layers; `--all-layers` quantizes those too), the
 float model's on the same input (a call of the first sampling steps).
 
     source bench/device_env.sh
-    python3 bench/fp8_layer_groups.py --arch chroma --res 1024 --out bench/results/DATE_GPU_chroma_fp8_layer_groups.json
+    python3 bench/probes/fp8_layer_groups.py --arch chroma --res 1024 --out bench/results/DATE_GPU_chroma_fp8_layer_groups.json
 """
 import argparse
 import collections

@@ -4,7 +4,7 @@ Triton kernel (each configuration of a small sweep), the path above its row limi
 then cuBLAS), Inductor's fused reduction of the plain torch formula (what compiled code runs for a few rows without
 the kernel), and the bf16 layer through cuBLAS; in GB/s of int8 weight read.
 
-    PYTHONPATH=<folder holding overdrive> python bench/quantize_gemv.py --out bench/results/DATE_GPU_quantize_gemv.json
+    PYTHONPATH=<folder holding overdrive> python bench/probes/quantize_gemv.py --out bench/results/DATE_GPU_quantize_gemv.json
 """
 import argparse
 import itertools

@@ -1,7 +1,8 @@
-"""What torch leaves behind after a CUDA-graph capture that fails (the capture invalidated by an operation it cannot
-hold, as a short card's block recordings failed): whether capture_end still ends the allocator's routing into the
-graph's pool, whether what the capture allocated in that pool comes back, and what ending the routing or releasing
-the pool by hand changes. One case per process (a failed capture could leave state behind); one JSON line each.
+"""What does a failed graph capture leave? A dead pool, its memory, a stuck RNG (logs/2026-12-01_h200_capture_failure_probe.jsonl).
+
+A capture invalidated by a host read, then by hand: the allocator's routing into the pool ended, the pool released,
+the graph dropped; then a new capture into the same pool and into a new one. One case a process, a JSON line each.
+Analysis: bench/experiments/memory-budgets.md.
 
   for case in plain end end-drop end-release-drop release-drop; do python3 bench/probes/capture_failure_probe.py $case; done
 """

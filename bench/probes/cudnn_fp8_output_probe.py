@@ -1,7 +1,7 @@
-"""Which outputs cuDNN's fp8 attention graph accepts on this GPU and cuDNN: e4m3 (what attention/cudnn8.py uses) or
-bf16, in the (batch, heads, tokens, dim) layout or written straight into (batch, tokens, heads, dim). Per variant:
-whether the graph builds, its time, and its relative error against fp32 attention after the best scalar rescale (the
-scalar says how cuDNN applies the output scale).
+"""Which outputs does cuDNN's fp8 attention write on Hopper? e4m3, either layout; not bf16 (2026-11-26_h100_cudnn_fp8_output.json).
+
+e4m3 or bf16, heads-major or tokens-major: whether the graph builds, its time, its error against fp32 attention.
+Analysis: bench/experiments/fp8-8bit-attention-weight-only-kernel.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/cudnn_fp8_output_probe.py \
         --out bench/results/DATE_GPU_cudnn_fp8_output.json

@@ -1,7 +1,7 @@
-"""cuDNN's execution plans for the fp8 attention graph of attention/cudnn8.py, per shape: which plans heuristics A, B
-and FALLBACK offer on this GPU and cuDNN, whether each builds, its time (CUDA events, host launches hidden as the
-chooser times them) and its relative error against fp32 attention. attention/cudnn8.py runs the first plan that
-builds from A and FALLBACK.
+"""Is another cuDNN plan faster for the fp8 attention graph? No: cudnn8.py's first is (2026-11-26_h100_cudnn_fp8_plans.json).
+
+Every plan heuristics A, B and FALLBACK offer, per shape: whether it builds, its time, its error against fp32.
+Analysis: bench/experiments/fp8-attention-carried-scales.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/cudnn_fp8_plans_probe.py \
         --out bench/results/DATE_GPU_cudnn_fp8_plans.json

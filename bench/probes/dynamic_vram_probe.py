@@ -1,6 +1,8 @@
-"""On a GPU with ComfyUI's dynamic VRAM: each node on the built-in tiny files (Load Diffusion Model's path), printing
-the whole traceback of whatever fails and leaving without garbage collection (a failure inside comfy-aimdo's host
-buffers can take the process down while a test runner formats it).
+"""Which nodes fail on a dynamic-VRAM model from a file? Compile Model on Wan's bf16 file under fp16 (printed, no file).
+
+Each node on the built-in tiny files through Load Diffusion Model's path, every failure's traceback printed; it
+leaves without garbage collection (comfy-aimdo's host buffers can crash a process at its end). Since fixed: Compile
+Model's clone casts each layer's weights to the layer's dtype (bench/experiments/comfyui-033-dynamic-vram.md).
 
   python3 bench/probes/dynamic_vram_probe.py wan22 flux
 """

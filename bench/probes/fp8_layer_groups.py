@@ -1,7 +1,8 @@
-"""Where a DiT family's 8-bit error per model call comes from. The model is quantized as QuantizeModel does (its
-defaults and the family's float layers; `--all-layers` quantizes those too), then each group of quantized layers
-(top-level module, and the layer's name inside its block) is swapped in alone, and the model call compared with the
-float model's on the same input (a call of the first sampling steps).
+"""Where is a DiT's fp8 call error made? Chroma's approximator, LTX's caption path (2026-11-27_h100_chroma_fp8_layer_groups.json).
+
+The model quantized as Quantize Model does (`--all-layers`: the family's float layers too), then each group of
+quantized layers swapped alone into the float model, its first model call compared with the float model's.
+Analysis: bench/experiments/flux2-chroma-fp8-error.md, bench/experiments/ltx2.md.
 
     source bench/device_env.sh
     python3 bench/probes/fp8_layer_groups.py --arch chroma --res 1024 --out bench/results/DATE_GPU_chroma_fp8_layer_groups.json

@@ -1,10 +1,8 @@
-"""A DiT block's fp8 MLP (e4m3 input -> fp8 GEMM -> tanh-GELU -> e4m3 cast -> fp8 GEMM -> bf16) as Inductor compiles
-it by default (cuBLAS's `_scaled_mm`, then a pointwise kernel for GELU and the cast) and with max-autotune, where a
-Triton GEMM template may win and take GELU and the cast into its epilogue: the first GEMM then writes e4m3 instead of
-bf16 that the next kernel reads back (Qwen-Image's MLP at 1328² with CFG: 13,778 rows x 12,288). The layers are
-Overdrive's own (`kernels.fp8_gemm`, `kernels.fp8_linear` with a static input scale, the sigmoid form of GELU that
-CompileModel traces). Time: `triton.testing.do_bench` median; error: against the default compile's output; kernels:
-the GPU kernels of one call with their times (torch.profiler).
+"""Does max-autotune speed up a DiT's fp8 MLP? No: within noise, for 100-200 s of compiling (2026-11-27_h100_fp8_mlp_autotune.json).
+
+The MLP (fp8 GEMM, tanh-GELU, e4m3 cast, fp8 GEMM) of Overdrive's own layers compiled by default and with
+max-autotune, with and without persistent TMA templates: time, error, the kernels autotuning chose.
+Analysis: bench/experiments/flux2-chroma-fp8-error.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/fp8_mlp_autotune.py --out bench/results/DATE_GPU_fp8_mlp.json
 """

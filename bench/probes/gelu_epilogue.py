@@ -1,9 +1,8 @@
-"""The pointwise kernel between a DiT's fp8 MLP GEMMs on the GPU: tanh-GELU of the first GEMM's output, cast to e4m3
-over the second GEMM's static activation scale (Flux's single blocks also concatenate the attention output first),
-as Inductor compiles it. Compared: GELU as ComfyUI's models write it (`F.gelu(approximate="tanh")`, which Inductor
-lowers to libdevice's tanh), the same function written through a sigmoid (0.5 (1 + tanh z) = sigmoid(2 z)), and no
-activation (the memory-bound floor). Time (median of `triton.testing.do_bench`), bytes moved per second, and how far
-the sigmoid form's e4m3 output is from the tanh form's.
+"""Is the fused tanh-GELU + e4m3 cast faster through a sigmoid? Yes, 18-21 % (2026-11-26_h100_gelu_epilogue.json).
+
+The kernel between a DiT's fp8 MLP GEMMs as Inductor compiles it: GELU as ComfyUI writes it or as x * sigmoid(2z),
+the cast dividing by the scale or multiplying by its inverse, and no activation (the memory floor).
+Analysis: bench/experiments/gelu-through-sigmoid.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/gelu_epilogue.py --out bench/results/DATE_GPU_gelu_epilogue.json
 """

@@ -1,6 +1,8 @@
-"""Whether a ComfyUI server keeps models it let go: prompts over its HTTP API alternating SD3.5 with Quantize Model
-(fp8, every layer), SD1.5, Flux with Compile Model, eager SD3.5 and eager Flux (built-in tiny files), four rounds;
-after each prompt, the lines in which ComfyUI reports "memory leak with model ..." and the server's resident memory.
+"""Does ComfyUI keep models it let go over prompts? Not 0.33: no leak line in 24 (2026-11-29_cpu_comfy033_leak_over_prompts.json).
+
+Prompts over the HTTP API, four rounds of SD3.5 with Quantize Model, SD1.5, Flux with Compile Model, eager SD3.5 and
+Flux (built-in tiny files); after each, ComfyUI's "memory leak with model" lines and the server's resident memory.
+Analysis: bench/experiments/models-kept-over-prompts.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/leak_over_prompts.py --workdir DIR --out bench/results/x.json
 """

@@ -1,12 +1,9 @@
-"""Question: a LoRA on fp8 layers, baked into the weights (re-quantized at each strength change) or run beside them
-(a low-rank side path): which keeps the LoRA, and what does each cost per change and per step? Answer: EXPERIMENTS.md,
-"LoRAs on quantized layers".
+"""LoRAs on fp8 layers: bake or run beside? Beside: equal fidelity, no re-quantizing (2026-12-06_h100_lora_bake_probe.json).
 
-On Flux.1's block linear shapes with N(0, 1/fan_in) weights and a rank-16 LoRA of relative size `--scale`, per layer:
-the part of the LoRA's output change that survives each way (1 = all of it), the per-call error against the float
-layer with the LoRA, the time to re-quantize every layer from float weights already on the GPU (the bake's floor, with
-no transfer from host memory and no calibration), and the time of one side path's two GEMMs at 1024² (4096 image + 512
-text tokens), against the layer's fp8 GEMM.
+On Flux.1's block linear shapes, a rank-16 LoRA of relative size `--scale`, per layer: the part of its output change
+that survives each way, the error against the float layer with it, the time to re-quantize every layer (the bake's
+floor) and the side path's two GEMMs against the layer's fp8 GEMM.
+Analysis: bench/experiments/loras-on-quantized-layers.md.
 
     python bench/probes/lora_bake_probe.py --out bench/results/x.json        (the timings need CUDA)
 """

@@ -1,10 +1,9 @@
-"""What GPU memory stays allocated after a compiled model is dropped (GPU; CUDA graphs only exist there).
+"""What outlives a dropped compiled UNet? Its CUDA graph's last inputs, bounded (2026-11-24_h100_memory_after_release_fixed.json).
 
-Why: in bench_diffusers, the rows after `overdrive-precompile` had ~2.5 GiB more peak VRAM than the same
-rows before it. This builds a diffusers UNet (SDXL's block layout, narrower), compiles it with Overdrive (precompile, then
-plain), runs it, drops it, and reports the bytes still allocated, then after forgetting Overdrive's in-memory
-graphs, then after torch._dynamo.reset(); the `tmp` names torch leaked into Dynamo's guard closure
-variables (fixed in compiler/precompiled.py); plus the largest live CUDA tensors and who holds them.
+A narrow diffusers SDXL UNet compiled (precompile, then plain), run, dropped: the bytes still allocated, after
+Overdrive's in-memory graphs are forgotten, after torch._dynamo.reset(), and who holds the largest tensors. Before
+the fix 248 MiB more stayed, held through the `tmp` names torch leaks into Dynamo's guard closure variables
+(compiler/precompiled.py removes them). Analysis: bench/results/archive_2026-11-23_h100.md, "The precompile leak".
 
   python bench/probes/memory_after_release.py --out bench/results/DATE_h100_memory_after_release.json
 """

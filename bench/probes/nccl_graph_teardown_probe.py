@@ -1,6 +1,7 @@
-"""Whether a process that recorded NCCL collectives in a CUDA graph can leave its torch.distributed group
-(pytorch/pytorch#115388: destroy_process_group hangs after such a capture), and what lets it: one NCCL process, a
-graph holding an all-to-all, then one way of leaving per run.
+"""Does a CUDA graph holding NCCL work block leaving the group? Yes, until freed (2026-12-03_h200_nccl_graph_teardown_probe.log).
+
+One NCCL process, a graph holding an all-to-all, one way of leaving per run (pytorch/pytorch#115388).
+Analysis: bench/experiments/parallel-model.md.
 
   python3 bench/probes/nccl_graph_teardown_probe.py keep-destroy | free-destroy | keep-abort | none-destroy
 """

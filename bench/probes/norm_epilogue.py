@@ -1,9 +1,8 @@
-"""The reduction kernel between a DiT block's fp8 GEMMs on the GPU: the gated residual (x + gate · GEMM output), the
-layer norm over the channels, the modulation (1 + scale, shift) and the e4m3 cast for the next GEMM, as Inductor
-compiles it from the blocks' torch code. Inductor keeps a row in registers (a persistent reduction) only up to 1024
-channels, so at the DiTs' 3072 it loops over each row twice (statistics, then the normalisation). Compared: that
-default, persistent reductions allowed up to 4096 channels (an InductorChoices override), Inductor's multi-kernel
-(both, picked by timing at run time), coordinate-descent tuning, and a copy of the bytes (the memory floor).
+"""Do other Inductor configs speed the blocks' layer-norm kernel? At some shapes; not adopted (2026-11-26_h100_norm_epilogue.json).
+
+Gated residual + layer norm + modulation + e4m3 cast as Inductor compiles it: its defaults, persistent rows up to
+4096 channels, multi-kernel, coordinate-descent tuning, and a copy of the bytes (the memory floor).
+Analysis: bench/experiments/layer-norm-inductor-configs.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/norm_epilogue.py --out bench/results/DATE_GPU_norm_epilogue.json
 """

@@ -1,6 +1,7 @@
-"""Where QuantizeModel's time goes on one model (calibration run, per-layer error and speed measurement, hashing,
-installing): the node run on a fresh cache under cProfile (its report's phase seconds and the top functions), then
-once more on the cache it filled (a cache hit: what a restart costs, less loading the model).
+"""Where did Quantize Model's 66.5 s go? Hashing and caching weights: now 6.0 s (2026-11-25_h200_flux_1024_quantize_profile.json).
+
+The node on a fresh cache under cProfile (phase seconds, top functions), then on the cache it filled (a hit).
+Analysis: bench/experiments/quantize-model-time.md.
 
   python bench/probes/profile_quantize.py --arch flux --res 1024 [--top 30] [--out bench/results/x.json]
 """

@@ -1,7 +1,11 @@
-"""Host time per block call of the argument walkers the block CUDA graphs and the compiled calls run (hand-written,
-compiler/block_graphs.py and compiler/compiled_method.py), against torch.utils._pytree doing the same walk, on the
-arguments of a Flux double block and an LTX-2 block as ComfyUI passes them. CPU only (host time):
-    python bench/probes/pytree_walkers.py [--out bench/results/FILE.json]"""
+"""Could torch's pytree replace the per-call argument walkers? No: 1.6-2.9x the host time (2026-12-01_cpu_pytree_walkers.json).
+
+The walkers of compiler/block_graphs.py and compiler/compiled_method.py against torch.utils._pytree, on a Flux
+double block's and an LTX-2 block's arguments. CPU only (host time).
+Analysis: bench/experiments/pytree-argument-walkers.md.
+
+    python bench/probes/pytree_walkers.py [--out bench/results/FILE.json]
+"""
 import argparse
 import json
 import platform

@@ -1,8 +1,8 @@
-"""The weight-only int8 layers (bound by reading the weight) on the GPU: the DiTs' modulation (a row or two) and
-Qwen-Image's text stream (64 tokens, two with CFG: 128 rows), with more rows to find where a GEMM wins. Overdrive's
-Triton kernel (each configuration of a small sweep), the path above its row limit (the weight dequantized to bf16,
-then cuBLAS), Inductor's fused reduction of the plain torch formula (what compiled code runs for a few rows without
-the kernel), and the bf16 layer through cuBLAS; in GB/s of int8 weight read.
+"""Which kernel serves int8 weight-only layers? Overdrive's Triton one: 1.5-3.9x Inductor's (2026-11-26_h100_quantize_gemv.json).
+
+The DiTs' modulation and Qwen-Image's text stream, more rows to find where a GEMM wins (`..._rows.json`): the
+kernel's configurations, dequantizing to bf16 then cuBLAS, Inductor's fused reduction, bf16 cuBLAS; in GB/s.
+Analysis: bench/experiments/fp8-8bit-attention-weight-only-kernel.md, bench/experiments/weight-only-rows.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/quantize_gemv.py --out bench/results/DATE_GPU_quantize_gemv.json
 """

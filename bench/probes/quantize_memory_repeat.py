@@ -1,9 +1,8 @@
-"""Does a dropped QuantizeModel output free its GPU memory? (GPU.)
+"""Does a dropped Quantize Model free its layers? Not while a hook held them (2026-11-25_h200_quantize_memory_repeat_wan22_compile.json).
 
-Why: in one bench_compile.py process, peak VRAM grew with each QuantizeModel output after the second on Flux.1-dev
-(bench/EXPERIMENTS.md). This quantizes a DiT several times (the node answering from its cache after the first),
-optionally compiles it, samples two steps, drops everything the way a workflow change does, and reports the bytes
-still allocated, whether the dropped 8-bit layers are still alive, and what holds them.
+A DiT quantized several times (the node's cache answering after the first), optionally compiled, sampled, dropped as
+a workflow change drops it: the bytes still allocated, whether its 8-bit layers live on, what holds them. With the
+hook holding them weakly none does (`..._weak_hook.json`). Analysis: bench/experiments/dit-families-comfyui-07.md.
 
     python bench/probes/quantize_memory_repeat.py --arch wan22 --res 480 --width 832 --frames 33 --rounds 4 [--compile]
 """

@@ -1,8 +1,8 @@
-"""Ways to compile Wan 2.2's causal video VAE, side by side in one process under torch.inference_mode (as ComfyUI
-runs its nodes): eager; `decode` compiled whole (Compile VAE's path for image VAEs); the decoder compiled per latent
-frame, the chunk that decode's Python loop calls (no CUDA graphs: its frame-cache list is an input), with its middle
-attention compiled or eager; and eager with channels_last_3d conv weights. ComfyUI's own VAE class and decode,
-fixed-seed weights, bf16, 832x480, 33 frames.
+"""How to compile Wan 2.2's video VAE? Not: eager with channels-last 3-D convs, 1.12x (2026-11-26_h200_wan22_vae_compile.json).
+
+In one process under inference mode: eager, `decode` compiled whole, the decoder compiled per latent frame (its
+middle attention compiled or eager), eager with channels_last_3d weights; ComfyUI's VAE, bf16, 832x480, 33 frames.
+Analysis: bench/experiments/step-cache-vaes-diffusers-flux.md.
 
     PYTHONPATH=<folder holding overdrive> python bench/probes/wan_vae_compile.py \
         --out bench/results/DATE_GPU_wan22_vae_compile.json

@@ -41,7 +41,7 @@ class AttentionConfig:
     mode: str = "auto"
     # Relative error per call, against SDPA on the same inputs. The default admits cuDNN's fp8 attention on Flux's and
     # Qwen-Image's own inputs, which left the whole model call's error and the final latent's unchanged next to the fp8
-    # GEMMs' (bench/EXPERIMENTS.md, "fp8 against CompileModel"); a tighter bound kept SDPA on both.
+    # GEMMs' (bench/experiments/fp8-against-compile-model.md); a tighter bound kept SDPA on both.
     max_error: float = 0.05
     # Where cuDNN's fp8 graph is chosen, a block traced at that shape takes its e4m3 output and dequantizes it in the
     # compiled code (e4m3_output.py). Off: the backend's own 16-bit output (bench/bench_compile.py's A/B).

@@ -6,8 +6,8 @@ copy in the op's layout; the fp8 out-projection after it then reads the copy bac
 the chooser picked cuDNN's fp8 graph for a shape, a block traced at that shape instead calls
 `overdrive::attention_e4m3`, which returns cuDNN's e4m3 output (written tokens-major, the layout the out-projection
 reads) with its descale, and multiplies the two in traced code: Inductor fuses that into the out-projection's input
-cast (or whatever reads the output), so the 16-bit copy is never written (its cost on Qwen-Image: bench/EXPERIMENTS.md,
-"cuDNN's fp8 attention output read in the compiled block").
+cast (or whatever reads the output), so the 16-bit copy is never written (its cost on Qwen-Image:
+bench/experiments/e4m3-attention-output.md).
 Q, K and V keep the backend's own casts with carried scales: casting them in the graph measured slower.
 
 The decision is made when the block is traced, from the chooser's measurement at that shape: Quantize Model's

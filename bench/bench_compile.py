@@ -22,7 +22,7 @@ import traceback
 
 import torch
 
-from overdrive.attention.choice import AttentionConfig
+from overdrive.attention.choice import CHOOSER, AttentionConfig
 from overdrive.builtin_models import dit
 from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.families import registered as dit_families
@@ -157,7 +157,7 @@ def loaded_from_file(comfy, arch, size, dtype, directory, layout=None):
 def slow_activations():
     """Until the returned function is called, DiT blocks compile with torch's own tanh-GELU (block_options without
     fast_activations), for the whole of one variant's run."""
-    from overdrive.core import blockwise
+    from overdrive import blockwise
     original = blockwise.block_options
     blockwise.block_options = lambda options: dataclasses.replace(original(options), fast_activations=False)
     return lambda: setattr(blockwise, "block_options", original)
@@ -216,8 +216,22 @@ def attention_choices(before: dict) -> list:
 SWITCHES = {"tanh-gelu": slow_activations, "gelu-apart": gelu_apart, "bf16-attention-output": bf16_attention_output,
             "no-fa3": without_fa3}
 
+# variant parts that compile with Overdrive's Compile Model, and its settings for each
+COMPILE_OPTIONS = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
+                   "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},
+                   "overdrive-no-precompile": {"precompile": False},
+                   "overdrive-comfy-attention": {"fast_attention": False}}
 
-def main():
+# the table printed last: (column, its value in a row)
+COLUMNS = [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
+           ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),
+           ("first run (s)", lambda r: r["first_run_s"]), ("peak VRAM GiB", lambda r: r["peak_vram_gib"]),
+           ("rel err", lambda r: f"{r['rel_err_vs_first_variant']:.2e}"),
+           ("call err", lambda r: f"{r['first_call_rel_err']:.2e}"),
+           ("graphs", lambda r: r["dynamo_graphs"])]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="sdxl", choices=["sd15", "sdxl", *dit.FAMILIES])
     parser.add_argument("--size", default="full", choices=["full", "quarter", "tiny"])
@@ -261,27 +275,56 @@ def main():
     parser.add_argument("--profile-all", action="store_true", help="with --profile: profile every variant")
     parser.add_argument("--profile-launchers", action="store_true",
                         help="with --profile: also name the host op that launched each top kernel")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, quantized and why, beside the figures
-    cuda = torch.cuda.is_available()
-    dynamic_vram = cuda and args.dynamic_vram == "on"
+
+def import_comfyui(args, cuda: bool, dynamic_vram: bool):
+    """ComfyUI as this run needs it (on the CPU or the GPU, dynamic VRAM, an emulated card, its own attention), and
+    the host timers if asked for: installed before any model is built, since callbacks keep the bound methods of
+    install time. Overdrive's compiler is imported before the timers and its regions after them, in that order."""
     comfy = import_comfy(cpu=not cuda, dynamic_vram=dynamic_vram, budget_gib=args.budget_gib,
                          attention=args.comfy_attention)
-    import comfy.sample
-    from overdrive.attention.choice import CHOOSER
-    from overdrive.compiler import dynamo_graph_count
-    if args.host_timers:  # before any model is built: callbacks keep the bound methods of install time
+    import comfy.sample  # noqa: F401 - the sampler, reached as comfy.sample
+    import overdrive.compiler  # noqa: F401
+    host_timers = None
+    if args.host_timers:
         from host_timers import HostTimers
         host_timers = HostTimers()
-    from overdrive.compiler.regions import uninstall_regions
+    import overdrive.compiler.regions  # noqa: F401
+    return comfy, host_timers
 
-    if not args.warm_cache:
-        torch._inductor.config.fx_graph_cache = False
-        torch._inductor.config.autotune_local_cache = False
-        os.environ["OVERDRIVE_DISK_CACHE"] = "0"
 
+def cold_caches():
+    """Inductor's FX graph and autotuning caches and Overdrive's disk cache off: every compile time is cold."""
+    torch._inductor.config.fx_graph_cache = False
+    torch._inductor.config.autotune_local_cache = False
+    os.environ["OVERDRIVE_DISK_CACHE"] = "0"
+
+
+@dataclasses.dataclass
+class Sampling:
+    """What every variant samples with: ComfyUI, the base model, its conditioning, latent and noise, and the
+    sampler's settings (euler, `steps`, the family's scheduler and CFG, seed 42)."""
+    comfy: object
+    base: object
+    positive: object
+    negative: object
+    latent: torch.Tensor
+    noise: torch.Tensor
+    scheduler: str
+    cfg: float
+    dtype: torch.dtype
+    steps: int
+
+    def run(self, patcher):
+        """One sampling run of `patcher` through ComfyUI's sampler (KSampler's path): the sampled latent."""
+        return self.comfy.sample.sample(patcher, self.noise, self.steps, self.cfg, "euler", self.scheduler,
+                                        self.positive, self.negative, self.latent, seed=42, disable_pbar=True)
+
+
+def prepare_sampling(args, comfy, cuda: bool, dynamic_vram: bool) -> Sampling:
+    """The base model of --arch (built on the device, or written to a file and loaded by ComfyUI's loader), its
+    conditioning, empty latent and noise, and its scheduler and CFG."""
     width, height = args.width or args.res, args.res
     from_file = args.from_file or dynamic_vram or args.layout is not None
     if args.arch in dit.FAMILIES:
@@ -299,260 +342,358 @@ def main():
         latent = torch.zeros(1, 4, height // 8, width // 8)
         scheduler, cfg = "normal", args.cfg if args.cfg is not None else 7.0
     noise = comfy.sample.prepare_noise(latent, 42)
+    return Sampling(comfy, base, positive, negative, latent, noise, scheduler, cfg, dtype, args.steps)
 
-    compile_options = {"overdrive": {}, "overdrive-no-cudagraphs": {"cuda_graphs": False},
-                       "overdrive-autotune": {"mode": "max-autotune"}, "overdrive-flat": {"regional": False},
-                       "overdrive-no-precompile": {"precompile": False},
-                       "overdrive-comfy-attention": {"fast_attention": False}}
 
-    def make(variant):
-        """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8 | int4[mse<threshold>], with
-        attn<bound> or attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
-        overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (deepcache[N]: interval N; adaptive;
-        easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
-        percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
-        where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
-        tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
-        `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`).
-        'bf16-attention-output': cuDNN's fp8 attention writes its own 16-bit output (`bf16_attention_output`).
-        'no-fa3': the attention chooser without FlashAttention-3 (`without_fa3`). 'eager'
-        alone is the baseline."""
-        parts = variant.split("+")
-        adaptive = next((p for p in parts if p.startswith("adaptive")), None)  # "adaptive0.2": that threshold
-        fixed = next((p for p in parts if p.startswith("deepcache")), None)  # "deepcache4": that interval
-        # "window0.1-1.0": the step cache's start/end percent for this variant (else --cache-start/--cache-end)
-        window = next((p for p in parts if p.startswith("window")), None)
-        start_percent, end_percent = (map(float, window[len("window"):].split("-")) if window
-                                      else (args.cache_start, args.cache_end))
-        # "attn0.05": QuantizeModel's attention=auto with that error bound ("attn": the default); "attn8bit0.05": 8bit.
-        attn = next((p for p in parts if p.startswith("attn")), None)
-        attention = {"attention": "sdpa"}
-        if attn:
-            mode = "8bit" if attn.startswith("attn8bit") else "auto"
-            bound = attn[len("attn8bit" if mode == "8bit" else "attn"):]
-            attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
-        # "int4mse0.03": Quantize Model with bits 4 (int4_fp8) and that int4_mse_threshold ("int4": the node's)
-        int4 = next((p for p in parts if p.startswith("int4")), None)
-        unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", int4, fixed, "easycache", adaptive, attn,
-                                 "float-memory-bound", window, "comfy-syncs"}
-                   - set(compile_options) - set(SWITCHES))
-        if unknown:
-            raise ValueError(f"unknown variant parts {sorted(unknown)}")
-        patcher = base.clone()
-        for fmt in ("int8", "fp8", int4):
-            if fmt in parts:
-                start = time.perf_counter()
-                settings = {"format": {"int8": "int8", "fp8": "fp8_e4m3"}.get(fmt, "int4_fp8")}
-                if fmt == int4:
-                    settings["bits"] = 4
-                    if fmt[len("int4mse"):]:
-                        settings["int4_mse_threshold"] = float(fmt[len("int4mse"):])
-                patcher = run_node("OverdriveQuantizeModel", model=patcher, **settings, positive=positive,
-                                   negative=negative, latent={"samples": latent}, **attention,
-                                   weight_only="float-memory-bound" not in parts)
-                sync()
-                calibration[variant] = time.perf_counter() - start
-        if "peer" in parts:
-            uninstall_regions(base.model.diffusion_model)  # an earlier Overdrive variant's regions: not the peer's
-            patcher.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
-        if "builtin" in parts:  # ComfyUI's TorchCompileModel node, backend inductor: its own code path (the node's
-            # module imports ComfyUI's V3 API, whose video types need PyAV: its two lines, as they are)
-            from comfy_api.torch_helpers import set_torch_compile_wrapper
-            uninstall_regions(base.model.diffusion_model)
-            patcher = patcher.clone(disable_dynamic=True)
-            set_torch_compile_wrapper(patcher, backend="inductor", options={"guard_filter_fn": lambda entries: [
-                "transformer_options" not in entry.name for entry in entries]})
-        for name, overrides in compile_options.items():
-            if name in parts:
-                patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)
-        if fixed:
-            patcher = run_node("OverdriveDeepCache", model=patcher,
-                               cache_interval=int(fixed[len("deepcache"):] or args.cache_interval),
-                               start_percent=start_percent, end_percent=end_percent)
-        if adaptive:
-            patcher = run_node("OverdriveDeepCache", model=patcher, mode="adaptive",
-                               threshold=float(adaptive[len("adaptive"):] or args.cache_threshold),
-                               start_percent=start_percent, end_percent=end_percent)
-        if "easycache" in parts:
-            from comfy_extras.nodes_easycache import EasyCacheNode
-            patcher = EasyCacheNode.execute(patcher, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95,
-                                            verbose=False)[0]
-        # The families' host-sync fixes are global once an Overdrive forward was built: a variant without Overdrive's
-        # forward, or 'comfy-syncs', runs ComfyUI's own functions.
-        if "comfy-syncs" in parts or not set(parts) & ({"int8", "fp8", fixed, adaptive} | set(compile_options)):
-            for family in dit_families():
-                for fix in family.host_sync_fixes:
-                    fix.uninstall()
-        return patcher
+@dataclasses.dataclass
+class Run:
+    """This process's run: its arguments, what every variant samples, the report written as it goes, the first
+    variant's final latent and first model call (every variant's errors are against them), Quantize Model's seconds
+    per variant and the host timers (--host-timers)."""
+    args: argparse.Namespace
+    sampling: Sampling
+    report: dict
+    host_timers: object = None
+    reference: torch.Tensor = None
+    reference_call: torch.Tensor = None
+    calibration: dict = dataclasses.field(default_factory=dict)
 
-    def per_step_errors(patcher):
-        """A step cache's error per model call: each call's output against the full model's (eager) on the same
-        input, over one run."""
-        calls = []
+
+def new_report(args, s: Sampling) -> dict:
+    """The result file's settings and environment, its rows filled in as the variants run."""
+    shapes = [list(t.shape) for t in latent_parts(s.latent)]  # LTX-2's: the video's and the audio's
+    return {"benchmark": "compile", "settings": vars(args),
+            "environment": {**environment(), **(copy_rates() if args.budget_gib else {})},
+            "sampler": f"euler/{s.scheduler}", "cfg": s.cfg, "batch": 1,
+            "latent_shape": shapes[0] if len(shapes) == 1 else shapes,  # one shape, as earlier result files have it
+            "dtype": str(s.dtype), "results": [], "vae_decode": []}
+
+
+@dataclasses.dataclass
+class Recipe:
+    """A variant's parts, and the settings some of them carry (see `make_variant`)."""
+    parts: list
+    int4: str = None  # "int4mse0.03": Quantize Model with bits 4 (int4_fp8) and that int4_mse_threshold
+    fixed: str = None  # "deepcache4": the step cache at that interval
+    adaptive: str = None  # "adaptive0.2": the adaptive step cache at that threshold
+    attn: str = None  # "attn0.05": Quantize Model's attention=auto with that bound; "attn8bit0.05": 8bit
+    window: str = None  # "window0.1-1.0": the step cache's start/end percent (else --cache-start/--cache-end)
+    start_percent: float = 0.0
+    end_percent: float = 1.0
+    attention: dict = None  # Quantize Model's attention settings
+
+
+def parse_recipe(variant: str, args) -> Recipe:
+    """The parts of `variant` and their settings; an unknown part raises ValueError."""
+    parts = variant.split("+")
+
+    def part(prefix):
+        return next((p for p in parts if p.startswith(prefix)), None)
+    recipe = Recipe(parts, int4=part("int4"), fixed=part("deepcache"), adaptive=part("adaptive"), attn=part("attn"),
+                    window=part("window"))
+    recipe.start_percent, recipe.end_percent = (map(float, recipe.window[len("window"):].split("-")) if recipe.window
+                                                else (args.cache_start, args.cache_end))
+    recipe.attention = {"attention": "sdpa"}
+    if recipe.attn:
+        mode = "8bit" if recipe.attn.startswith("attn8bit") else "auto"
+        bound = recipe.attn[len("attn8bit" if mode == "8bit" else "attn"):]
+        recipe.attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
+    unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", recipe.int4, recipe.fixed, "easycache",
+                             recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window, "comfy-syncs"}
+               - set(COMPILE_OPTIONS) - set(SWITCHES))
+    if unknown:
+        raise ValueError(f"unknown variant parts {sorted(unknown)}")
+    return recipe
+
+
+def make_variant(run: Run, variant: str):
+    """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8 | int4[mse<threshold>], with
+    attn<bound> or attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
+    overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (deepcache[N]: interval N; adaptive;
+    easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
+    percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
+    where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
+    tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
+    `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`).
+    'bf16-attention-output': cuDNN's fp8 attention writes its own 16-bit output (`bf16_attention_output`).
+    'no-fa3': the attention chooser without FlashAttention-3 (`without_fa3`). 'eager'
+    alone is the baseline."""
+    recipe = parse_recipe(variant, run.args)
+    patcher = quantized(run, variant, recipe, run.sampling.base.clone())
+    patcher = compiled(recipe, patcher, run.sampling.base)
+    patcher = with_step_cache(run.args, recipe, patcher)
+    # The families' host-sync fixes are global once an Overdrive forward was built: a variant without Overdrive's
+    # forward, or 'comfy-syncs', runs ComfyUI's own functions.
+    parts = recipe.parts
+    overdrive_forward = {"int8", "fp8", recipe.fixed, recipe.adaptive} | set(COMPILE_OPTIONS)
+    if "comfy-syncs" in parts or not set(parts) & overdrive_forward:
+        for family in dit_families():
+            for fix in family.host_sync_fixes:
+                fix.uninstall()
+    return patcher
+
+
+def quantized(run: Run, variant: str, recipe: Recipe, patcher):
+    """`patcher` through Quantize Model in the recipe's format (if any), its time in `run.calibration`."""
+    s = run.sampling
+    for fmt in ("int8", "fp8", recipe.int4):
+        if fmt in recipe.parts:
+            start = time.perf_counter()
+            settings = {"format": {"int8": "int8", "fp8": "fp8_e4m3"}.get(fmt, "int4_fp8")}
+            if fmt == recipe.int4:
+                settings["bits"] = 4
+                if fmt[len("int4mse"):]:
+                    settings["int4_mse_threshold"] = float(fmt[len("int4mse"):])
+            patcher = run_node("OverdriveQuantizeModel", model=patcher, **settings, positive=s.positive,
+                               negative=s.negative, latent={"samples": s.latent}, **recipe.attention,
+                               weight_only="float-memory-bound" not in recipe.parts)
+            sync()
+            run.calibration[variant] = time.perf_counter() - start
+    return patcher
+
+
+def compiled(recipe: Recipe, patcher, base):
+    """`patcher` compiled as the recipe says: the peer (torch.compile of the diffusion model), ComfyUI's built-in
+    TorchCompileModel, or Overdrive's Compile Model with one of COMPILE_OPTIONS."""
+    from overdrive.compiler.regions import uninstall_regions
+    if "peer" in recipe.parts:
+        uninstall_regions(base.model.diffusion_model)  # an earlier Overdrive variant's regions: not the peer's
+        patcher.add_object_patch("diffusion_model", torch.compile(base.model.diffusion_model, backend="inductor"))
+    if "builtin" in recipe.parts:  # ComfyUI's TorchCompileModel node, backend inductor: its own code path (the node's
+        # module imports ComfyUI's V3 API, whose video types need PyAV: its two lines, as they are)
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+        uninstall_regions(base.model.diffusion_model)
+        patcher = patcher.clone(disable_dynamic=True)
+        set_torch_compile_wrapper(patcher, backend="inductor", options={"guard_filter_fn": lambda entries: [
+            "transformer_options" not in entry.name for entry in entries]})
+    for name, overrides in COMPILE_OPTIONS.items():
+        if name in recipe.parts:
+            patcher = run_node("OverdriveCompileModel", model=patcher, **overrides)
+    return patcher
+
+
+def with_step_cache(args, recipe: Recipe, patcher):
+    """`patcher` with the recipe's step cache: Overdrive's DeepCache (fixed interval or adaptive) or ComfyUI's
+    EasyCache."""
+    if recipe.fixed:
+        patcher = run_node("OverdriveDeepCache", model=patcher,
+                           cache_interval=int(recipe.fixed[len("deepcache"):] or args.cache_interval),
+                           start_percent=recipe.start_percent, end_percent=recipe.end_percent)
+    if recipe.adaptive:
+        patcher = run_node("OverdriveDeepCache", model=patcher, mode="adaptive",
+                           threshold=float(recipe.adaptive[len("adaptive"):] or args.cache_threshold),
+                           start_percent=recipe.start_percent, end_percent=recipe.end_percent)
+    if "easycache" in recipe.parts:
+        from comfy_extras.nodes_easycache import EasyCacheNode
+        patcher = EasyCacheNode.execute(patcher, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95,
+                                        verbose=False)[0]
+    return patcher
+
+
+def per_step_errors(s: Sampling, patcher):
+    """A step cache's error per model call: each call's output against the full model's (eager) on the same
+    input, over one run."""
+    calls = []
+
+    def record(apply_model, call):
+        out = apply_model(call["input"], call["timestep"], **call["c"])
+        calls.append((call["input"].clone(), call["timestep"].clone(), dict(call["c"]), out.float().clone()))
+        return out
+    options = patcher.model_options
+    patcher.model_options = {**options, "model_function_wrapper": record}
+    try:
+        s.run(patcher)
+    finally:
+        patcher.model_options = options
+    full = s.base.clone()
+    s.comfy.model_management.load_models_gpu([full])
+    errors = []
+    with torch.no_grad():
+        for x, t, c, out in calls:
+            c = dict(c)
+            c["transformer_options"] = {k: v for k, v in c.get("transformer_options", {}).items()
+                                        if k not in ("wrappers", "callbacks")}
+            expected = full.model.apply_model(x, t, **c).float()
+            errors.append(round(float((out - expected).norm() / expected.norm()), 5))
+    return errors
+
+
+def step_cache_stats(patcher) -> dict:
+    """The last run's full / reused steps and the adaptive rule's measured changes. (A function, so that no name in
+    the variants' loop holds the cache: it holds its model, and a dropped variant's 8-bit layers stayed alive.)"""
+    cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "step_cache", None)
+    if cache is None:
+        return {}
+    return {"steps_full_reused": [cache.last_stats.full_steps, cache.last_stats.shallow_steps]
+            if cache.last_stats else None,
+            "adaptive_changes": [None if c is None else round(c, 4) for c in cache.changes]}
+
+
+def block_graphs(patcher):
+    """What a DiT's block CUDA graphs did (compiler/block_graphs.py), or None."""
+    graphs = getattr(patcher.object_patches.get("diffusion_model.forward"), "graphs", None)
+    return graphs.describe() if graphs is not None else None
+
+
+def sample(s: Sampling, patcher, first_call=None):
+    """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
+    (the same input in every variant: noise at the first sigma)."""
+    options = patcher.model_options
+    if first_call is not None:  # on the timed model itself: a clone would be another model to ComfyUI's loader
+        from overdrive.comfy_host.quantize_patches import followers
 
         def record(apply_model, call):
             out = apply_model(call["input"], call["timestep"], **call["c"])
-            calls.append((call["input"].clone(), call["timestep"].clone(), dict(call["c"]), out.float().clone()))
+            if not first_call:
+                first_call.append(out.float().clone())
+                first_call.append(weights_gib(patcher.model.diffusion_model))
+                first_call.append(weights_gib(patcher.model.diffusion_model, gpu_only=False))
+                first_call.append((patcher.model_size() - patcher.loaded_size()) / 2**30)  # ComfyUI's account
+                first_call.append(sum(f.streamed_bytes for f in followers(patcher)) / 2**30)  # Overdrive's
             return out
-        options = patcher.model_options
         patcher.model_options = {**options, "model_function_wrapper": record}
-        try:
-            comfy.sample.sample(patcher, noise, args.steps, cfg, "euler", scheduler, positive, negative, latent,
-                                seed=42, disable_pbar=True)
-        finally:
-            patcher.model_options = options
-        full = base.clone()
-        comfy.model_management.load_models_gpu([full])
-        errors = []
-        with torch.no_grad():
-            for x, t, c, out in calls:
-                c = dict(c)
-                c["transformer_options"] = {k: v for k, v in c.get("transformer_options", {}).items()
-                                            if k not in ("wrappers", "callbacks")}
-                expected = full.model.apply_model(x, t, **c).float()
-                errors.append(round(float((out - expected).norm() / expected.norm()), 5))
-        return errors
+    sync()
+    start = time.perf_counter()
+    try:
+        out = s.run(patcher)
+    finally:
+        patcher.model_options = options
+    sync()
+    return dit.flat_latent(out), time.perf_counter() - start  # LTX-2's video and audio as one tensor
 
-    def step_cache_stats(patcher) -> dict:
-        """The last run's full / reused steps and the adaptive rule's measured changes. (A function, so that no name in
-        main's loop holds the cache: it holds its model, and a dropped variant's 8-bit layers stayed alive.)"""
-        cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "cache", None)
-        if cache is None:
-            return {}
-        return {"steps_full_reused": [cache.last_stats.full_steps, cache.last_stats.shallow_steps]
-                if cache.last_stats else None,
-                "adaptive_changes": [None if c is None else round(c, 4) for c in cache.changes]}
 
-    def block_graphs(patcher):
-        """What a DiT's block CUDA graphs did (compiler/block_graphs.py), or None."""
-        graphs = getattr(patcher.object_patches.get("diffusion_model.forward"), "graphs", None)
-        return graphs.describe() if graphs is not None else None
+def run_variant(run: Run, variant: str) -> None:
+    """One variant: made, sampled once (compiling), timed, analysed and dropped; its row in the report, written at
+    once and again after the drop (a run stopped at its time limit keeps what it measured)."""
+    restores = [switch() for part, switch in SWITCHES.items() if part in variant.split("+")]
+    row = measure_and_drop(run, variant)
+    if row is None:  # failed: the report's "failed" says why (its switches stay as they are)
+        return
+    # A dropped variant must not keep its 8-bit layers (a name in this loop that held a step cache kept its model
+    # alive, and peak VRAM grew by a quantized model per step-cache variant): what is still alive, by device.
+    row["live_8bit_gib_after_drop"] = live_quantized_gib()
+    write_report(run.report, run.args.out)
+    for restore in restores:
+        restore()
 
-    def sample(patcher, first_call=None):
-        """(final latent, seconds); with a list `first_call`, the output of the run's first model call is put in it
-        (the same input in every variant: noise at the first sigma)."""
-        options = patcher.model_options
-        if first_call is not None:  # on the timed model itself: a clone would be another model to ComfyUI's loader
-            from overdrive.comfy_host.quantize_patches import followers
 
-            def record(apply_model, call):
-                out = apply_model(call["input"], call["timestep"], **call["c"])
-                if not first_call:
-                    first_call.append(out.float().clone())
-                    first_call.append(weights_gib(patcher.model.diffusion_model))
-                    first_call.append(weights_gib(patcher.model.diffusion_model, gpu_only=False))
-                    first_call.append((patcher.model_size() - patcher.loaded_size()) / 2**30)  # ComfyUI's account
-                    first_call.append(sum(f.streamed_bytes for f in followers(patcher)) / 2**30)  # Overdrive's
-                return out
-            patcher.model_options = {**options, "model_function_wrapper": record}
-        sync()
-        start = time.perf_counter()
-        try:
-            out = comfy.sample.sample(patcher, noise, args.steps, cfg, "euler", scheduler, positive, negative, latent,
-                                      seed=42, disable_pbar=True)
-        finally:
-            patcher.model_options = options
-        sync()
-        return dit.flat_latent(out), time.perf_counter() - start  # LTX-2's video and audio as one tensor
-
-    results, reference, reference_call, calibration = [], None, None, {}
-    shapes = [list(t.shape) for t in latent_parts(latent)]  # LTX-2's: the video's and the audio's
-    report = {"benchmark": "compile", "settings": vars(args),
-              "environment": {**environment(), **(copy_rates() if args.budget_gib else {})},
-              "sampler": f"euler/{scheduler}", "cfg": cfg, "batch": 1,
-              "latent_shape": shapes[0] if len(shapes) == 1 else shapes,  # one shape, as earlier result files have it
-              "dtype": str(dtype), "results": results, "vae_decode": []}
-    for variant in args.variants.split(","):
-        restores = [switch() for part, switch in SWITCHES.items() if part in variant.split("+")]
+def measure_and_drop(run: Run, variant: str):
+    """The variant's row (None if its first run failed), the variant dropped and ComfyUI's models unloaded."""
+    from overdrive.compiler import dynamo_graph_count
+    args, s, cuda = run.args, run.sampling, torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    measured_before = dict(CHOOSER.reports)
+    patcher = make_variant(run, variant)
+    nodes_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # Quantize Model's calibration
+    graphs_before = dynamo_graph_count()
+    first_call = []
+    try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        measured_before = dict(CHOOSER.reports)
-        patcher = make(variant)
-        nodes_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # Quantize Model's calibration
-        graphs_before = dynamo_graph_count()
-        first_call = []
-        try:
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            first_out, first = sample(patcher, first_call)
-        except Exception as error:  # noqa: BLE001 - a peer that cannot run this family (ComfyUI's EasyCache indexes
-            # LTX-2's [video, audio] input as one tensor): its row says why, and the other variants still run
-            report.setdefault("failed", []).append({"variant": variant, "error": f"{type(error).__name__}: {error}"})
-            print(json.dumps(report["failed"][-1]), flush=True)
-            traceback.print_exc()  # where it failed, in the log beside the row
-            write_report(report, args.out)
-            del patcher
-            comfy.model_management.unload_all_models()
-            continue
-        first_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # the first load and compile
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.repeats):
-            out, dt = sample(patcher)
-            times.append(dt)
-        per_image = statistics.median(times)
-        row = {"variant": variant, "first_run_s": round(first, 3), "s_per_image": round(per_image, 4),
-               "s_per_step": round(per_image / args.steps, 5), "compile_s_est": round(first - per_image, 2),
-               "dynamo_graphs": dynamo_graph_count() - graphs_before,
-               "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
-               "nodes_peak_vram_gib": None if nodes_peak is None else round(nodes_peak, 3),
-               "first_run_peak_vram_gib": None if first_peak is None else round(first_peak, 3),
-               "device_used_gib": round((lambda free, total: (total - free) / 2**30)(*torch.cuda.mem_get_info()), 3)
-               if cuda else None,  # what the process holds, the allocator's cache and non-PyTorch memory included
-               "finite": bool(torch.isfinite(out).all()),
-               "quantize_node_s": round(calibration[variant], 2) if variant in calibration else None,
-               "compile_phases_s": compile_phases(), "block_graphs": block_graphs(patcher)}
-        if reference is None:
-            reference, reference_call = out, first_call[0]
-        row["rel_err_vs_first_variant"] = float((out - reference).norm() / reference.norm())
-        row["first_call_rel_err"] = float((first_call[0] - reference_call).norm() / reference_call.norm())
-        row["weights_gib_on_gpu"] = first_call[1]
-        # What does not stay on the GPU is copied in at every model call: its cost over a desktop's PCIe 4.0 x16 link.
-        row["weights_gib_in_tree"] = first_call[2]
-        row["weights_gib_not_loaded"] = round(first_call[3], 3)  # ComfyUI's model_size - loaded_size
-        row["quantized_gib_streamed"] = round(first_call[4], 3)  # Quantize Model's layers in pinned host memory
-        add_stream_estimate(row, args.steps * (2 if cfg > 1 else 1))
-        # Profiled here, before the per-call errors below load the float model beside this one (its loads and
-        # unloads then filled the profile with copies).
-        last = variant == args.variants.split(",")[-1]  # the one the host and sync analyses look at
-        if args.profile and cuda and (args.profile_all or last):
-            print(f"[{variant}]")
-            profile_run(lambda: sample(patcher), args.steps, launchers=args.profile_launchers)
-        if args.host_timers:
-            print(f"[{variant}]")
-            row["host_timers"] = host_timers.run(lambda: sample(patcher), args.steps)
-        if args.cprofile and last:
-            cprofile_run(lambda: sample(patcher))
-        if args.sync_sources and cuda and last:
-            sync_sources(lambda: sample(patcher))
-        step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
-        if step_cache and args.arch in dit.FAMILIES:
-            row["per_call_rel_err"] = per_step_errors(patcher)
-            row.update(step_cache_stats(patcher))
-        row["attention_choices"] = attention_choices(measured_before)
-        results.append(row)
-        print(json.dumps(row), flush=True)
-        write_report(report, args.out)  # after each row: a run stopped at its time limit keeps what it measured
-
+        _, first = sample(s, patcher, first_call)
+    except Exception as error:  # noqa: BLE001 - a peer that cannot run this family (ComfyUI's EasyCache indexes
+        # LTX-2's [video, audio] input as one tensor): its row says why, and the other variants still run
+        run.report.setdefault("failed", []).append({"variant": variant, "error": f"{type(error).__name__}: {error}"})
+        print(json.dumps(run.report["failed"][-1]), flush=True)
+        traceback.print_exc()  # where it failed, in the log beside the row
+        write_report(run.report, args.out)
         del patcher
-        comfy.model_management.unload_all_models()
-        comfy.model_management.soft_empty_cache()
-        # A dropped variant must not keep its 8-bit layers (a name in this loop that held a step cache kept its model
-        # alive, and peak VRAM grew by a quantized model per step-cache variant): what is still alive, by device.
-        row["live_8bit_gib_after_drop"] = live_quantized_gib()
-        write_report(report, args.out)
-        for restore in restores:
-            restore()
+        s.comfy.model_management.unload_all_models()
+        return None
+    first_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # the first load and compile
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        out, dt = sample(s, patcher)
+        times.append(dt)
+    row = timed_row(run, variant, patcher, first, statistics.median(times), out, dynamo_graph_count() - graphs_before,
+                    nodes_peak, first_peak)
+    add_errors_and_weights(run, row, out, first_call)
+    analyse(run, variant, patcher, row)
+    row["attention_choices"] = attention_choices(measured_before)
+    run.report["results"].append(row)
+    print(json.dumps(row), flush=True)
+    write_report(run.report, args.out)  # after each row: a run stopped at its time limit keeps what it measured
 
-    report["vae_decode"] = bench_vae(comfy, reference, args.repeats, args.arch) if args.vae else []
+    del patcher
+    s.comfy.model_management.unload_all_models()
+    s.comfy.model_management.soft_empty_cache()
+    return row
+
+
+def timed_row(run: Run, variant: str, patcher, first: float, per_image: float, out, graphs: int, nodes_peak,
+              first_peak) -> dict:
+    """The variant's times, graphs and memory, read as its timed runs end."""
+    cuda = torch.cuda.is_available()
+    return {"variant": variant, "first_run_s": round(first, 3), "s_per_image": round(per_image, 4),
+            "s_per_step": round(per_image / run.args.steps, 5), "compile_s_est": round(first - per_image, 2),
+            "dynamo_graphs": graphs,
+            "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+            "nodes_peak_vram_gib": None if nodes_peak is None else round(nodes_peak, 3),
+            "first_run_peak_vram_gib": None if first_peak is None else round(first_peak, 3),
+            "device_used_gib": round((lambda free, total: (total - free) / 2**30)(*torch.cuda.mem_get_info()), 3)
+            if cuda else None,  # what the process holds, the allocator's cache and non-PyTorch memory included
+            "finite": bool(torch.isfinite(out).all()),
+            "quantize_node_s": round(run.calibration[variant], 2) if variant in run.calibration else None,
+            "compile_phases_s": compile_phases(), "block_graphs": block_graphs(patcher)}
+
+
+def add_errors_and_weights(run: Run, row: dict, out, first_call: list) -> None:
+    """The row's errors against the first variant (its final latent and first model call), where its weights were
+    at the first call, and what copying the rest in at every call would cost."""
+    if run.reference is None:
+        run.reference, run.reference_call = out, first_call[0]
+    row["rel_err_vs_first_variant"] = float((out - run.reference).norm() / run.reference.norm())
+    row["first_call_rel_err"] = float((first_call[0] - run.reference_call).norm() / run.reference_call.norm())
+    row["weights_gib_on_gpu"] = first_call[1]
+    # What does not stay on the GPU is copied in at every model call: its cost over a desktop's PCIe 4.0 x16 link.
+    row["weights_gib_in_tree"] = first_call[2]
+    row["weights_gib_not_loaded"] = round(first_call[3], 3)  # ComfyUI's model_size - loaded_size
+    row["quantized_gib_streamed"] = round(first_call[4], 3)  # Quantize Model's layers in pinned host memory
+    add_stream_estimate(row, run.args.steps * (2 if run.sampling.cfg > 1 else 1))
+
+
+def analyse(run: Run, variant: str, patcher, row: dict) -> None:
+    """Where the variant's time goes, as asked (--profile, --host-timers, --cprofile, --sync-sources), and a step
+    cache's error per model call. Profiled before the per-call errors load the float model beside this one (its
+    loads and unloads then filled the profile with copies)."""
+    args, s, cuda = run.args, run.sampling, torch.cuda.is_available()
+    last = variant == args.variants.split(",")[-1]  # the one the host and sync analyses look at
+    if args.profile and cuda and (args.profile_all or last):
+        print(f"[{variant}]")
+        profile_run(lambda: sample(s, patcher), args.steps, launchers=args.profile_launchers)
+    if args.host_timers:
+        print(f"[{variant}]")
+        row["host_timers"] = run.host_timers.run(lambda: sample(s, patcher), args.steps)
+    if args.cprofile and last:
+        cprofile_run(lambda: sample(s, patcher))
+    if args.sync_sources and cuda and last:
+        sync_sources(lambda: sample(s, patcher))
+    step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
+    if step_cache and args.arch in dit.FAMILIES:
+        row["per_call_rel_err"] = per_step_errors(s, patcher)
+        row.update(step_cache_stats(patcher))
+
+
+def main():
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    logging.getLogger("overdrive").setLevel(logging.INFO)  # what was compiled, quantized and why, beside the figures
+    cuda = torch.cuda.is_available()
+    dynamic_vram = cuda and args.dynamic_vram == "on"
+    comfy, host_timers = import_comfyui(args, cuda, dynamic_vram)
+    if not args.warm_cache:
+        cold_caches()
+    sampling = prepare_sampling(args, comfy, cuda, dynamic_vram)
+    run = Run(args, sampling, new_report(args, sampling), host_timers)
+    for variant in args.variants.split(","):
+        run_variant(run, variant)
+    results = run.report["results"]
+    run.report["vae_decode"] = bench_vae(comfy, run.reference, args.repeats, args.arch) if args.vae else []
     add_speedups(results)
-    finish(report, results, [("variant", lambda r: r["variant"]), ("s/image", lambda r: r["s_per_image"]),
-                             ("s/step", lambda r: r["s_per_step"]), ("speedup", lambda r: r["speedup_vs_eager"]),
-                             ("first run (s)", lambda r: r["first_run_s"]), ("peak VRAM GiB", lambda r: r["peak_vram_gib"]),
-                             ("rel err", lambda r: f"{r['rel_err_vs_first_variant']:.2e}"),
-                             ("call err", lambda r: f"{r['first_call_rel_err']:.2e}"),
-                             ("graphs", lambda r: r["dynamo_graphs"])], args.out)
+    finish(run.report, results, COLUMNS, args.out)
 
 
 if __name__ == "__main__":

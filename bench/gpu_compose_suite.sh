@@ -109,8 +109,8 @@ case "$part" in
       --variants ${LEVERS_VARIANTS:-eager,od,od+cudnn,od+fuse,od+fuse+cudnn,vae-eager,vae-od,vae-od+cudnn,vae-peer,od+cdt,peer} \
       --out "$out/${day}_h100_unet_levers.json" > "$out/unet_levers.log" 2>&1
     filter 16 < "$out/unet_levers.log" ;;
-  memory)  # GPU memory a dropped compiled UNet leaves behind (memory_after_release.py)
-    timeout "${MEMORY_TIMEOUT:-300}" python3 memory_after_release.py --out "$out/${day}_h100_memory_after_release.json" \
+  memory)  # GPU memory a dropped compiled UNet leaves behind (probes/memory_after_release.py)
+    timeout "${MEMORY_TIMEOUT:-300}" python3 probes/memory_after_release.py --out "$out/${day}_h100_memory_after_release.json" \
       > "$out/memory_after_release.log" 2>&1
     filter 8 < "$out/memory_after_release.log" ;;
   gpu-tests)

@@ -4,7 +4,7 @@ DiT MLPs (Flux, Wan, Qwen-Image, SD3, LTX) use tanh-GELU. Inductor lowers `tanh`
 sequence, which makes the fused kernel between two fp8 GEMMs (GELU, then the cast to e4m3) compute-bound. The same
 function through a sigmoid, 0.5 (1 + tanh z) = sigmoid(2 z), lowers to one exponential and a division: Flux's single
 block kernel ran faster with the multiply-by-inverse-scale cast, within an ulp of float32, the e4m3 output identical
-but for a handful of values (bench/gelu_epilogue.py, `2026-11-26_h100_gelu_epilogue.json`). Eager
+but for a handful of values (bench/probes/gelu_epilogue.py, `2026-11-26_h100_gelu_epilogue.json`). Eager
 code keeps torch's own GELU (one kernel, where the sigmoid form would be six).
 """
 import torch

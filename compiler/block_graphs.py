@@ -3,7 +3,7 @@
 Why: the host's work for a compiled block call (the precompiled frame's checks, Inductor's wrapper, the attention
 op's launches) is about as long as a Flux.1 block's GPU work with fp8 GEMMs and 8-bit attention. A full step still
 keeps the GPU busy, but the step cache's reused steps (one block of GPU work each) and diffusers' pipelines run at the
-host's pace, in ComfyUI and more so in diffusers (bench/EXPERIMENTS.md, "DiT blocks as CUDA graphs").
+host's pace, in ComfyUI and more so in diffusers (bench/experiments/dit-block-cuda-graphs.md).
 
 How a block call runs:
 - The first call of a block with a call signature (argument shapes, dtypes and non-tensor values) runs the compiled
@@ -66,7 +66,7 @@ def _flatten(value, tensors: list, objects: list):
 
 # The BlockGraphs whose recordings hold NCCL collectives (a call's object said `records_collectives`: sequence
 # parallelism's attention). A process must drop those recordings before it leaves its torch.distributed group, or
-# leaving hangs (pytorch/pytorch#115388; bench/EXPERIMENTS.md).
+# leaving hangs (pytorch/pytorch#115388; bench/experiments/parallel-model.md).
 _HOLDING_COLLECTIVES = weakref.WeakSet()
 
 
@@ -266,7 +266,7 @@ class BlockGraphs:
             if static is None:
                 # Contiguous, whatever the argument's layout: the block's output is written back here and read by the
                 # next block. (Wan's first block gets its input transposed; a buffer in that layout made every later
-                # block run the graph compiled for it, slower: bench/EXPERIMENTS.md.)
+                # block run the graph compiled for it, slower: bench/experiments/dit-block-cuda-graphs.md.)
                 static = torch.empty(source.shape, dtype=source.dtype, device=source.device)
                 static.copy_(source)
                 self._filled[id(static)] = source
@@ -324,7 +324,7 @@ class BlockGraphs:
 
 def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
     """End a recording that failed and undo what torch's capture_end leaves undone when the capture was invalidated
-    (it raises first; bench/capture_failure_probe.py): the allocator's routing of the stream into `pool`, the failed
+    (it raises first; bench/probes/capture_failure_probe.py): the allocator's routing of the stream into `pool`, the failed
     capture's hold on that pool (what it allocated there stayed reserved: a short card then ran out of memory with
     gigabytes reserved and unused), and the default CUDA generator's capture mode (every later random draw on the GPU
     failed: "Offset increment outside graph capture"). The pool itself takes no capture again ("already recording to

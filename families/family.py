@@ -180,7 +180,7 @@ class Family:
     clean_timestep: float = 0.0
     # ((pattern, why)): layers that quantization leaves in float (a regular expression matched from the start of the
     # qualified name): the model's own code needs them as they are, or their 8-bit error reaches every block at
-    # little gain (bench/fp8_layer_groups.py measures each group's share of a model call's error).
+    # little gain (bench/probes/fp8_layer_groups.py measures each group's share of a model call's error).
     float_layers: tuple = ()
     # HostSyncFix-es for the family's model code, installed when Overdrive first builds a forward for such a model.
     host_sync_fixes: tuple = ()

@@ -108,7 +108,7 @@ def synchronize():
 def step_cache_counts(patcher) -> dict:
     """Overdrive's step cache: the full and the reused steps of the image just sampled (the speed it can give, whatever
     the machine); {} for other variants."""
-    cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "cache", None)
+    cache = getattr(patcher.object_patches.get("diffusion_model.forward"), "step_cache", None)
     stats = cache.last_stats if cache is not None else None
     return {"steps_full_reused": [stats.full_steps, stats.shallow_steps]} if stats else {}
 

@@ -3,7 +3,7 @@ in one kernel, through ctypes on the cuBLASLt library torch already loaded.
 
 `torch._scaled_mm` has no activation epilogue, so a quantized MLP otherwise writes fc1's output in bf16 and a fused
 Inductor kernel reads it back for GELU and fc2's e4m3 cast, a large share of Qwen-Image's fp8 image
-(bench/EXPERIMENTS.md, "fp8 against CompileModel"). cuBLASLt computes D = scale_d * GELU(scale_a * scale_b * A B + bias)
+(bench/experiments/fp8-against-compile-model.md). cuBLASLt computes D = scale_d * GELU(scale_a * scale_b * A B + bias)
 and converts D to e4m3 in the epilogue (Transformer Engine fuses its fp8 MLPs the same way); its GELU is the tanh
 form, which DiT MLPs use.
 

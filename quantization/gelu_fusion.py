@@ -1,7 +1,7 @@
 """A DiT MLP (fc1 -> tanh-GELU -> fc2) whose two projections are static fp8 layers runs fc1, the GELU and fc2's input
 cast as one kernel: cuBLASLt's fp8 GEMM with its GELU epilogue writes fc2's e4m3 input (kernels.fp8_linear_gelu),
 instead of fc1 writing 16-bit activations that a second kernel reads back (faster per MLP call on Qwen-Image, Wan 2.2
-and both of Flux's streams: `bench/fp8_gelu_gemm.py`, `results/2026-11-28_h100_fp8_gelu_gemm.json`).
+and both of Flux's streams: `bench/probes/fp8_gelu_gemm.py`, `results/2026-11-28_h100_fp8_gelu_gemm.json`).
 
 `fuse(tree, layers, dtype)` links each such pair of quantized layers (Fp8Linear.fuse_gelu_into) and returns the
 activation modules' new classes (ComfyUI swaps them in as object patches; `fuse_in_place` sets them, for quantize_):

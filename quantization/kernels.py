@@ -123,7 +123,7 @@ def static_fp8_scale(amax: torch.Tensor) -> torch.Tensor:
 def quantize_tensor_fp8_static(x: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
     """(M, K) float, 1 / the fixed float32 scale (1, 1) -> float8_e4m3fn (M, K); elementwise (fuses with x's
     producer). A multiply, not a division: the division by a loaded scale made Inductor's fused cast after Flux's
-    GELU 5 % slower on an H100 (bench/gelu_epilogue.py, `2026-11-26_h100_gelu_epilogue.json`)."""
+    GELU 5 % slower on an H100 (bench/probes/gelu_epilogue.py, `2026-11-26_h100_gelu_epilogue.json`)."""
     return (x * inverse_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

@@ -2,7 +2,7 @@
 
 A LoRA baked into 8-bit weights costs a re-quantization of every layer it touches at each change of strength, from
 float weights that must be on the GPU for it (on a short card, copied in from host memory first); rounding keeps the
-LoRA's effect either way (bench/lora_bake_probe.py). Beside the layer its strengths are values in `scale`, written in
+LoRA's effect either way (bench/probes/lora_bake_probe.py). Beside the layer its strengths are values in `scale`, written in
 place: a compiled graph, and a CUDA graph recorded over these buffers, run every strength and every LoRA of the same
 total rank without recompiling, recording again or quantizing anything (Nunchaku runs LoRAs beside its 4-bit layers the
 same way).

@@ -143,7 +143,7 @@ if triton is not None:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the weight-only kernel by the most rows they serve, from
-# bench/quantize_gemv.py's sweep (`2026-11-26_h100_quantize_gemv_rows.json`). At Qwen-Image's text stream with CFG it
+# bench/probes/quantize_gemv.py's sweep (`2026-11-26_h100_quantize_gemv_rows.json`). At Qwen-Image's text stream with CFG it
 # is slower than bf16 cuBLAS but faster than the compiled dequantizing path (a fused int8-to-bf16 copy, then cuBLAS);
 # at twice those rows they tie, above it the GEMM wins.
 WEIGHT_ONLY_CONFIGS = {16: (16, 64, 256, 4, 3), 64: (16, 64, 256, 4, 4), 128: (64, 64, 256, 4, 3)}

@@ -2,7 +2,7 @@
 
 Reading a call's sigma from the GPU makes the host wait until the GPU has run everything queued before it, and the
 GPU then waits for all the host does next (Overdrive's checks, the CUDA-graph launch). A shallow step is so short on
-the GPU that this host time becomes the step's time (SDXL: bench/EXPERIMENTS.md, "Host time under DeepCache"). A sampler
+the GPU that this host time becomes the step's time (SDXL: bench/experiments/deepcache-host-time-step-clock.md). A sampler
 that reports each step as it finishes (ComfyUI's callback) lets the runner take the step's sigma from the run's
 schedule, read from the GPU once per run, while the GPU is still busy with earlier steps.
 """

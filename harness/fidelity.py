@@ -26,6 +26,12 @@ VARIANTS = {
     "stepcache-adaptive0.05": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.05})],
     "stepcache-adaptive0.1": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.1})],
     "stepcache-adaptive0.2": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.2})],
+    "stepcache-forecast1": [COMPILE, ("OverdriveDeepCache", {"forecast": 1})],
+    "stepcache-forecast2": [COMPILE, ("OverdriveDeepCache", {"forecast": 2})],
+    "stepcache-adaptive0.2-forecast1": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.2,
+                                                                         "forecast": 1})],
+    "stepcache-adaptive0.3-forecast1": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.3,
+                                                                         "forecast": 1})],
     "easycache": [("EasyCache", {})],
     "lazycache": [("LazyCache", {})],
 }

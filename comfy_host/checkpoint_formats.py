@@ -10,6 +10,7 @@ import logging
 import torch
 
 from ..quantization.linear_layers import plain_fp8, register_linear_layer, stored_low_bit
+from .quantized_state import quantized_modules
 
 log = logging.getLogger("overdrive")
 
@@ -73,7 +74,6 @@ def advise_before_compile(patcher) -> None:
     """Compile Model on layers the checkpoint stores quantized that Quantize Model did not convert: on an NVIDIA GPU
     their input quantization (comfy-kitchen's QuantizedTensor) did not compile (on an H200 their blocks fell back to
     eager), so the log says what to do."""
-    from .quantize_patches import quantized_modules
 
     if torch.device(patcher.load_device).type != "cuda":
         return

@@ -26,7 +26,7 @@ from .worker_reload import ComfyReload
 from .comfy_call_options import ATTENTION_OVERRIDE
 from .forward_patch import installed_stack
 from .quantized_model import RECIPE
-from .quantize_patches import quantized_modules
+from .quantized_state import quantized_modules
 from .sequence_split import how_attention_splits, sequence_options, why_not_sequence
 
 log = logging.getLogger("overdrive")

@@ -21,7 +21,9 @@ from .file_weights import source_file
 from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import CalibrationRun
-from .quantize_patches import bake_weight_patches, compute_dtype, float_view, install_quantized, quantized_set_of
+from .quantize_patches import float_view, install_quantized
+from .quantized_patch_routing import bake_weight_patches
+from .quantized_state import compute_dtype, quantized_set_of
 from .quantized_lora import SidePaths, low_rank_layers, weight_key
 from .quantized_sets import QuantizedSet, set_key
 

@@ -2,7 +2,7 @@
 asks for them again.
 
 A LoRA strength, a LoRA file, the prompt or the seed changes Quantize Model's inputs, so ComfyUI runs the node again;
-the model underneath is the same. Keyed by the weights without their LoRAs (quantize_patches.base_tensors) and the
+the model underneath is the same. Keyed by the weights without their LoRAs (quantized_model.base_tensors) and the
 settings, the second run takes the layers of the first: no load of the float model, no calibration, no quantizing,
 and no second copy of the 8-bit weights in memory. The registry holds the sets weakly: a set lives as long as a model
 ComfyUI keeps (its output cache, a loaded model) runs it, and goes with the last of them.

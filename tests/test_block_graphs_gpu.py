@@ -222,7 +222,7 @@ def test_fused_fp8_mlps_replay_and_stay_within_rounding_of_their_layers_run_apar
     eager, and the fused model stays within bf16 rounding of the same layers run apart (fc1's output is no longer
     rounded to bf16 before GELU)."""
     from overdrive.builtin_models.dit import conditioning, empty_latent
-    from overdrive.comfy_host.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantized_state import quantized_modules
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
     quantized = nodes["OverdriveQuantizeModel"].execute(

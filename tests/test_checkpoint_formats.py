@@ -79,7 +79,7 @@ def quantized(nodes, family, model):
 
 def test_quantize_model_converts_the_stored_layers_and_says_so(model, layout, quantized, sample, eager):
     from overdrive.comfy_host.checkpoint_formats import stored_formats
-    from overdrive.comfy_host.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantized_state import quantized_modules
 
     report, patched, logged = quantized
     stored = stored_formats(model.model.diffusion_model)
@@ -140,7 +140,7 @@ def test_switch_diffusion_model_converts_the_new_files_stored_layers_after_quant
                                                                                           family, sample):
     import comfy.sd
     from overdrive.comfy_host.checkpoint_formats import stored_formats
-    from overdrive.comfy_host.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantized_state import quantized_modules
 
     from overdrive.compiler import dynamo_graph_count
 

@@ -351,7 +351,7 @@ def test_fp8_mlps_run_fc1_gelu_and_fc2s_cast_fused_and_match_the_layers_run_apar
     module passing the e4m3 result through. Per model call it matches the same 8-bit layers run apart, and compiled
     it matches itself eager (the first call, on the same input, within 1 %; the next one's input is each run's own
     step, and a flipped e4m3 rounding moves it further)."""
-    from overdrive.comfy_host.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantized_state import quantized_modules
     from overdrive.quantization import fp8_supported
     from overdrive.quantization.gelu_fusion import gelu_mlps
     mlps = gelu_mlps(base.model.diffusion_model)

@@ -90,7 +90,7 @@ def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, 
     8-bit layers' bytes. Same kernels on the same inputs: the calls match the resident run's. Compile Model over it
     takes the classic loader (the card holds its float part) and its compiled blocks run through the streamed layers."""
     from overdrive.comfy_host import dynamic_vram, quantized_streaming
-    from overdrive.comfy_host.quantize_patches import followers, quantized_modules, resident_bytes
+    from overdrive.comfy_host.quantized_state import followers, quantized_modules, resident_bytes
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")

@@ -50,7 +50,7 @@ def sampler(comfy):
 
 def weights_on_gpu(model) -> int:
     """Bytes of the diffusion model's tensors (float and 8-bit layers, loaded or not) that are on the GPU."""
-    from overdrive.comfy_host.quantize_patches import followers
+    from overdrive.comfy_host.quantized_state import followers
     tensors = {id(t): t for t in model.model.diffusion_model.state_dict().values()}
     for follower in followers(model):
         for module in list(follower.modules.values()) + list(follower.originals.values()):
@@ -60,7 +60,7 @@ def weights_on_gpu(model) -> int:
 
 def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, tmp_path, monkeypatch):
     from overdrive.nodes import NODES
-    from overdrive.comfy_host.quantize_patches import followers
+    from overdrive.comfy_host.quantized_state import followers
     from overdrive.harness.inprocess import build_model
 
     monkeypatch.setenv("OVERDRIVE_CACHE_DIR", str(tmp_path))

@@ -83,7 +83,7 @@ def quantize(node, model, prompt, **settings):
 
 
 def quantized_names(model):
-    from overdrive.comfy_host.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantized_state import quantized_modules
     return set(quantized_modules(model))
 
 
@@ -139,7 +139,7 @@ def snapshot(model):
 
 def quantized_layers(model):
     """{name: 8-bit layer} that `model` runs (the layer itself where a LoRA side path holds it)."""
-    from overdrive.comfy_host.quantize_patches import quantized_modules
+    from overdrive.comfy_host.quantized_state import quantized_modules
     return dict(sorted(quantized_modules(model).items()))
 
 
@@ -241,7 +241,8 @@ def test_quantized_layers_follow_the_model_between_devices(quantized, node, base
 def test_the_resident_size_counts_quantized_layers_at_their_8_bit_size(quantized, base):
     """Compile Model decides from it whether a model fits the card whole (comfy_host/dynamic_vram.py): the float size
     would keep a quantized Flux, which fits a 16 GiB card, on the streaming path."""
-    from overdrive.comfy_host.quantize_patches import quantized_modules, resident_bytes, tensor_bytes
+    from overdrive.comfy_host.quantized_state import quantized_modules, resident_bytes
+    from overdrive.comfy_host.quantized_streaming import tensor_bytes
     model = quantized["model"]
     layers = quantized_modules(model)
     tree = base.model.diffusion_model
@@ -287,16 +288,16 @@ class Moves(list):
 def moves(monkeypatch):
     """On a CPU-only machine there is no second device to see moves on (tests/test_quantize_memory_gpu.py moves for
     real): the meta device stands for the GPU, and moves are tracked instead of made."""
-    from overdrive.comfy_host import quantize_patches
+    from overdrive.comfy_host import quantized_follower
     tracked = Moves()
-    monkeypatch.setattr(quantize_patches, "move", tracked)
-    monkeypatch.setattr(quantize_patches, "on_device", tracked.device_of)
+    monkeypatch.setattr(quantized_follower, "move", tracked)
+    monkeypatch.setattr(quantized_follower, "on_device", tracked.device_of)
     return tracked
 
 
 def follower_for(layers, originals, load, offload, tree=None):
     """Quantize Model's follower of `layers` ({name: 8-bit layer}) standing in for `originals` (float layers)."""
-    from overdrive.comfy_host.quantize_patches import QuantizedModules
+    from overdrive.comfy_host.quantized_follower import QuantizedModules
     from overdrive.comfy_host.quantized_lora import SidePaths
     from overdrive.comfy_host.quantized_sets import QuantizedSet
     quantized = QuantizedSet(layers, None, SidePaths(layers, torch.float32))

@@ -77,7 +77,7 @@ class ComfyHost(Host):
     def unet_runner(self, config, native):
         return DeepCacheRunner.for_openai_unet(self.module, config, forward_timestep_embed=forward_timestep_embed,
                                                timestep_embedding=timestep_embedding, native_forward=native,
-                                               percent_to_sigma=self.percent_to_sigma)
+                                               percent_to_sigma=self.percent_to_sigma, call_options=self.call_options)
 
     def percent_to_sigma(self, percent):
         return self.model.model.model_sampling.percent_to_sigma(percent)

@@ -7,7 +7,7 @@ package was loaded, and its message starts with its name, for clients that show 
 """
 PACKAGE = "overdrive"
 # This package's name as it was imported: "overdrive", or the path-based name ComfyUI gives its custom-node folder.
-_IMPORTED_AS = __name__.rpartition(".")[0]
+_IMPORTED_AS = __package__.rpartition(".")[0]  # this module is <package>.core.errors
 
 
 def stable_module(module: str) -> str:

@@ -152,7 +152,6 @@ def _build(stack: Stack, host: Host, keep):
         previous = stack_of(keep)
         forward = keep if previous is not None and previous.cache_config == stack.cache_config else host.unet_runner(stack.cache_config,
                                                                                                       native)
-        forward.call_options = host.call_options
         if stack.compile is not None:
             paths = {name: host.compiled(forward.paths, name, stack.compile)
                      for name in ("full_forward", "shallow_forward")}

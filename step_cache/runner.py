@@ -40,11 +40,11 @@ class DeepCacheRunner:
     """
 
     overdrive_stack = None  # set by stack.build
-    call_options = NO_CALL_OPTIONS  # the front end's per-call options (core/call_options.py), set by stack.build
 
     def __init__(self, paths: UNetPaths, config: DeepCacheConfig | None = None, *, percent_to_sigma=None,
-                 native_forward=None):
+                 native_forward=None, call_options=NO_CALL_OPTIONS):
         self.config = config or DeepCacheConfig()
+        self.call_options = call_options
         if getattr(paths, "depth", self.config.cache_depth) != self.config.cache_depth:
             raise DeepCacheConfigError(f"paths were built for depth {paths.depth}, "
                                        f"config says {self.config.cache_depth}")
@@ -64,11 +64,14 @@ class DeepCacheRunner:
 
     @classmethod
     def for_openai_unet(cls, unet, config: DeepCacheConfig | None = None, *, forward_timestep_embed, timestep_embedding,
-                        percent_to_sigma=None, native_forward=None) -> "DeepCacheRunner":
+                        percent_to_sigma=None, native_forward=None, call_options=NO_CALL_OPTIONS) -> "DeepCacheRunner":
+        """Over ComfyUI's openaimodel UNet; `call_options`: how its calls carry transformer_options (the ComfyUI
+        host's description, core/call_options.py)."""
         from .unet_openai import OpenAIUNetPaths
         config = config or DeepCacheConfig()
         paths = OpenAIUNetPaths(unet, config.cache_depth, forward_timestep_embed, timestep_embedding)
-        return cls(paths, config, percent_to_sigma=percent_to_sigma, native_forward=native_forward)
+        return cls(paths, config, percent_to_sigma=percent_to_sigma, native_forward=native_forward,
+                   call_options=call_options)
 
     @classmethod
     def for_diffusers_unet(cls, unet, config: DeepCacheConfig | None = None, *, num_train_timesteps: int = 1000,
@@ -85,7 +88,8 @@ class DeepCacheRunner:
         `native_forward` (default: this one's). For a node that wraps a model already carrying a runner, e.g. a
         compile node downstream of DeepCache, which then routes `full_path` and `shallow_path` through compiled code."""
         return DeepCacheRunner(self.paths, self.config, percent_to_sigma=self.schedule.percent_to_sigma,
-                               native_forward=native_forward if native_forward is not None else self.native)
+                               native_forward=native_forward if native_forward is not None else self.native,
+                               call_options=self.call_options)
 
     def __deepcopy__(self, memo):
         """Deep-copying a model whose forward is this runner (a ModelPatcher object patch) gives the copy a fresh
@@ -94,7 +98,7 @@ class DeepCacheRunner:
         paths = copy.deepcopy(self.paths, memo)
         native = None if self.native == self.paths.native_forward else self.native
         copied = DeepCacheRunner(paths, self.config, percent_to_sigma=self.schedule.percent_to_sigma,
-                                 native_forward=native)
+                                 native_forward=native, call_options=self.call_options)
         copied.overdrive_stack = self.overdrive_stack
         return copied
 

@@ -14,7 +14,9 @@ import math
 import pytest
 import torch
 
-from overdrive.step_cache import (DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner, DeepCacheSchedule, DeepCacheUnsupportedError)
+from overdrive.comfy_host.comfy_call_options import COMFY_CALL_OPTIONS
+from overdrive.step_cache import (DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner, DeepCacheSchedule,
+                                  DeepCacheUnsupportedError)
 
 SHALLOW_RTOL = 1.0
 COMPILE_RTOL = 1e-4  # compiled (inductor, float32 CPU) vs eager; measured ~1.5e-6
@@ -73,7 +75,8 @@ class Tiny:
     def runner(self, unet=None, **config):
         return DeepCacheRunner.for_openai_unet(unet or self.unet, DeepCacheConfig(**config),
                                                forward_timestep_embed=self.fte, timestep_embedding=self.temb,
-                                               percent_to_sigma=self.ms.percent_to_sigma)
+                                               percent_to_sigma=self.ms.percent_to_sigma,
+                                               call_options=COMFY_CALL_OPTIONS)  # as the ComfyUI host makes it
 
     def inputs(self, sigma, layout=(0, 1), size=16):
         """What ComfyUI's apply_model hands the UNet at `sigma` for the conds in `layout` (0 = cond, 1 = uncond)."""

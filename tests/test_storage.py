@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from overdrive.core.storage import (CorruptEntry, atomic_file, cache_key, read_framed, read_framed_json, write_framed, write_framed_json)
+from overdrive.core.storage import (CorruptEntry, atomic_file, cache_key, read_framed, read_framed_json, write_framed,
+                                    write_framed_json)
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

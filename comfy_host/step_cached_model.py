@@ -4,7 +4,7 @@ import logging
 
 from ..core.stack import Stack
 from ..families import family_of, family_titles
-from ..step_cache import DeepCacheConfig, UnsupportedUNetError
+from ..step_cache import DeepCacheConfig, DeepCacheConfigError, UnsupportedUNetError
 from .forward_patch import foreign_forward, install, installed_stack
 
 log = logging.getLogger("overdrive")
@@ -17,8 +17,10 @@ def with_step_cache(model, config: DeepCacheConfig):
     patched = model.clone()
     unet = patched.model.diffusion_model
     family = family_of(unet)
-    if family is None:
-        config.check_for_unet(type(unet).__name__, family_titles())
+    if family is None and config.mode != "fixed":
+        raise DeepCacheConfigError(f"mode={config.mode!r} applies to DiT models ({family_titles()}); "
+                                   f"this {type(unet).__name__} takes mode='fixed' (cache_interval sets its "
+                                   "schedule).")
     foreign = foreign_forward(patched)
     if foreign is not None:
         log.warning("Overdrive DeepCache: this model's diffusion_model.forward is already replaced by %s, which "

@@ -2,7 +2,7 @@
 Wan, Qwen-Image, SD3, Z-Image; a pipeline's, or a bare one)."""
 from ..attention.routing import unwrapped
 from ..step_cache import DeepCacheConfig, DeepCacheRunner
-from ..families import family_of, family_titles
+from ..families import family_of
 from ..core.stack import Stack
 from .installed import DiffusersHost, install, install_each, installed_stack
 from .targets import SUPPORTED, is_diffusers_unet, is_pipeline, target_modules
@@ -40,7 +40,6 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
         raise TypeError(f"deepcache_ needs a diffusers UNet2DConditionModel or a DiT transformer of a known family "
                         f"(or a pipeline with one), not {type(module).__name__}. Supported pipelines: {SUPPORTED}. "
                         "Nothing was changed.")
-    config.check_for_unet(type(module).__name__, family_titles())
     scheduler_config = getattr(getattr(target, "scheduler", None), "config", None) if is_pipeline(target) else None
     timesteps = int((scheduler_config or {}).get("num_train_timesteps", 1000))
     runner: DeepCacheRunner = unwrapped(install(module, stacks[0][1], DiffusersHost(module, timesteps),

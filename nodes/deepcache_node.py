@@ -4,7 +4,7 @@ from comfy_api.latest import io
 from ..comfy_host.step_cached_model import with_step_cache
 from ..families import family_titles
 from ..step_cache import DeepCacheConfig
-from ..step_cache.config import FORECAST_ORDERS, MODES
+from ..step_cache.config import MODES
 from .schema import node_schema, patched_copy_input
 
 DEFAULTS = DeepCacheConfig()  # the node's defaults are the core's
@@ -35,11 +35,6 @@ THRESHOLD_TOOLTIP = (
     "adaptive mode: the largest relative change of the first blocks' output on the image tokens (mean absolute "
     "change / mean magnitude, since the last full step) at which a step still reuses the cache. Higher is faster and "
     "drifts more; 0 never reuses. Ignored in fixed mode.")
-FORECAST_TOOLTIP = (
-    "DiT families: how a reused step stands in for the blocks it skips. 0: the residual of the last full step. 1: that "
-    "residual extrapolated linearly over the noise level from the last two full steps; 2: quadratically from the last "
-    "three. Each order keeps one more copy of the skipped blocks' residual (one activation of the image and text "
-    "tokens per stack) in VRAM.")
 START_TOOLTIP = ("Where in the sampling process caching may begin (0 = first step, 1 = last). Steps before it run "
                  "the whole UNet: raise it to keep the early steps, which set the composition, exact.")
 END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 = last). Steps after it run the "
@@ -64,8 +59,6 @@ class OverdriveDeepCache(io.ComfyNode):
                                optional=True),
                 io.Float.Input("threshold", default=DEFAULTS.threshold, min=0.0, max=2.0, step=0.005,
                                tooltip=THRESHOLD_TOOLTIP, optional=True),
-                io.Int.Input("forecast", default=DEFAULTS.forecast, min=min(FORECAST_ORDERS),
-                             max=max(FORECAST_ORDERS), tooltip=FORECAST_TOOLTIP, optional=True),
             ],
             outputs=[io.Model.Output(tooltip="The same model, sampling with DeepCache.")],
         )
@@ -73,7 +66,7 @@ class OverdriveDeepCache(io.ComfyNode):
     @classmethod
     def execute(cls, model, cache_interval=DEFAULTS.cache_interval, cache_depth=DEFAULTS.cache_depth,
                 start_percent=DEFAULTS.start_percent, end_percent=DEFAULTS.end_percent, mode=DEFAULTS.mode,
-                threshold=DEFAULTS.threshold, forecast=DEFAULTS.forecast) -> io.NodeOutput:
+                threshold=DEFAULTS.threshold) -> io.NodeOutput:
         config = DeepCacheConfig(cache_interval, cache_depth, float(start_percent), float(end_percent), mode=mode,
-                                 threshold=float(threshold), forecast=int(forecast))
+                                 threshold=float(threshold))
         return io.NodeOutput(with_step_cache(model, config))

@@ -7,9 +7,6 @@ The cut is per stack, so no family needs its glue code mirrored: on a full step 
 skipped block hands its inputs through unchanged and the stack's last block returns them plus that residual; whatever
 the model does between stacks (Flux concatenates text and image tokens) runs as usual on the approximated states.
 
-With `forecast` (DeepCacheConfig), a reused step's residual is extrapolated in sigma from the residuals of the last
-full steps (Lagrange's polynomial through them), as TaylorSeer and FoCa forecast features, instead of repeating the last.
-
 Steps and runs follow `DeepCacheSchedule` (every call at one sigma shares its step's decision; a rising sigma or a
 new run key starts a new run and drops every residual). Residuals and the adaptive reference are kept per branch
 (ComfyUI's cond_or_uncond and the streams' shapes), so batched and separate cond/uncond calls each reuse their own.
@@ -52,32 +49,6 @@ def block_roles(stacks: list, depth: int) -> list[BlockRole]:
     return roles
 
 
-def forecast(history: list, sigma: float) -> dict:
-    """The residual at `sigma` from [(sigma, {stream: residual})] of the last full steps: the last one alone, or the
-    polynomial through all of them (Lagrange's form; points at one sigma count once)."""
-    points = list({s: residual for s, residual in history}.items())
-    same = [residual for s, residual in points if s == sigma]
-    if same or len(points) == 1:
-        return dict(same[0] if same else points[0][1])
-    weights = []
-    for i, (s_i, _) in enumerate(points):
-        weight = 1.0
-        for j, (s_j, _) in enumerate(points):
-            if j != i:
-                weight *= (sigma - s_j) / (s_i - s_j)
-        weights.append(weight)
-    out = {}
-    for name, latest in points[-1][1].items():
-        if latest is None:
-            out[name] = None
-            continue
-        value = latest * weights[-1]
-        for weight, (_, residual) in zip(weights[:-1], points[:-1]):
-            value = value + residual[name] * weight
-        out[name] = value
-    return out
-
-
 def relative_change(value: torch.Tensor, reference: torch.Tensor) -> float:
     """Mean absolute change over mean magnitude; over every process's part where a call is split (Parallel Model),
     so that they all decide as the call run whole would."""
@@ -94,7 +65,7 @@ class BlockStepCache:
         self.config = config
         self.roles = block_roles(stacks, config.cache_depth)
         self.schedule = DeepCacheSchedule(config, percent_to_sigma)
-        self._residuals: dict = {}   # (branch, stack index) -> [(sigma, {stream: tensor or None})], latest last
+        self._residuals: dict = {}   # (branch, stack index) -> {stream: tensor or None}
         self._entries: dict = {}     # (branch, stack index) -> {stream: tensor} at the first skipped block (full steps)
         self._references: dict = {}  # branch -> probe at the last full step (adaptive)
         self._call = None
@@ -144,7 +115,7 @@ class BlockStepCache:
         if reuse and not self._recorded(branch):
             reuse, unsupported = False, "no residual recorded for this batch layout"
         return {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full,
-                "unsupported": unsupported, "sigma": sigma}
+                "unsupported": unsupported}
 
     def block(self, position: int, args: tuple, kwargs: dict, run):
         """Block `position` of the cached stacks: run it (`run()`), or stand in for it on a reused step."""
@@ -160,19 +131,16 @@ class BlockStepCache:
             carried = role.block_stack.carried(args, kwargs)
             if not role.last:
                 return role.block_stack.output({name: carried.get(name) for name in role.block_stack.returned})
-            residual = forecast(self._residuals[slot], call["sigma"])
-            return role.block_stack.output({name: None if r is None else carried[name] + r
-                                            for name, r in residual.items()})
+            residual = self._residuals[slot]
+            return role.block_stack.output({name: None if r is None else carried[name] + r for name, r in residual.items()})
         if role.first_skipped:  # copies: Flux's blocks add to their inputs in place (`img += ...`)
             self._entries[slot] = {name: None if value is None else value.clone()
                                    for name, value in role.block_stack.carried(args, kwargs).items()}
         out = run()
         if role.last:
             entry = self._entries.pop(slot)
-            residual = {name: None if value is None else value - entry[name]
-                        for name, value in role.block_stack.named(out).items()}
-            kept = self._residuals.get(slot, [])[-self.config.forecast:] if self.config.forecast else []
-            self._residuals[slot] = [*kept, (call["sigma"], residual)]
+            self._residuals[slot] = {name: None if value is None else value - entry[name]
+                                     for name, value in role.block_stack.named(out).items()}
         return out
 
     def _recorded(self, branch) -> bool:

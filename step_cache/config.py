@@ -21,7 +21,6 @@ from ..core.errors import OverdriveError
 
 ON_UNSUPPORTED = ("full", "error")
 MODES = ("fixed", "adaptive")
-FORECAST_ORDERS = (0, 1, 2)
 
 
 class DeepCacheConfigError(OverdriveError, ValueError):
@@ -46,9 +45,6 @@ class DeepCacheConfig:
         the output of the blocks that always run has changed by less than `threshold` (mean absolute change relative
         to its mean magnitude) since the last full step, and ignores cache_interval.
     threshold: the adaptive mode's bound on that relative change.
-    forecast: DiT families: how a reused step stands in for the skipped blocks. 0 adds the residual of the last full
-        step; 1 extrapolates the residual linearly in sigma from the last two full steps, 2 quadratically from the last
-        three (TaylorSeer's and FoCa's idea, here in sigma). Each order keeps one more residual per cached stack.
     """
 
     cache_interval: int = 3
@@ -59,7 +55,6 @@ class DeepCacheConfig:
     on_unsupported: str = "full"
     mode: str = "fixed"  # interval 3 is the fastest fixed schedule within 30 dB of eager on the learned models
     threshold: float = 0.2  # there, about the fixed default's share of reused steps, a few dB closer to eager
-    forecast: int = 0
 
     def __post_init__(self):
         if isinstance(self.cache_interval, bool) or not isinstance(self.cache_interval, int):
@@ -83,21 +78,8 @@ class DeepCacheConfig:
             raise DeepCacheConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold < 0:
             raise DeepCacheConfigError(f"threshold must be a number >= 0, got {self.threshold!r}")
-        if isinstance(self.forecast, bool) or self.forecast not in FORECAST_ORDERS:
-            raise DeepCacheConfigError(f"forecast must be one of {FORECAST_ORDERS} (0: reuse the last residual, 1: "
-                                       f"linear, 2: quadratic in sigma), got {self.forecast!r}")
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise DeepCacheConfigError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
-
-    def check_for_unet(self, unet_name: str, dit_names: str) -> None:
-        """A UNet's DeepCache reuses its deep features on the fixed schedule: the DiT step cache's settings are refused
-        with the one to set instead."""
-        if self.mode != "fixed":
-            raise DeepCacheConfigError(f"mode={self.mode!r} applies to DiT models ({dit_names}); this {unet_name} "
-                                       "takes mode='fixed' (cache_interval sets its schedule).")
-        if self.forecast:
-            raise DeepCacheConfigError(f"forecast={self.forecast} applies to DiT models ({dit_names}); this "
-                                       f"{unet_name} reuses its deep features as recorded: set forecast=0.")
 
     @property
     def full_window(self) -> bool:
@@ -107,5 +89,4 @@ class DeepCacheConfig:
     def describe(self) -> str:
         window = "" if self.full_window else f", window {self.start_percent:g}-{self.end_percent:g}"
         rule = f"adaptive, threshold {self.threshold:g}" if self.mode == "adaptive" else f"interval {self.cache_interval}"
-        forecast = f", forecast order {self.forecast}" if self.forecast else ""
-        return f"{rule}, depth {self.cache_depth}{window}{forecast}"
+        return f"{rule}, depth {self.cache_depth}{window}"

@@ -129,8 +129,7 @@ def test_blocks_that_add_to_their_input_in_place_leave_the_same_residual(toy):
     expected = [call(out_of_place, *x, sigma) for sigma, x in steps]
     outs = [call(forward, *x, sigma) for sigma, x in steps]
     assert forward.step_cache.stats.shallow_steps == out_of_place.step_cache.stats.shallow_steps == 1
-    (_, residual), = forward.step_cache._residuals[((0,), (1, 6, 8)), 1]  # the last full step's
-    residual = residual["x"]
+    residual = forward.step_cache._residuals[((0,), (1, 6, 8)), 1]["x"]
     assert residual.abs().max() > 0.1
     assert torch.allclose(outs[-1], expected[-1], atol=1e-6)
 
@@ -210,34 +209,3 @@ def test_a_call_it_cannot_serve_raises_when_asked_to_and_leaves_the_model_as_it_
         forward(img, txt, transformer_options={})
     assert all("forward" not in block.__dict__ for block in list(toy.pairs) + list(toy.singles))
     assert torch.equal(call(forward, img, txt, 1.0), toy(img, txt))  # a call it can serve still runs
-
-
-def test_the_forecast_is_the_polynomial_through_the_last_full_steps_residuals():
-    from overdrive.step_cache.block_cache import forecast
-
-    def residual(value):
-        return {"x": torch.full((2,), value), "txt": None}  # a stream the stack does not return stays None
-    assert torch.equal(forecast([(1.0, residual(3.0))], 0.5)["x"], torch.full((2,), 3.0))  # order 0: the last
-    linear = forecast([(1.0, residual(1.0)), (0.8, residual(2.0))], 0.6)  # r = 6 - 5 sigma
-    assert torch.allclose(linear["x"], torch.full((2,), 3.0)) and linear["txt"] is None
-    quadratic = forecast([(1.0, residual(1.0)), (0.8, residual(0.64)), (0.6, residual(0.36))], 0.4)  # r = sigma^2
-    assert torch.allclose(quadratic["x"], torch.full((2,), 0.16))
-    # two full steps at one sigma (a step's second call) count once: the last residual stands
-    assert torch.equal(forecast([(0.8, residual(1.0)), (0.8, residual(2.0))], 0.6)["x"], torch.full((2,), 2.0))
-
-
-def test_a_forecast_keeps_one_residual_more_per_order_and_extrapolates_them_on_reused_steps(toy):
-    plain, linear = cached(toy, cache_interval=2), cached(toy, cache_interval=2, forecast=1)
-    steps = [(1.0, 1), (0.8, 2), (0.6, 3), (0.4, 4)]  # full, reused, full, reused
-    outputs = {name: [call(forward, *inputs(seed), sigma) for sigma, seed in steps]
-               for name, forward in (("plain", plain), ("linear", linear))}
-    # one full step behind it: nothing to extrapolate from, the same residual
-    assert torch.equal(outputs["plain"][1], outputs["linear"][1])
-    assert not torch.allclose(outputs["plain"][3], outputs["linear"][3], atol=1e-6)  # two: extrapolated
-    assert all(len(history) == 1 for history in plain.step_cache._residuals.values())
-    assert all(len(history) == 2 for history in linear.step_cache._residuals.values())
-    histories = linear.step_cache._residuals
-    (first, _), (last, _) = histories[next(iter(histories))]
-    assert (first, last) == pytest.approx((1.0, 0.6))  # the two full steps' sigmas
-    with pytest.raises(DeepCacheConfigError, match="forecast must be one of"):
-        DeepCacheConfig(forecast=3)

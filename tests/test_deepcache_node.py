@@ -73,7 +73,7 @@ def test_node_is_registered_with_tooltips_and_a_description(nodes):
     assert list(spec) == ["model", "cache_interval", "cache_depth", "start_percent", "end_percent"]
     assert all(options.get("tooltip") for _, options in spec.values())
     optional = node.INPUT_TYPES()["optional"]
-    assert list(optional) == ["mode", "threshold", "forecast"] and all(o.get("tooltip") for _, o in optional.values())
+    assert list(optional) == ["mode", "threshold"] and all(o.get("tooltip") for _, o in optional.values())
     assert (optional["mode"][1]["options"], optional["mode"][1]["default"]) == (["fixed", "adaptive"], "fixed")
     defaults = {name: options.get("default") for name, (_, options) in spec.items()}
     assert defaults == {"model": None, "cache_interval": 3, "cache_depth": 1, "start_percent": 0.0, "end_percent": 1.0}
@@ -199,8 +199,6 @@ def test_bad_settings_are_refused_with_clear_errors(base):
     from overdrive.nodes.deepcache_node import OverdriveDeepCache
     with pytest.raises(DeepCacheConfigError, match="applies to DiT models .* takes mode='fixed'"):
         OverdriveDeepCache.execute(base, mode="adaptive")
-    with pytest.raises(DeepCacheConfigError, match="forecast=1 applies to DiT models .* set forecast=0"):
-        OverdriveDeepCache.execute(base, forecast=1)
     assert base.object_patches == patches_before
     assert runner_of(deepcache(base, depth=4)).paths.depth == 4  # every skip branch kept: only the middle is cached
 

@@ -1,5 +1,6 @@
-"""Parallel Model on ComfyUI's side: one generation over several GPUs of this machine, each GPU's process holding its own copy of
-the model (worker processes, parallel/workers.py, reload it the way ComfyUI loaded it: its `cached_patcher_init`).
+"""Parallel Model on ComfyUI's side: one generation over several GPUs of this machine, each GPU's process holding its
+own copy of the model (worker processes, parallel/workers.py, reload it the way ComfyUI loaded it: its
+`cached_patcher_init`).
 Three ways to split a model call:
 - cfg: the step's conditional and unconditional passes (ComfyUI batches them into one call) on different GPUs; this
   process runs the first part through the model as it is, the workers the others, and the outputs are joined.

@@ -72,8 +72,13 @@ def main():
     parser.add_argument("--files-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "overdrive-soak-files"),
                         help="the generated diffusion models, VAE and LoRAs (kept between runs)")
     parser.add_argument("--phase", default="soak", choices=("soak", "restart"))
+    parser.add_argument("--from-log", help="write the result from this soak log's prompt lines instead of running (a "
+                        "run a GPU call's time limit cut); with --gpu and the settings it ran with")
+    parser.add_argument("--gpu", help="with --from-log: the GPU's name as torch gives it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.from_log:
+        return write_from_log(args)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="overdrive-soak-")
     os.environ["OVERDRIVE_CACHE_DIR"] = str(pathlib.Path(args.workdir) / "cache")  # cold, and shared by the restart
 
@@ -98,6 +103,25 @@ def main():
             "quantized_gib_estimate": round(eight_bit_gib, 2), "summary": result}
     write(args.out, rows + restart, meta)
     print(json.dumps(result, indent=1), flush=True)
+
+
+def write_from_log(args) -> None:
+    """The result of a soak cut before its end, from its log: the prompts it finished, the summary over them, and
+    the 8-bit layers' size where the log names it (the pinned home's line)."""
+    import re
+    from overdrive.harness.iteration_soak import rows_from_log, summary, write
+    text = pathlib.Path(args.from_log).read_text()
+    home = re.search(r"page-locked host memory \(([\d.]+) GiB", text)
+    rows, quantized_gib = rows_from_log(text), float(home[1]) if home else None
+    from overdrive.harness.server import find_comfyui
+    comfyui = (find_comfyui() / "comfyui_version.py").read_text().split('"')[1]  # the archive the GPU machine ran
+    meta = {"bench": "iteration_soak", "gpu": args.gpu, "comfyui": comfyui, "dynamic_vram": args.dynamic_vram,
+            "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res, "steps": args.steps,
+            "plan": "core" if args.core else "full", "quantized_gib": quantized_gib,
+            "ended": "cut by the GPU call's time limit after these prompts; rows read from the run's log",
+            "summary": summary(rows, quantized_gib)}
+    write(args.out, rows, meta)
+    print(json.dumps(meta["summary"], indent=1), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 from .gpu_budget import gpu_budget_bytes
 from .model_copies import classic_clone
 from .quantized_state import quantized_modules, resident_bytes
-from .quantized_streaming import tensor_bytes
+from .layer_tensors import tensor_bytes
 
 log = logging.getLogger("overdrive")
 

@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from ..core.errors import error_line
 from ..quantization import gelu_fusion
 from ..quantization.low_rank import base_of
 from . import file_weights
@@ -13,7 +14,8 @@ from .load_state import forget_load_state
 from .quantized_lora import PREFIX
 from .quantized_sets import QuantizedSet
 from .quantized_state import followers
-from .quantized_streaming import place, tensor_bytes
+from .layer_tensors import tensor_bytes
+from .quantized_streaming import place
 
 log = logging.getLogger("overdrive.quantization")
 CLASS_PATCH = ".__class__"  # the key suffix of the object patches that give the fused MLPs' modules their classes
@@ -91,8 +93,8 @@ class QuantizedModules:
         self.quantized.side_paths.to(device)
         if self.tree is None or device.type != "cuda":
             move(self.modules.values(), device)
-        elif streamed := place(self.tree, self.modules, device, self.streaming, move, self.free_cache(device),
-                               self.activations_bytes, self.workspace_bytes):
+        elif streamed := place(self.tree, self.modules, device, self.streaming, self.streaming.home.bring,
+                               self.free_cache(device), self.activations_bytes, self.workspace_bytes):
             self.streamed_bytes = streamed
             log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB of "
                      "them stay in pinned host memory and are copied in block by block at each model call.",
@@ -132,7 +134,15 @@ class QuantizedModules:
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
             self.streaming.stop()
-            move(self.modules.values(), self.offload_device)  # unloaded: the float layers went with the tree
+            # unloaded (the float layers went with the tree): to their page-locked home, where only what changed since
+            # it came from there is copied (comfy_host/pinned_home.py)
+            if self.offload_device.type == "cpu":
+                try:
+                    self.streaming.home.send(self.modules.values())
+                except Exception as error:  # an unload must not fail ComfyUI's memory management: moved as before
+                    log.warning("Overdrive quantization: the quantized layers' page-locked home failed (%s); they are "
+                                "copied to pageable host memory instead.", error_line(error))
+            move(self.modules.values(), self.offload_device)  # what the home did not take
             self.quantized.side_paths.to(self.offload_device)
 
     def on_cleanup(self, patcher) -> None:

@@ -5,7 +5,7 @@ import torch
 from ..quantization.low_rank import LowRankSidePath, base_of
 from .quantized_lora import PREFIX
 from .quantized_sets import QuantizedSet
-from .quantized_streaming import tensor_bytes
+from .layer_tensors import tensor_bytes
 
 FOLLOWER = "overdrive_quantized"  # the name of QuantizedModules in model_options' patches
 

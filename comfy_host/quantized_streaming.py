@@ -10,20 +10,10 @@ import torch
 from ..compiler.block_graphs import WEIGHTS_COPIED_IN
 from ..quantization.low_rank import base_of
 from .gpu_budget import room_for_weights
+from .layer_tensors import tensor_bytes, tensors_of
+from .pinned_home import PinnedHome
 
 log = logging.getLogger("overdrive")
-
-
-def tensors_of(module) -> list:
-    """(submodule, "_parameters" | "_buffers", name, tensor) for every tensor in `module`'s tree: read from the tensor
-    dicts, not state_dict() (its cost per layer, at every load, adds up over a model's hundreds of layers). A 1x1 conv's
-    8-bit layer holds its tensors in its inner GEMM."""
-    return [(sub, kind, name, tensor) for sub in module.modules() for kind in ("_parameters", "_buffers")
-            for name, tensor in getattr(sub, kind).items() if tensor is not None]
-
-
-def tensor_bytes(module) -> int:
-    return sum(tensor.numel() * tensor.element_size() for *_, tensor in tensors_of(module))
 
 
 def float_bytes_to_load(tree: torch.nn.Module, layers: dict, device) -> int:
@@ -121,8 +111,9 @@ class StreamedBlocks:
     Weights re-quantizes them, a copy of the model copies them). Inert while another clone's layers sit in the block (a
     float clone shares the module tree)."""
 
-    def __init__(self, copies=None):
-        self.pinned = {}  # id(layer) -> [(submodule, buffer name, pinned host tensor)], made once per layer
+    def __init__(self, copies=None, home: PinnedHome | None = None):
+        self.home = home if home is not None else PinnedHome()  # the layers' page-locked host copies
+        self.pinned = {}  # id(layer) -> [(submodule, buffer name, its page-locked host tensor)]
         self.handles = []
         self.emptied = []  # host copies [(submodule, buffer name, tensor)] whose buffers are None until `stop`
         self.copies = copies  # how tensors travel (None: chosen by the device at `start`)
@@ -132,11 +123,9 @@ class StreamedBlocks:
         self.warned = False  # a copy ahead ran out of memory
 
     def host_copies(self, layer) -> list:
-        if id(layer) not in self.pinned:
-            pin = torch.cuda.is_available()  # page-locked: copied without staging, and asynchronously
-            self.pinned[id(layer)] = [(sub, name, tensor.detach().to("cpu").pin_memory() if pin
-                                       else tensor.detach().to("cpu"))
-                                      for sub, kind, name, tensor in tensors_of(layer) if kind == "_buffers"]
+        if id(layer) not in self.pinned:  # page-locked: copied without staging, and asynchronously
+            self.pinned[id(layer)] = [(sub, name, view) for sub, kind, name, view in self.home.views(layer)
+                                      if kind == "_buffers"]
         return self.pinned[id(layer)]
 
     def start(self, tree: torch.nn.Module, streamed: dict, device) -> None:

@@ -185,11 +185,7 @@ class Soak:
     def run(self, steps) -> list:
         for step in steps:
             self.rows.append(self.step(step))
-            row = self.rows[-1]
-            self.log(f"{row['label']:<55} {row['status']:<12} {row['seconds'] or 0:7.2f} s (sampling "
-                     f"{row['sampling_seconds'] or 0:6.2f} s)  anon "
-                     f"{row['anon_gib']:6.2f}  file {row['file_gib']:6.2f}  gpu {row['gpu_gib']}  "
-                     f"compiles {row['graphs_compiled']} calib {row['calibrations']} leaks {row['leak_warnings']}")
+            self.log(row_line(self.rows[-1]))
         return self.rows
 
     def step(self, step: Step) -> dict:
@@ -210,6 +206,36 @@ class Soak:
                 "leak_warnings": new.count(LEAK)}
 
 
+def row_line(row: dict) -> str:
+    """The line the soak prints for a prompt (rows_from_log reads it back)."""
+    return (f"{row['label']:<55} {row['status']:<12} {row['seconds'] or 0:7.2f} s (sampling "
+            f"{row['sampling_seconds'] or 0:6.2f} s)  anon {row['anon_gib']:6.2f}  file {row['file_gib']:6.2f}  "
+            f"gpu {row['gpu_gib']}  compiles {row['graphs_compiled']} calib {row['calibrations']} "
+            f"leaks {row['leak_warnings']}")
+
+
+ROW_LINE = re.compile(r"^(?P<label>\S.*?)\s+(?P<status>success|error|interrupted|invalid|freed)\s+"
+                      r"(?P<seconds>[\d.]+) s \(sampling\s+(?P<sampling>[\d.]+) s\)\s+anon\s+(?P<anon>[\d.]+)\s+"
+                      r"file\s+(?P<file>[\d.]+)\s+gpu (?P<gpu>\S+)\s+compiles (?P<compiled>\d+) "
+                      r"calib (?P<calib>\d+) leaks (?P<leaks>\d+)$")
+
+
+def rows_from_log(text: str) -> list:
+    """The rows of the prompt lines in a soak's log (a run that a GPU call's time limit cut before it wrote its
+    result): the printed figures, without the node times and counters the lines leave out."""
+    rows = []
+    for line in text.splitlines():
+        if found := ROW_LINE.match(line.rstrip()):
+            seconds, sampling = float(found["seconds"]), float(found["sampling"])
+            rows.append({"label": found["label"], "status": found["status"],
+                         "seconds": None if found["status"] == "freed" else seconds, "sampling_seconds": sampling,
+                         "anon_gib": float(found["anon"]), "file_gib": float(found["file"]),
+                         "gpu_gib": None if found["gpu"] == "None" else float(found["gpu"]),
+                         "graphs_compiled": int(found["compiled"]), "calibrations": int(found["calib"]),
+                         "leak_warnings": int(found["leaks"])})
+    return rows
+
+
 def summary(rows: list, quantized_gib: float | None) -> dict:
     """The figures the issue asks for: the largest anonymous memory against eager's largest (+ the quantized model's
     bytes + 4 GiB), the last cycle's against the first's, the failed prompts and leak warnings, and the time of each
@@ -218,7 +244,12 @@ def summary(rows: list, quantized_gib: float | None) -> dict:
         found = [row["seconds"] for row in rows if row["label"] == label and row["seconds"] is not None]
         return found[-1] if found else None
 
-    eager = max((row["anon_gib"] for row in rows if "eager" in row["label"]), default=0.0)
+    first_eager = []  # eager's own: the eager prompts before any other (later ones run beside the models kept)
+    for row in rows:
+        if "eager" not in row["label"]:
+            break
+        first_eager.append(row["anon_gib"])
+    eager = max(first_eager, default=0.0)
     cycles = sorted({row["label"][:3] for row in rows if row["label"].startswith("[")})
     last_anon = {cycle: max(row["anon_gib"] for row in rows if row["label"].startswith(cycle)) for cycle in cycles}
     ratios = {}

@@ -91,3 +91,24 @@ def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, t
     tree = base.model.diffusion_model
     assert all(t.is_cuda for t in tree.state_dict().values())
     assert ((again - float_out).norm() / float_out.norm()).item() < 1e-3
+
+
+def test_an_unload_to_the_pinned_home_frees_the_card_and_copies_nothing_the_second_time():
+    """The quantized layers' page-locked home (comfy_host/pinned_home.py): an unload gives their GPU memory back, a
+    load computes the same, again and again."""
+    from overdrive.comfy_host.layer_tensors import tensors_of
+    from overdrive.comfy_host.pinned_home import PinnedHome
+    from overdrive.quantization import Int8Linear
+    torch.manual_seed(0)
+    layers = [Int8Linear.from_float(torch.nn.Linear(1024, 1024)).cuda() for _ in range(4)]
+    x = torch.randn(8, 1024, device="cuda")
+    expected = [layer(x) for layer in layers]
+    home, held = PinnedHome(), torch.cuda.memory_allocated()
+    assert home.send(layers) > 0
+    assert all(t.device.type == "cpu" and t.is_pinned() for layer in layers for *_, t in tensors_of(layer))
+    assert torch.cuda.memory_allocated() < held - 3 * 2**20  # the 8-bit weights left the card
+    for _ in range(2):
+        home.bring(layers, "cuda")
+        assert all(torch.equal(layer(x), out) for layer, out in zip(layers, expected))
+        held_home = home.nbytes()
+        assert home.send(layers) > 0 and home.nbytes() == held_home  # the same blocks, no new allocation

@@ -1,0 +1,47 @@
+"""The quantized layers' page-locked home (comfy_host/pinned_home.py): what an unload copies out, and when it copies
+nothing. On the CPU the home is plain host memory; tests/test_quantize_memory_gpu.py runs the same on a GPU."""
+import torch
+
+from overdrive.comfy_host.layer_tensors import tensors_of
+from overdrive.comfy_host.pinned_home import HomeOfLayer, PinnedHome
+from overdrive.quantization import Int8Linear
+
+
+def quantized_layer(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return Int8Linear.from_float(torch.nn.Linear(64, 48))
+
+
+def test_a_layer_home_holds_every_tensor_aligned_with_its_dtype_and_shape():
+    layer = quantized_layer()
+    layer.register_buffer("flag", torch.tensor(True))  # a 0-d tensor of another dtype beside the 8-bit weight
+    home = HomeOfLayer(layer)
+    for (*_, tensor), view in zip(tensors_of(layer), home.views):
+        assert (view.dtype, view.shape) == (tensor.dtype, tensor.shape)
+        assert (view.data_ptr() - home.block.data_ptr()) % 256 == 0
+    assert home.nbytes >= sum(t.numel() * t.element_size() for *_, t in tensors_of(layer))
+
+
+def test_the_home_takes_a_layers_data_and_a_slot_that_holds_it_copies_nothing():
+    layer, home = quantized_layer(), PinnedHome()
+    views = home.views(layer)
+    assert home.nbytes() > 0
+    assert all(torch.equal(view, tensor) for (*_, view), (*_, tensor) in zip(views, tensors_of(layer)))
+    sub, kind, name, tensor = tensors_of(layer)[0]
+    tensor.add_(1)  # written in place (Switch Weights re-quantizes so): a slot apart from its home is copied again
+    assert home.send([layer], keep_on_card=True) > 0
+    assert torch.equal(home.views(layer)[0][3], tensor)
+    for sub, kind, name, view in home.views(layer):  # the slots hold their home (an unloaded layer): nothing to copy
+        getattr(sub, kind)[name] = view
+    assert home.send([layer], keep_on_card=True) == 0
+
+
+def test_a_layers_home_goes_with_the_layer():
+    home = PinnedHome()
+    layer = quantized_layer()
+    home.views(layer)
+    assert len(home.homes) == 1
+    del layer
+    import gc
+    gc.collect()
+    assert len(home.homes) == 0

@@ -187,10 +187,12 @@ def sequence_on_one_gpu(reports) -> str:
 
 
 def soak(reports) -> str:
-    """The iteration soaks (iteration_soak.py) that ran to the end: per file, its prompts, failures and leak warnings,
+    """The iteration soaks (iteration_soak.py), and those a GPU call's limit cut (read back from their logs): per file,
+    its prompts, failures, prompts where an optimization fell back (left out with a warning) and leak warnings,
     the largest anonymous host memory beside eager's and the bound eager + the 8-bit layers + 4 GiB, each change's
     whole prompt over the same prompt unchanged, and the restart's two prompts."""
-    header = ("model, card, dynamic VRAM", "GPU, ComfyUI", "prompts", "failed", "leak warnings", "anon GiB: eager / max "
+    header = ("model, card, dynamic VRAM", "GPU, ComfyUI", "prompts", "failed", "fell back", "leak warnings",
+              "anon GiB: eager / max "
               "/ bound", "strength change", "another LoRA file", "restart: new file / cached s", "`bench/results/`")
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for report in [r for r in newest_per_name(reports) if "summary" in r]:
@@ -200,11 +202,14 @@ def soak(reports) -> str:
         def ratio(change):
             found = [value for key, value in ratios.items() if key.endswith(change)]
             return f"{found[-1]:.2f}×" if found else "—"
+        cut = " (cut: no restart)" if "ended" in report else ""
+        bound = "—" if summary["bound_gib"] is None else f"{summary['bound_gib']:.1f}"
         lines.append(" | ".join([
-            f"| {report['model']} {report['resolution']}², {report['budget_gib']:g} GiB, {report['dynamic_vram']}",
+            f"| {report['model']} {report['resolution']}², {report['budget_gib']:g} GiB, {report['dynamic_vram']}{cut}",
             f"{report['gpu']}, {report['comfyui']}", str(len(report["rows"])), str(len(summary["failed"])),
-            str(summary["leak_warnings"]), f"{summary['eager_anon_gib']:.1f} / {summary['max_anon_gib']:.1f} / "
-            f"{summary['bound_gib']:.1f}", ratio("strength change)"), ratio("another LoRA file"),
+            "—" if "fallbacks" not in summary else str(len(summary["fallbacks"])),
+            str(summary["leak_warnings"]), f"{summary['eager_anon_gib']:.1f} / {summary['max_anon_gib']:.1f} / {bound}",
+            ratio("strength change)"), ratio("another LoRA file"),
             " / ".join(f"{s:.1f}" for s in restart) or "—", f"`{report['file']}` |"]))
     return "\n".join(lines)
 
@@ -245,9 +250,11 @@ TABLES = {
                                 "2026-12-02_h200_comfy033_dynamic-on_wan22_14b_480p_fa3.json",
                                 "2026-12-02_h200_comfy033_dynamic-on_ltx2_768x512_97f_fa3.json")),
     "sequence_one_gpu": (sequence_on_one_gpu, ("*_parallel_one_gpu.json",)),
-    "soak": (soak, ("*_iteration_soak.json",)),
+    "soak": (soak, ("*_iteration_soak.json", "*_iteration_soak_*partial.json")),
     "soak_prompts": (soak_prompts, ("*_dynamic-on_budget-16gib_flux_quarter_iteration_soak.json",
-                                    "*_dynamic-on_budget-16gib_flux_full_iteration_soak_partial.json")),
+                                    "*_dynamic-on_budget-16gib_flux_full_iteration_soak_partial.json",
+                                    "*_dynamic-on_budget-16gib_flux_full_iteration_soak_pinned_home_partial.json",
+                                    "*_dynamic-off_budget-16gib_flux_full_iteration_soak_partial.json")),
 }
 
 

@@ -16,7 +16,8 @@ import re
 LEAK = "memory leak with model"
 COMPILED = re.compile(r"Overdrive compiled .*?: (\d+) graph")
 COUNTED = {"calibrations": "cache miss, calibrated", "quantize_reused": "quantized earlier in this process",
-           "lora_strengths_written": "LoRA strengths written", "lora_factors_written": "LoRA factors written"}
+           "lora_strengths_written": "LoRA strengths written", "lora_factors_written": "LoRA factors written",
+           "fallbacks": "your generation continues"}  # an optimization that failed and was left out, with a warning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +202,13 @@ class Soak:
     def new_log_counts(self) -> dict:
         new = "\n".join(self.comfy.log.lines[self.log_seen:])
         self.log_seen = len(self.comfy.log.lines)
-        counts = {name: new.count(pattern) for name, pattern in COUNTED.items()}
-        return {"graphs_compiled": sum(int(n) for n in COMPILED.findall(new)), **counts,
-                "leak_warnings": new.count(LEAK)}
+        return log_counts(new)
+
+
+def log_counts(text: str) -> dict:
+    """What a prompt's log lines say it compiled, calibrated, reused, fell back from and leaked."""
+    return {"graphs_compiled": sum(int(n) for n in COMPILED.findall(text)),
+            **{name: text.count(pattern) for name, pattern in COUNTED.items()}, "leak_warnings": text.count(LEAK)}
 
 
 def row_line(row: dict) -> str:
@@ -222,17 +227,19 @@ ROW_LINE = re.compile(r"^(?P<label>\S.*?)\s+(?P<status>success|error|interrupted
 
 def rows_from_log(text: str) -> list:
     """The rows of the prompt lines in a soak's log (a run that a GPU call's time limit cut before it wrote its
-    result): the printed figures, without the node times and counters the lines leave out."""
-    rows = []
+    result): the printed figures, and the counters of the log lines before each (its prompt's)."""
+    rows, since = [], []
     for line in text.splitlines():
-        if found := ROW_LINE.match(line.rstrip()):
+        if not (found := ROW_LINE.match(line.rstrip())):
+            since.append(line)
+        else:
             seconds, sampling = float(found["seconds"]), float(found["sampling"])
             rows.append({"label": found["label"], "status": found["status"],
                          "seconds": None if found["status"] == "freed" else seconds, "sampling_seconds": sampling,
                          "anon_gib": float(found["anon"]), "file_gib": float(found["file"]),
                          "gpu_gib": None if found["gpu"] == "None" else float(found["gpu"]),
-                         "graphs_compiled": int(found["compiled"]), "calibrations": int(found["calib"]),
-                         "leak_warnings": int(found["leaks"])})
+                         **log_counts("\n".join(since))})
+            since = []
     return rows
 
 
@@ -266,6 +273,7 @@ def summary(rows: list, quantized_gib: float | None) -> dict:
         "failed": [row["label"] for row in rows if row["status"] not in ("success", "freed") and
                    not (row["status"] == "interrupted" and "stopped" in row["label"])],
         "leak_warnings": sum(row["leak_warnings"] for row in rows),
+        "fallbacks": [row["label"] for row in rows if row.get("fallbacks")],
         "change_over_unchanged": ratios,
     }
 

@@ -5,7 +5,10 @@ import logging
 
 import torch
 
+import comfy.model_management
+import comfy.patcher_extension
 import comfy.sample
+import comfy.sampler_helpers
 import comfy.utils
 
 from .latents import latent_parts  # the first part is the image or video the calibration is keyed and described by
@@ -18,6 +21,11 @@ NATURAL_PIXELS = {"SD15": 512, "SDXL": 1024, "SDXL_Playground_2_5": 1024}  # lat
 POOLED_SIZE = {"SDXL": 1280, "SDXLRefiner": 1280}  # model class -> size of the pooled CLIP output it conditions on
 MAX_STEPS = 50
 DEFAULT_STEPS = 3  # three noise levels of the schedule: each layer is measured on high, middle and low-noise inputs
+ROOM_KEY = "overdrive_calibration_room"
+# Kept free beside ComfyUI's activations estimate while calibrating and measuring: the recording hooks' temporaries,
+# the attention chooser's trial calls, and each layer measured at its largest call (input, fp32 output, its weight in
+# three precisions)
+RECORDING_ROOM = 2 * 2**30
 
 
 def zero_conditioning(conditioning):
@@ -130,3 +138,21 @@ class CalibrationRun:
             comfy.sample.sample(patcher, noise, self.steps, CFG, SAMPLER, SCHEDULER, self.positive, self.negative,
                                 self.latent, seed=SEED, disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED,
                                 callback=lambda step, *_: bar.update_absolute(step + 1, self.steps))
+
+
+def leave_room(executor, model, noise_shape, conds, *args, **kwargs):
+    """A PREPARE_SAMPLING wrapper on the calibration clone: after ComfyUI's load, room for the sampling's activations
+    (ComfyUI's estimate) and RECORDING_ROOM is freed on the card. ComfyUI's classic loader (dynamic VRAM off) fills a
+    short card with the float model up to its own estimate, and the recording beside it ran out of memory in the first
+    step (bench/experiments/loras-on-quantized-layers.md)."""
+    prepared = executor(model, noise_shape, conds, *args, **kwargs)
+    if model.load_device.type == "cuda":
+        required, _ = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
+        comfy.model_management.free_memory(required + RECORDING_ROOM + comfy.model_management.extra_reserved_memory(),
+                                           model.load_device)
+    return prepared
+
+
+def with_room_to_calibrate(patcher) -> None:
+    patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, ROOM_KEY)
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, ROOM_KEY, leave_room)

@@ -9,7 +9,14 @@ LoRA of another file its factors, and neither compiles, calibrates nor quantizes
 
 A patch that is not low-rank (LoHa, LoKr, DoRA, a full weight difference, a bias patch, a weight function) is baked
 into a copy of its layer where Quantize Model sees it, and refused with a clear error after Quantize Model.
+
+Hook LoRAs (a LoRA scheduled on conditioning: Create Hook LoRA, then a conditioning's hooks) run beside the layers too:
+their patches on quantized layers move from the patcher's hook patches to HOOK_PATCHES when ComfyUI registers them
+(quantized_patch_routing.py), the side paths hold every registered hook's factors, and each time ComfyUI applies a
+hook group (per conditioning, per keyframe) only the strengths are written: the hooks of the group at their keyframe
+strength, the others at 0.
 """
+import dataclasses
 import functools
 import logging
 
@@ -21,7 +28,8 @@ from ..quantization.low_rank import LowRankSidePath, LowRankTerm, layer_shape, r
 
 log = logging.getLogger("overdrive.quantization")
 PREFIX = "diffusion_model."
-WRITE_KEY = "overdrive_low_rank"  # the ON_PRE_RUN callback's key
+WRITE_KEY = "overdrive_low_rank"  # the ON_PRE_RUN and ON_APPLY_HOOKS callbacks' key
+HOOK_PATCHES = "overdrive_hook_patches"  # on a patcher: {hook_ref: {key: [patch]}}, its hook LoRAs on quantized layers
 NOT_LOW_RANK = (
     "{key} belongs to a layer that Quantize Model (Overdrive) replaced with an 8-bit layer, and this patch ({what}) "
     "is not a low-rank LoRA, which is all such a layer can take after quantizing. Put this LoRA loader before "
@@ -74,16 +82,23 @@ def term_of(patch, key: str, shape: tuple) -> LowRankTerm:
     return LowRankTerm(up, down, float(strength) * scale, rows)
 
 
-def terms_of(patcher, layers: dict) -> dict:
+def terms_of(patcher, layers: dict, hooks=None) -> dict:
     """{layer name: [LowRankTerm]} of `patcher`'s weight patches on `layers` ({name: quantized layer}), for the layers
-    that have any; raises NotLowRank at the first patch that is not low-rank."""
+    that have any, then those of its hook LoRAs (HOOK_PATCHES) at their strength in `hooks` (the HookGroup ComfyUI
+    applies now) and 0 outside it; raises NotLowRank at the first patch that is not low-rank."""
     terms = {}
+    registered = getattr(patcher, HOOK_PATCHES, {})
+    active = {hook.hook_ref: hook.strength for hook in hooks.hooks} if hooks is not None else {}
     for name, layer in layers.items():
         if bias_key(name) in patcher.patches:
             raise NotLowRank(NOT_LOW_RANK.format(key=bias_key(name), what="a bias patch"))
-        patches = patcher.patches.get(weight_key(name))
-        if patches:
-            terms[name] = [term_of(patch, weight_key(name), layer_shape(layer)) for patch in patches]
+        key, shape = weight_key(name), layer_shape(layer)
+        layer_terms = [term_of(patch, key, shape) for patch in patcher.patches.get(key, ())]
+        for ref, patches in registered.items():
+            layer_terms += [dataclasses.replace(term, strength=term.strength * active.get(ref, 0.0))
+                            for term in (term_of(patch, key, shape) for patch in patches.get(key, ()))]
+        if layer_terms:
+            terms[name] = layer_terms
     return terms
 
 
@@ -179,9 +194,10 @@ def place_side_paths(patcher, side_paths: SidePaths, layers: dict) -> int:
     paths = side_paths.at_rank(rank) if rank else {}
     for name in shared:
         patcher.add_object_patch(PREFIX + name, paths.get(name, shared[name]))
-    patcher.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, WRITE_KEY)
-    if rank:
-        patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, WRITE_KEY, functools.partial(write_terms, side_paths))
+    for kind in (CallbacksMP.ON_PRE_RUN, CallbacksMP.ON_APPLY_HOOKS):
+        patcher.remove_callbacks_with_key(kind, WRITE_KEY)
+        if rank:
+            patcher.add_callback_with_key(kind, WRITE_KEY, functools.partial(write_terms, side_paths))
     return rank
 
 
@@ -191,13 +207,15 @@ def side_paths_of(patcher) -> dict:
             if key.startswith(PREFIX) and isinstance(value, LowRankSidePath)}
 
 
-def write_terms(side_paths: SidePaths, patcher) -> None:
-    """ON_PRE_RUN: this patcher's LoRA terms into the side paths it runs (nothing when they are there already)."""
+def write_terms(side_paths: SidePaths, patcher, *applied) -> None:
+    """ON_PRE_RUN, and ON_APPLY_HOOKS with the hook group ComfyUI applies: this patcher's LoRA terms into the side paths
+    it runs (nothing when they are there already)."""
     paths = side_paths_of(patcher)
     if not paths:
         return
-    terms = terms_of(patcher, {name: path.base for name, path in paths.items()})
+    hooks = applied[0] if applied else patcher.current_hooks
+    terms = terms_of(patcher, {name: path.base for name, path in paths.items()}, hooks)
     what = side_paths.write(next(iter(paths.values())).rank, terms)
-    if what:
-        log.info("Overdrive quantization: LoRA %s written beside %d quantized layers (no recompile, no "
+    if what:  # a hook group's strengths are written at each conditioning and keyframe change: said at debug level
+        log.log(logging.DEBUG if applied else logging.INFO, "Overdrive quantization: LoRA %s written beside %d quantized layers (no recompile, no "
                  "re-quantization).", what, len(terms))

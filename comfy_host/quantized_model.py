@@ -20,7 +20,7 @@ from .cache_folder import comfy_cache_dir
 from .file_weights import source_file
 from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
-from .quantize_calibration import CalibrationRun
+from .quantize_calibration import CalibrationRun, with_room_to_calibrate
 from .quantize_patches import float_view, install_quantized
 from .quantized_patch_routing import bake_weight_patches
 from .quantized_state import compute_dtype, quantized_set_of
@@ -39,12 +39,13 @@ def calibration_clone(model):
     """A clone for calibration: the weights without their LoRAs (the decisions are keyed by them, so that a LoRA or a
     strength change reuses them; a LoRA runs beside the quantized layers), every layer eager on every step (the
     calibration hooks see all the real inputs), so Compile Model's and DeepCache's forwards, if they come before this
-    node, are left out of it."""
+    node, are left out of it; its loads leave room on the card for the recording (quantize_calibration.leave_room)."""
     calib = model.clone()
     calib.patches = {}
     calib.patches_uuid = uuid.uuid4()
     if installed_stack(calib) is not None:
         calib.object_patches = {k: v for k, v in calib.object_patches.items() if k != FORWARD}
+    with_room_to_calibrate(calib)
     return calib
 
 

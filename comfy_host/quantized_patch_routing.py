@@ -13,7 +13,7 @@ import comfy.utils
 from ..quantization import gelu_fusion
 from ..quantization.linear_layers import dequantized
 from ..quantization.low_rank import layer_shape
-from .quantized_lora import PREFIX, NotLowRank, bias_key, place_side_paths, term_of, weight_key
+from .quantized_lora import HOOK_PATCHES, PREFIX, NotLowRank, bias_key, place_side_paths, term_of, weight_key
 from .quantized_sets import QuantizedSet
 from .quantized_state import quantized_modules, resident_bytes
 
@@ -96,17 +96,39 @@ class QuantizedPatchRouter:
 
     def on_clone(self, source, clone) -> None:
         self.guard(clone)
+        if hasattr(source, HOOK_PATCHES):  # ComfyUI's clones copy their hook patches; these are some of them
+            setattr(clone, HOOK_PATCHES, dict(getattr(source, HOOK_PATCHES)))
 
-    def on_hook_patches(self, patcher, *args) -> None:
-        """ComfyUI's hook LoRAs (a LoRA scheduled on conditioning) patch weights while sampling, which the quantized
-        layers do not have: ComfyUI skips those keys. Said once per model, with the fix."""
-        keys = {key for patches in patcher.hook_patches.values() for key in patches}
-        hit = sorted(name for name in self.quantized.layers if weight_key(name) in keys)
-        if hit and not getattr(patcher, "_overdrive_hooks_warned", False):
+    def on_hook_patches(self, patcher, hooks, target_dict, model_options, registered) -> None:
+        """ON_REGISTER_ALL_HOOK_PATCHES, before ComfyUI loads the model to sample: the hook LoRAs' patches on quantized
+        layers leave ComfyUI's hook patches (it would patch weights the 8-bit layers do not have, warning at every
+        conditioning) for HOOK_PATCHES, and the side paths are placed at a rank for them all (quantized_lora.py). A
+        patch no side path runs is dropped with one warning: a hook cannot stop the sampling."""
+        keys = {weight_key(name): name for name in self.quantized.layers}
+        keys.update({bias_key(name): name for name in self.quantized.layers})
+        kept = {ref: moved for ref, moved in getattr(patcher, HOOK_PATCHES, {}).items()
+                if any(hook.hook_ref == ref for hook in registered.hooks)}
+        dropped = []
+        for ref, patches in patcher.hook_patches.items():
+            for key in [key for key in patches if key in keys]:
+                shape = layer_shape(self.quantized.layers[keys[key]])
+                try:
+                    if key != weight_key(keys[key]):
+                        raise NotLowRank(f"{key}: a bias patch")
+                    for patch in patches[key]:
+                        term_of(patch, key, shape)
+                    kept.setdefault(ref, {})[key] = patches.pop(key)
+                except NotLowRank:
+                    del patches[key]
+                    dropped.append(key)
+        setattr(patcher, HOOK_PATCHES, kept)
+        if dropped and not getattr(patcher, "_overdrive_hooks_warned", False):
             patcher._overdrive_hooks_warned = True
-            log.warning("Overdrive quantization: a hook LoRA (scheduled on conditioning) patches %d quantized layer(s) "
-                        "(%s...), which it cannot: those layers run without it. Load that LoRA with a LoRA loader on "
-                        "the model (before or after Quantize Model) instead.", len(hit), hit[0])
+            log.warning("Overdrive quantization: a hook LoRA (scheduled on conditioning) has %d patch(es) on quantized "
+                        "layers that are not low-rank LoRAs (%s...): those layers run without them. Load that LoRA with "
+                        "a LoRA loader before Quantize Model instead.", len(dropped), dropped[0])
+        if any(kept.values()):
+            place_quantized(patcher, self.quantized)
 
 
 def quantized_name(key: str) -> str | None:

@@ -510,6 +510,40 @@ def test_a_lora_after_quantize_runs_beside_the_quantized_layers_and_applies_else
     assert relative_error(sample(after), sample(with_lora(base, lora))) < TOLERANCE
 
 
+def sample_with_conditioning(model, positive, negative, latent):
+    """The `sample` fixture's sampling on other conditioning (a hook LoRA rides on it)."""
+    import comfy.sample
+    noise = comfy.sample.prepare_noise(latent["samples"], 7)
+    with torch.inference_mode():
+        return comfy.sample.sample(model, noise, STEPS, CFG, "euler", "normal", positive, negative,
+                                   latent["samples"], seed=7, disable_pbar=True)
+
+
+def test_a_hook_lora_runs_beside_the_quantized_layers_as_the_same_lora_on_the_model(quantized, quantized_latent,
+                                                                                     base, float_layers, prompt,
+                                                                                     sample, caplog):
+    """ComfyUI's hook LoRA (Create Hook LoRA, set on the conditioning) on a quantized model: its patches on quantized
+    layers leave ComfyUI's hook patches (the 8-bit layers have no float weight to patch) and run beside the layers,
+    as the same LoRA loaded on the model does; under a keyframe at half strength, as that LoRA at half strength."""
+    import comfy.hooks
+    lora = lora_for(base, float_layers, LORA_LAYERS, seed=8)
+    for strength in (1.0, 0.5):
+        hooks = comfy.hooks.create_hook_lora(lora, strength_model=1.0, strength_clip=0.0)
+        if strength != 1.0:
+            keyframes = comfy.hooks.HookKeyframeGroup()
+            keyframes.add(comfy.hooks.HookKeyframe(strength=strength, start_percent=0.0))
+            hooks.set_keyframes_on_hooks(keyframes)
+        positive, negative = (comfy.hooks.set_hooks_for_conditioning(prompt[side], hooks)
+                              for side in ("positive", "negative"))
+        with caplog.at_level(logging.WARNING):
+            out = sample_with_conditioning(quantized["model"], positive, negative, prompt["latent"])
+        assert "could not patch" not in caplog.text and "would not patch" not in caplog.text  # ComfyUI's own warnings
+        assert "not low-rank" not in caplog.text
+        expected = sample(with_lora(quantized["model"], lora, strength))
+        assert relative_error(out, expected) < 1e-5
+        assert relative_error(out, quantized_latent) > 2 * TOLERANCE  # the LoRA ran
+
+
 def test_a_patch_no_side_path_runs_is_refused_after_quantize_before_anything_is_added(quantized):
     """Each clone of a quantized model routes its add_patches (through an ON_CLONE callback)."""
     from overdrive.comfy_host.quantized_lora import NotLowRank

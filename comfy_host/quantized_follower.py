@@ -134,8 +134,8 @@ class QuantizedModules:
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
             self.streaming.stop()
-            # unloaded (the float layers went with the tree): to their page-locked home, where only what changed since
-            # it came from there is copied (comfy_host/pinned_home.py)
+            # unloaded (the float layers went with the tree): copied into their page-locked home, allocated once
+            # (comfy_host/pinned_home.py)
             if self.offload_device.type == "cpu":
                 try:
                     self.streaming.home.send(self.modules.values())

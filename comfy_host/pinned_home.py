@@ -30,10 +30,11 @@ class HomeOfLayer:
         for *_, tensor in slots:
             offsets.append(size)
             size += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-        self.block = torch.empty(max(size, 1), dtype=torch.uint8)
+        with torch.inference_mode(False):  # written again outside a prompt too (/free unloads from the server thread)
+            self.block = torch.empty(max(size, 1), dtype=torch.uint8)
+            self.views = [self.block[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+                          .view(tensor.shape) for offset, (*_, tensor) in zip(offsets, slots)]
         self.registered = register(self.block)
-        self.views = [self.block[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-                      .view(tensor.shape) for offset, (*_, tensor) in zip(offsets, slots)]
         self.shapes = [(tensor.dtype, tensor.shape) for *_, tensor in slots]
         self.nbytes = size
         if self.registered:
@@ -63,27 +64,37 @@ class PinnedHome:
         to PyTorch's cache. A slot that holds its home already copies nothing (8-bit layers are written in place,
         Switch Weights among them, and 8-bit weights made under inference mode keep no version to tell a write by, so
         a GPU copy is always copied out). Returns the bytes copied."""
-        copied = 0
-        for layer in layers:
-            slots = tensors_of(layer)
-            if not slots or (not keep_on_card and all(t.device.type == "cpu" for *_, t in slots)):
-                continue
-            home = self.homes.get(layer)
-            if home is None or not home.fits(slots):
-                home = self.homes[layer] = HomeOfLayer(layer)
-            for (sub, kind, name, tensor), view in zip(slots, home.views):
-                if tensor.data_ptr() != view.data_ptr():
-                    view.copy_(tensor.detach(), non_blocking=True)
-                    copied += view.numel() * view.element_size()
-                if not keep_on_card:
-                    put(sub, kind, name, view)
-        if copied and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the host copies are read (and the GPU memory reused) only after this
-        if copied and not self.logged:
+        copied, sources = 0, set()
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    copied += self._send_layer(layer, keep_on_card, sources)
+        finally:
+            for device in sources:  # the host copies are read (and the GPU memory reused) only after this
+                torch.cuda.synchronize(device)
+        if copied and not keep_on_card and not self.logged:  # an unload: every layer has its home now
             self.logged = True
             log.info("Overdrive quantization: the quantized layers have a home in page-locked host memory (%.2f GiB, "
                      "their own size): an unload copies them there without allocating, a load copies them in "
                      "asynchronously.", self.nbytes() / 2**30)
+        return copied
+
+    def _send_layer(self, layer, keep_on_card: bool, sources: set) -> int:
+        slots = tensors_of(layer)
+        if not slots or (not keep_on_card and all(t.device.type == "cpu" for *_, t in slots)):
+            return 0
+        home = self.homes.get(layer)
+        if home is None or not home.fits(slots):
+            home = self.homes[layer] = HomeOfLayer(layer)
+        copied = 0
+        for (sub, kind, name, tensor), view in zip(slots, home.views):
+            if tensor.data_ptr() != view.data_ptr():
+                view.copy_(tensor.detach(), non_blocking=True)
+                copied += view.numel() * view.element_size()
+                if tensor.device.type == "cuda":
+                    sources.add(tensor.device)
+            if not keep_on_card:
+                put(sub, kind, name, view)
         return copied
 
     def bring(self, layers, device) -> None:
@@ -111,13 +122,17 @@ def put(sub: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor) -> Non
 
 
 def register(block: torch.Tensor) -> bool:
-    """Page-lock `block` where CUDA runs (ComfyUI pins its weights the same way); False where it cannot."""
+    """Page-lock `block` where CUDA runs, as ComfyUI pins its weights (portable, within its pinned-memory limit; none
+    with --disable-pinned-memory); False where it does not."""
     if not torch.cuda.is_available() or block.numel() == 0:
         return False
-    if torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0) == 0:
+    import comfy.model_management as mm  # here: the rest of this module runs without ComfyUI (its tests do)
+    if mm.MAX_PINNED_MEMORY <= 0:
+        return False
+    mm.ensure_pin_registerable(block.numel())  # ComfyUI gives back pins of its own first where its limit is near
+    if torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 1) == 0:
         return True
-    import comfy.model_management  # here: the rest of this module runs without ComfyUI (its tests do)
-    comfy.model_management.discard_cuda_async_error()  # else a later kernel launch's check reports it as its own
+    mm.discard_cuda_async_error()  # else a later kernel launch's check reports it as its own
     return False
 
 

@@ -141,15 +141,21 @@ class CalibrationRun:
 
 
 def leave_room(executor, model, noise_shape, conds, *args, **kwargs):
-    """A PREPARE_SAMPLING wrapper on the calibration clone: after ComfyUI's load, room for the sampling's activations
-    (ComfyUI's estimate) and RECORDING_ROOM is freed on the card. ComfyUI's classic loader (dynamic VRAM off) fills a
-    short card with the float model up to its own estimate, and the recording beside it ran out of memory in the first
-    step (bench/experiments/loras-on-quantized-layers.md)."""
+    """A PREPARE_SAMPLING wrapper on the calibration clone: after ComfyUI's classic load (dynamic VRAM off), room for
+    the sampling's activations (ComfyUI's estimate) and RECORDING_ROOM is made on the card, from other models first,
+    then by unloading part of this one (never all of it: it is about to run). That loader fills a short card with the
+    float model up to its own estimate, and the recording beside it ran out of memory in the first step
+    (bench/experiments/loras-on-quantized-layers.md). Dynamic VRAM frees its weights on demand: nothing to do."""
     prepared = executor(model, noise_shape, conds, *args, **kwargs)
-    if model.load_device.type == "cuda":
-        required, _ = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
-        comfy.model_management.free_memory(required + RECORDING_ROOM + comfy.model_management.extra_reserved_memory(),
-                                           model.load_device)
+    device = model.load_device
+    if device.type != "cuda" or model.is_dynamic():
+        return prepared
+    mm = comfy.model_management
+    required, _ = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
+    wanted = required + RECORDING_ROOM + mm.extra_reserved_memory()
+    mm.free_memory(wanted, device, keep_loaded=[loaded for loaded in mm.current_loaded_models if loaded.model is model])
+    if (short := wanted - mm.get_free_memory(device)) > 0:
+        model.partially_unload(model.offload_device, short)
     return prepared
 
 

@@ -104,19 +104,22 @@ class QuantizedPatchRouter:
         layers leave ComfyUI's hook patches (it would patch weights the 8-bit layers do not have, warning at every
         conditioning) for HOOK_PATCHES, and the side paths are placed at a rank for them all (quantized_lora.py). A
         patch no side path runs is dropped with one warning: a hook cannot stop the sampling."""
-        keys = {weight_key(name): name for name in self.quantized.layers}
-        keys.update({bias_key(name): name for name in self.quantized.layers})
-        kept = {ref: moved for ref, moved in getattr(patcher, HOOK_PATCHES, {}).items()
-                if any(hook.hook_ref == ref for hook in registered.hooks)}
+        layers = self.quantized.layers
+        keys = {weight_key(name): name for name in layers}
+        keys.update({bias_key(name): name for name in layers})
+        before = getattr(patcher, HOOK_PATCHES, {})
+        kept = {ref: moved for ref, moved in before.items() if any(hook.hook_ref == ref for hook in registered.hooks)}
         dropped = []
         for ref, patches in patcher.hook_patches.items():
             for key in [key for key in patches if key in keys]:
-                shape = layer_shape(self.quantized.layers[keys[key]])
+                name = keys[key]
                 try:
-                    if key != weight_key(keys[key]):
+                    if quantized_modules(patcher).get(name) is not layers[name]:
+                        raise NotLowRank(f"{key}: a layer baked with this model's patches (no side path)")
+                    if key != weight_key(name):
                         raise NotLowRank(f"{key}: a bias patch")
                     for patch in patches[key]:
-                        term_of(patch, key, shape)
+                        term_of(patch, key, layer_shape(layers[name]))
                     kept.setdefault(ref, {})[key] = patches.pop(key)
                 except NotLowRank:
                     del patches[key]
@@ -125,9 +128,10 @@ class QuantizedPatchRouter:
         if dropped and not getattr(patcher, "_overdrive_hooks_warned", False):
             patcher._overdrive_hooks_warned = True
             log.warning("Overdrive quantization: a hook LoRA (scheduled on conditioning) has %d patch(es) on quantized "
-                        "layers that are not low-rank LoRAs (%s...): those layers run without them. Load that LoRA with "
-                        "a LoRA loader before Quantize Model instead.", len(dropped), dropped[0])
-        if any(kept.values()):
+                        "layers that no side path runs (not low-rank, or on a layer baked for this model: %s...): "
+                        "those layers run without them. Load that LoRA with a LoRA loader before Quantize Model "
+                        "instead.", len(dropped), dropped[0])
+        if any(kept.values()) or any(before.values()):  # side paths for the hooks now, or none for hooks gone
             place_quantized(patcher, self.quantized)
 
 

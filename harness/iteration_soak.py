@@ -219,7 +219,7 @@ def row_line(row: dict) -> str:
             f"leaks {row['leak_warnings']}")
 
 
-ROW_LINE = re.compile(r"^(?P<label>\S.*?)\s+(?P<status>success|error|interrupted|invalid|freed)\s+"
+ROW_LINE = re.compile(r"^(?P<label>\S.*?)\s+(?P<status>success|error|interrupted|invalid|freed|unknown)\s+"
                       r"(?P<seconds>[\d.]+) s \(sampling\s+(?P<sampling>[\d.]+) s\)\s+anon\s+(?P<anon>[\d.]+)\s+"
                       r"file\s+(?P<file>[\d.]+)\s+gpu (?P<gpu>\S+)\s+compiles (?P<compiled>\d+) "
                       r"calib (?P<calib>\d+) leaks (?P<leaks>\d+)$")
@@ -235,7 +235,8 @@ def rows_from_log(text: str) -> list:
         else:
             seconds, sampling = float(found["seconds"]), float(found["sampling"])
             rows.append({"label": found["label"], "status": found["status"],
-                         "seconds": None if found["status"] == "freed" else seconds, "sampling_seconds": sampling,
+                         "seconds": None if found["status"] in ("freed", "invalid") else seconds,
+                         "sampling_seconds": sampling,
                          "anon_gib": float(found["anon"]), "file_gib": float(found["file"]),
                          "gpu_gib": None if found["gpu"] == "None" else float(found["gpu"]),
                          **log_counts("\n".join(since))})
@@ -267,7 +268,7 @@ def summary(rows: list, quantized_gib: float | None) -> dict:
             if unchanged and changed:
                 ratios[f"{cycle} {change}"] = round(changed / unchanged, 2)
     return {
-        "eager_anon_gib": eager, "max_anon_gib": max(row["anon_gib"] for row in rows),
+        "eager_anon_gib": eager, "max_anon_gib": max((row["anon_gib"] for row in rows), default=0.0),
         "bound_gib": None if quantized_gib is None else round(eager + quantized_gib + 4, 2),
         "anon_by_cycle_gib": last_anon,
         "failed": [row["label"] for row in rows if row["status"] not in ("success", "freed") and

@@ -45,3 +45,16 @@ def test_a_layers_home_goes_with_the_layer():
     import gc
     gc.collect()
     assert len(home.homes) == 0
+
+
+def test_a_home_made_during_a_prompt_takes_a_copy_outside_one():
+    """ComfyUI runs prompts in inference mode, and /free unloads outside it: a home made in the first is written in
+    the second (an inference tensor there refused the copy, and every /free fell back)."""
+    home = PinnedHome()
+    with torch.inference_mode():
+        layer = quantized_layer()
+        home.views(layer)
+    sub, kind, name, tensor = tensors_of(layer)[0]
+    getattr(sub, kind)[name] = fresh = tensor.clone() + 1  # another tensor in the slot, made outside a prompt
+    assert home.send([layer], keep_on_card=True) > 0
+    assert torch.equal(home.views(layer)[0][3], fresh)

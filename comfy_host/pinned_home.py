@@ -131,11 +131,13 @@ def register(block: torch.Tensor) -> bool:
         return False
     mm.ensure_pin_registerable(block.numel())  # ComfyUI gives back pins of its own first where its limit is near
     if torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 1) == 0:
+        mm.TOTAL_PINNED_MEMORY += block.numel()  # counted where ComfyUI counts its own pins against that limit
         return True
     mm.discard_cuda_async_error()  # else a later kernel launch's check reports it as its own
     return False
 
 
 def unregister(block: torch.Tensor) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+    import comfy.model_management as mm
+    torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+    mm.TOTAL_PINNED_MEMORY = max(0, mm.TOTAL_PINNED_MEMORY - block.numel())

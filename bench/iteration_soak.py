@@ -17,21 +17,27 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 
 
 FOLDERS = ("diffusion_models", "vae", "loras")  # the ComfyUI model folders the soak's files are read from
 
 
 def soak_files(size: str, directory: pathlib.Path):
-    """(Files, GiB of the block linears' weights in 8 bits), written into `directory` once."""
-    from overdrive.builtin_models.dit import ensure_diffusion_model, ensure_vae
+    """(Files, GiB of the block linears' weights in 8 bits, the thread writing the second model), written into
+    `directory` once. The second model is first read well into the soak: it is written beside the first prompts (a
+    full-size Flux file took about a minute of a GPU call's ten)."""
+    from overdrive.builtin_models.dit import diffusion_model_name, ensure_diffusion_model, ensure_vae
     from overdrive.builtin_models.lora import block_linears, ensure_lora
     from overdrive.harness.iteration_soak import Files
-    model, other = (ensure_diffusion_model("flux", size, seed, directory) for seed in (0, 1))
+    model = ensure_diffusion_model("flux", size, 0, directory)
+    other = threading.Thread(target=ensure_diffusion_model, args=("flux", size, 1, directory), daemon=True)
+    other.start()
     vae = ensure_vae("flux", size, 0, directory)
     loras = [ensure_lora(model, directory, rank=16, seed=seed) for seed in (0, 1)]
     eight_bit = sum(out * inp for _, out, inp in block_linears(model)) / 2**30
-    return Files(model.name, other.name, vae.name, tuple(p.name for p in loras)), eight_bit
+    files = Files(model.name, diffusion_model_name("flux", size, 1), vae.name, tuple(p.name for p in loras))
+    return files, eight_bit, other
 
 
 def run(args) -> tuple:
@@ -44,12 +50,16 @@ def run(args) -> tuple:
     # ComfyUI first (the files' layouts are read off its classes), reading the folder the files go to
     comfy = InProcessComfy(pathlib.Path(args.workdir) / "output", {folder: [directory] for folder in FOLDERS}, cpu=cpu,
                            dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
-    files, eight_bit_gib = soak_files(args.size, directory)
+    files, eight_bit_gib, other_written = soak_files(args.size, directory)
     info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items()
             if name in USED}
     steps = (plan(info, files, args.res, args.steps, args.cycles, not args.no_stops, args.core) if args.phase == "soak"
              else restart_plan(info, files, args.res, args.steps))
-    return Soak(comfy, log=lambda line: print(line, flush=True)).run(steps), eight_bit_gib
+    soak = Soak(comfy, log=lambda line: print(line, flush=True))
+    first_other = next((i for i, step in enumerate(steps) if files.other in json.dumps(step.prompt)), len(steps))
+    soak.run(steps[:first_other])
+    other_written.join()
+    return soak.run(steps[first_other:]), eight_bit_gib
 
 
 USED = ("LoraLoaderModelOnly", "OverdriveQuantizeModel", "OverdriveCompileModel", "OverdriveDeepCache",

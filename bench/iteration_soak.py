@@ -23,20 +23,22 @@ import threading
 FOLDERS = ("diffusion_models", "vae", "loras")  # the ComfyUI model folders the soak's files are read from
 
 
-def soak_files(size: str, directory: pathlib.Path):
+def soak_files(size: str, directory: pathlib.Path, second_model: bool = True):
     """(Files, GiB of the block linears' weights in 8 bits, the thread writing the second model), written into
     `directory` once. The second model is first read well into the soak: it is written beside the first prompts (a
-    full-size Flux file took about a minute of a GPU call's ten)."""
+    full-size Flux file took about a minute of a GPU call's ten). Without `second_model` (a run of the first prompts
+    only), the first model stands in its place and nothing more is written."""
     from overdrive.builtin_models.dit import diffusion_model_name, ensure_diffusion_model, ensure_vae
     from overdrive.builtin_models.lora import block_linears, ensure_lora
     from overdrive.harness.iteration_soak import Files
     model = ensure_diffusion_model("flux", size, 0, directory)
-    other = threading.Thread(target=ensure_diffusion_model, args=("flux", size, 1, directory), daemon=True)
+    other_seed = 1 if second_model else 0
+    other = threading.Thread(target=ensure_diffusion_model, args=("flux", size, other_seed, directory), daemon=True)
     other.start()
     vae = ensure_vae("flux", size, 0, directory)
     loras = [ensure_lora(model, directory, rank=16, seed=seed) for seed in (0, 1)]
     eight_bit = sum(out * inp for _, out, inp in block_linears(model)) / 2**30
-    files = Files(model.name, diffusion_model_name("flux", size, 1), vae.name, tuple(p.name for p in loras))
+    files = Files(model.name, diffusion_model_name("flux", size, other_seed), vae.name, tuple(p.name for p in loras))
     return files, eight_bit, other
 
 
@@ -102,17 +104,22 @@ def main():
     restart = json.loads(restart_out.read_text())
 
     from overdrive.harness.iteration_soak import summary, write
-    from overdrive.harness.server import find_comfyui
     result = summary(rows, eight_bit_gib)
     result["restart_seconds"] = {row["label"]: row["seconds"] for row in restart}
     import torch
     meta = {"bench": "iteration_soak", "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "comfyui": (find_comfyui() / "comfyui_version.py").read_text().split('"')[1],
+            "comfyui": comfyui_version(),
             "torch": torch.__version__, "python": platform.python_version(), "dynamic_vram": args.dynamic_vram,
             "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res, "steps": args.steps,
             "quantized_gib_estimate": round(eight_bit_gib, 2), "summary": result}
     write(args.out, rows + restart, meta)
     print(json.dumps(result, indent=1), flush=True)
+
+
+def comfyui_version() -> str:
+    """The version of the ComfyUI this checkout runs (the GPU machine runs the same carried archive)."""
+    from overdrive.harness.server import find_comfyui
+    return (find_comfyui() / "comfyui_version.py").read_text().split('"')[1]
 
 
 def write_from_log(args) -> None:
@@ -123,10 +130,9 @@ def write_from_log(args) -> None:
     text = pathlib.Path(args.from_log).read_text()
     home = re.search(r"page-locked host memory \(([\d.]+) GiB", text)
     rows, quantized_gib = rows_from_log(text), float(home[1]) if home else None
-    from overdrive.harness.server import find_comfyui
-    comfyui = (find_comfyui() / "comfyui_version.py").read_text().split('"')[1]  # the archive the GPU machine ran
-    meta = {"bench": "iteration_soak", "gpu": args.gpu, "comfyui": comfyui, "dynamic_vram": args.dynamic_vram,
-            "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res, "steps": args.steps,
+    meta = {"bench": "iteration_soak", "gpu": args.gpu, "comfyui": comfyui_version(),
+            "dynamic_vram": args.dynamic_vram, "budget_gib": args.budget_gib, "model": f"flux {args.size}",
+            "resolution": args.res, "steps": args.steps,
             "plan": "core" if args.core else "full", "quantized_gib": quantized_gib,
             "ended": "cut by the GPU call's time limit after these prompts; rows read from the run's log",
             "summary": summary(rows, quantized_gib)}

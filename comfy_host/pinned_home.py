@@ -57,7 +57,8 @@ class PinnedHome:
     def views(self, layer) -> list:
         """(submodule, kind, name, page-locked tensor) of `layer`, holding its current data."""
         self.send([layer], keep_on_card=True)
-        return [(sub, kind, name, view) for (sub, kind, name, _), view in zip(tensors_of(layer), self.homes[layer].views)]
+        slots = tensors_of(layer)
+        return [(sub, kind, name, view) for (sub, kind, name, _), view in zip(slots, self.homes[layer].views)]
 
     def send(self, layers, keep_on_card: bool = False) -> int:
         """Each layer's data into its home, then (unless `keep_on_card`) its slots point there: the GPU copies go back

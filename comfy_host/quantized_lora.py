@@ -217,5 +217,5 @@ def write_terms(side_paths: SidePaths, patcher, *applied) -> None:
     terms = terms_of(patcher, {name: path.base for name, path in paths.items()}, hooks)
     what = side_paths.write(next(iter(paths.values())).rank, terms)
     if what:  # a hook group's strengths are written at each conditioning and keyframe change: said at debug level
-        log.log(logging.DEBUG if applied else logging.INFO, "Overdrive quantization: LoRA %s written beside %d quantized layers (no recompile, no "
-                 "re-quantization).", what, len(terms))
+        log.log(logging.DEBUG if applied else logging.INFO, "Overdrive quantization: LoRA %s written beside %d "
+                "quantized layers (no recompile, no re-quantization).", what, len(terms))

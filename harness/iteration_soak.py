@@ -10,6 +10,7 @@ CPU with the tiny model.
 """
 import copy
 import dataclasses
+import itertools
 import json
 import re
 
@@ -252,12 +253,9 @@ def summary(rows: list, quantized_gib: float | None) -> dict:
         found = [row["seconds"] for row in rows if row["label"] == label and row["seconds"] is not None]
         return found[-1] if found else None
 
-    first_eager = []  # eager's own: the eager prompts before any other (later ones run beside the models kept)
-    for row in rows:
-        if "eager" not in row["label"]:
-            break
-        first_eager.append(row["anon_gib"])
-    eager = max(first_eager, default=0.0)
+    # eager's own: the eager prompts before any other (later ones run beside the models kept)
+    eager = max((row["anon_gib"] for row in itertools.takewhile(lambda row: "eager" in row["label"], rows)),
+                default=0.0)
     cycles = sorted({row["label"][:3] for row in rows if row["label"].startswith("[")})
     last_anon = {cycle: max(row["anon_gib"] for row in rows if row["label"].startswith(cycle)) for cycle in cycles}
     ratios = {}

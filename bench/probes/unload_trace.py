@@ -36,18 +36,6 @@ def gpu_used_gib():
     return used()
 
 
-def one_file(size: str, directory: pathlib.Path):
-    """The soak's files with its second model left out (the first prompts do not read it): a full-size Flux file
-    takes minutes to write."""
-    from overdrive.builtin_models.dit import ensure_diffusion_model, ensure_vae
-    from overdrive.builtin_models.lora import block_linears, ensure_lora
-    from overdrive.harness.iteration_soak import Files
-    model = ensure_diffusion_model("flux", size, 0, directory)
-    loras = [ensure_lora(model, directory, rank=16, seed=seed) for seed in (0, 1)]
-    eight_bit = sum(out * inp for _, out, inp in block_linears(model)) / 2**30
-    return Files(model.name, model.name, ensure_vae("flux", size, 0, directory).name, tuple(p.name for p in loras)), eight_bit
-
-
 def traced(owner, name: str, describe):
     original = getattr(owner, name)
 
@@ -55,9 +43,9 @@ def traced(owner, name: str, describe):
     def wrapper(self, *args, **kwargs):
         began = time.perf_counter()
         result = original(self, *args, **kwargs)
-        EVENTS.append({"t": round(began - STARTED, 3), "what": f"{owner.__name__}.{name}", "detail": describe(self, *args),
-                       "seconds": round(time.perf_counter() - began, 3), "result": repr(result)[:40],
-                       "gpu_gib_after": gpu_used_gib(), "by": frames()})
+        EVENTS.append({"t": round(began - STARTED, 3), "what": f"{owner.__name__}.{name}",
+                       "detail": describe(self, *args), "seconds": round(time.perf_counter() - began, 3),
+                       "result": repr(result)[:40], "gpu_gib_after": gpu_used_gib(), "by": frames()})
         print(f"[trace] {EVENTS[-1]}", flush=True)
         return result
     setattr(owner, name, wrapper)
@@ -98,23 +86,25 @@ def main():
     os.environ["OVERDRIVE_CACHE_DIR"] = str(workdir / "cache")
 
     import torch
-    from iteration_soak import FOLDERS, USED
+    from iteration_soak import FOLDERS, USED, soak_files
     from overdrive.harness.executor import InProcessComfy
     from overdrive.harness.iteration_soak import Soak, plan
     directory, cpu = pathlib.Path(args.files_dir), not torch.cuda.is_available()
     comfy = InProcessComfy(workdir / "output", {folder: [directory] for folder in FOLDERS}, cpu=cpu,
                            dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
-    files, eight_bit_gib = one_file(args.size, directory)
+    files, eight_bit_gib, _ = soak_files(args.size, directory, second_model=False)  # the first prompts read one
     install_traces()
-    info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items() if name in USED}
+    info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items()
+            if name in USED}
     steps = plan(info, files, args.res, args.steps, cycles=1, stops=False, core=True)[:args.prompts]
     soak = Soak(comfy, log=lambda line: print(line, flush=True))
     for step in steps:
         EVENTS.append({"t": round(time.perf_counter() - STARTED, 3), "what": "prompt", "detail": step.label})
         soak.run([step])
-    result = {"bench": "unload_trace", "gpu": "cpu" if cpu else torch.cuda.get_device_name(), "dynamic_vram": args.dynamic_vram,
-              "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res,
-              "steps": args.steps, "quantized_gib_estimate": round(eight_bit_gib, 2), "rows": soak.rows, "events": EVENTS}
+    result = {"bench": "unload_trace", "gpu": "cpu" if cpu else torch.cuda.get_device_name(),
+              "dynamic_vram": args.dynamic_vram, "budget_gib": args.budget_gib, "model": f"flux {args.size}",
+              "resolution": args.res, "steps": args.steps, "quantized_gib_estimate": round(eight_bit_gib, 2),
+              "rows": soak.rows, "events": EVENTS}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
 
 

@@ -48,9 +48,12 @@ def test_only_new_weights_or_settings_calibrate_and_lora_changes_compile_nothing
 
 
 def test_the_second_cycle_holds_no_more_host_memory_than_the_first(soak):
+    """Measured after each cycle's /free: the live CPU tensors, and the anonymous memory once glibc has returned its
+    free pages (the plain figure wanders by the pages glibc keeps)."""
     result, _ = soak
-    by_cycle = result["summary"]["anon_by_cycle_gib"]
-    assert by_cycle["[2]"] <= by_cycle["[1]"] + 0.5
+    first, second = (result["summary"]["after_free_by_cycle_gib"][cycle] for cycle in ("[1]", "[2]"))
+    assert second["held_tensors_gib"] <= first["held_tensors_gib"] + 0.02
+    assert second["anon_trimmed_gib"] <= first["anon_trimmed_gib"] + 0.2
 
 
 def test_a_restart_on_the_same_caches_calibrates_only_the_file_never_quantized(soak):

@@ -1,5 +1,4 @@
 """Overdrive's nodes called on ComfyUI's real ModelPatcher and sampler, in-process on the CPU."""
-import gc
 import logging
 import shutil
 import threading
@@ -10,6 +9,7 @@ import torch
 
 from overdrive.compiler import CompiledMethod, dynamo_graph_count
 from overdrive.harness.inprocess import build_model, conditioning, save_unet_checkpoint
+from overdrive.harness.iteration_soak import live_tensor_bytes
 
 RES = 64  # pixels: an 8x8 latent keeps CPU compiles short
 TOLERANCE = 1e-3  # relative error of compiled vs eager latents (float32 on CPU; measured ~1e-5)
@@ -372,22 +372,6 @@ def test_switching_while_another_prompt_samples_never_mixes_weights(nodes, compi
     assert not errors and len(results) == 3
     for out in results:
         assert torch.equal(out, expected)
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every tensor storage that Python objects still reach (each storage once). Unlike the process RSS, which
-    the allocator keeps high after frees and which moved by +-300 MB between identical runs, this sees exactly what a
-    switch leaves alive: old weights, twin modules, cached copies."""
-    gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
-            try:
-                storage = obj.untyped_storage()
-                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # fake/functional tensors left by compiles hold no memory
-                continue
-    return sum(storages.values())
 
 
 def test_repeated_switches_do_not_grow_memory(nodes, compiled, checkpoints):

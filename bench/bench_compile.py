@@ -375,7 +375,7 @@ class Recipe:
     parts: list
     int4: str = None  # "int4mse0.03": Quantize Model with bits 4 (int4_fp8) and that int4_mse_threshold
     fixed: str = None  # "deepcache4": the step cache at that interval
-    adaptive: str = None  # "adaptive0.2": the adaptive step cache at that threshold
+    adaptive: str = None  # "adaptive0.2" / "calibrated0.2": the step cache in that mode at that threshold
     attn: str = None  # "attn0.05": Quantize Model's attention=auto with that bound; "attn8bit0.05": 8bit
     window: str = None  # "window0.1-1.0": the step cache's start/end percent (else --cache-start/--cache-end)
     start_percent: float = 0.0
@@ -389,7 +389,8 @@ def parse_recipe(variant: str, args) -> Recipe:
 
     def part(prefix):
         return next((p for p in parts if p.startswith(prefix)), None)
-    recipe = Recipe(parts, int4=part("int4"), fixed=part("deepcache"), adaptive=part("adaptive"), attn=part("attn"),
+    recipe = Recipe(parts, int4=part("int4"), fixed=part("deepcache"),
+                    adaptive=part("adaptive") or part("calibrated"), attn=part("attn"),
                     window=part("window"))
     recipe.start_percent, recipe.end_percent = (map(float, recipe.window[len("window"):].split("-")) if recipe.window
                                                 else (args.cache_start, args.cache_end))
@@ -399,7 +400,7 @@ def parse_recipe(variant: str, args) -> Recipe:
         bound = recipe.attn[len("attn8bit" if mode == "8bit" else "attn"):]
         recipe.attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
     unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", recipe.int4, recipe.fixed, "easycache",
-                             recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window, "comfy-syncs"}
+                             "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window, "comfy-syncs"}
                - set(COMPILE_OPTIONS) - set(SWITCHES))
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -409,7 +410,8 @@ def parse_recipe(variant: str, args) -> Recipe:
 def make_variant(run: Run, variant: str):
     """A variant is a '+'-joined recipe, applied in this order: quantize (int8 | fp8 | int4[mse<threshold>], with
     attn<bound> or attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
-    overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (deepcache[N]: interval N; adaptive;
+    overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (stepcache: the node's
+    defaults; deepcache[N]: fixed interval N; adaptive[T] | calibrated[T]: that mode at threshold T;
     easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
     percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
     where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
@@ -473,15 +475,18 @@ def compiled(recipe: Recipe, patcher, base):
 
 
 def with_step_cache(args, recipe: Recipe, patcher):
-    """`patcher` with the recipe's step cache: Overdrive's DeepCache (fixed interval or adaptive) or ComfyUI's
-    EasyCache."""
+    """`patcher` with the recipe's step cache: Overdrive's DeepCache (its defaults, a fixed interval, adaptive or
+    calibrated) or ComfyUI's EasyCache."""
+    if "stepcache" in recipe.parts:
+        patcher = run_node("OverdriveDeepCache", model=patcher)
     if recipe.fixed:
-        patcher = run_node("OverdriveDeepCache", model=patcher,
+        patcher = run_node("OverdriveDeepCache", model=patcher, mode="fixed",
                            cache_interval=int(recipe.fixed[len("deepcache"):] or args.cache_interval),
                            start_percent=recipe.start_percent, end_percent=recipe.end_percent)
     if recipe.adaptive:
-        patcher = run_node("OverdriveDeepCache", model=patcher, mode="adaptive",
-                           threshold=float(recipe.adaptive[len("adaptive"):] or args.cache_threshold),
+        mode = "calibrated" if recipe.adaptive.startswith("calibrated") else "adaptive"
+        patcher = run_node("OverdriveDeepCache", model=patcher, mode=mode,
+                           threshold=float(recipe.adaptive[len(mode):] or args.cache_threshold),
                            start_percent=recipe.start_percent, end_percent=recipe.end_percent)
     if "easycache" in recipe.parts:
         from comfy_extras.nodes_easycache import EasyCacheNode

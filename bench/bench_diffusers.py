@@ -140,7 +140,7 @@ def apply_variant(pipe, variant, args, embeds) -> dict:
     if set(parts) & set(COMPILES):
         compile_(pipe, compile_options(variant, args))
     if "deepcache" in parts:
-        info["runner"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval))
+        info["runner"] = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=args.cache_interval))
     return info
 
 

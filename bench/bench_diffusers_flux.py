@@ -144,7 +144,7 @@ def apply_variant(pipe, variant, args, embeds) -> dict:
     compile_(pipe, CompileOptions(backend=args.backend, cuda_graphs="nographs" not in parts,
                                   precompile="noprecompile" not in parts))
     if "cache" in parts:
-        info["step_cache"] = deepcache_(pipe, DeepCacheConfig(cache_interval=args.cache_interval,
+        info["step_cache"] = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=args.cache_interval,
                                                               start_percent=args.cache_start,
                                                               end_percent=args.cache_end))
     if "adaptive" in parts:

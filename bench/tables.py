@@ -142,19 +142,20 @@ def latest(reports) -> str:
 
 def fidelity(reports) -> str:
     """Per accelerator on the reference models with learned weights (bench_fidelity.py): its image against eager's at
-    the same prompt and seed, over every prompt of the newest run per model, machine and image side."""
-    newest = {}
+    the same prompt and seed, over every prompt of the newest run of that variant per model, machine and image side."""
+    newest = {}  # (model, machine, side) -> {variant: (row, its report)}, newer files replacing older rows
     for report in reports:
         settings = report["settings"]
         key = (settings.get("model", "wan22_14b"), report["environment"].get("gpu", "CPU"), settings["side"])
-        newest[key] = report
-    header = ("model", "machine", "side", "variant", "PSNR dB mean / median / min", "SSIM", "final-latent error",
-              "steps full / reused", "s/image", "`bench/results/`")
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for (model, machine, side), report in sorted(newest.items(), key=lambda item: (item[0][0], item[0][1] != "CPU",
-                                                                                    item[0][1], item[0][2])):
-        eager = next(row for row in report["results"] if row["variant"] == "eager")
         for row in report["results"][1:]:
+            newest.setdefault(key, {})[row["variant"]] = (row, report)
+    header = ("model", "machine", "side", "variant", "prompts", "PSNR dB mean / median / min", "SSIM",
+              "final-latent error", "steps full / reused", "s/image", "`bench/results/`")
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for (model, machine, side), variants in sorted(newest.items(), key=lambda item: (
+            item[0][0], item[0][1] != "CPU", item[0][1], item[0][2])):
+        for variant, (row, report) in variants.items():
+            eager = next(r for r in report["results"] if r["variant"] == "eager")
             if "failed" in row:
                 cells = ["failed: " + row["failed"][:60], "—", "—", "—", "—"]
             else:
@@ -162,8 +163,8 @@ def fidelity(reports) -> str:
                 cells = [f"{row['psnr_mean']:.1f} / {row['psnr_median']:.1f} / {row['psnr_min']:.1f}",
                          f"{row['ssim_mean']:.3f}", f"{row['latent_rel_err_mean']:.3f}",
                          f"{full[0]} / {full[1]}" if full else "—", cell(row, eager)]
-            lines.append(" | ".join([f"| {model}", machine, f"{side}²", f"`{row['variant']}`", *cells,
-                                     f"`{report['file']}` |"]))
+            lines.append(" | ".join([f"| {model}", machine, f"{side}²", f"`{variant}`", str(report["settings"]["prompts"]),
+                                     *cells, f"`{report['file']}` |"]))
     return "\n".join(lines)
 
 

@@ -128,7 +128,7 @@ def why_not_with_idle_gpus(patcher, split: str, passes: int, processes: int) -> 
     fewer passes than processes leaves some out."""
     stack = installed_stack(patcher) if patcher is not None else None
     if split == "cfg" and passes < processes and stack is not None and stack.cache_config is not None \
-            and stack.cache_config.mode == "adaptive":
+            and stack.cache_config.measured:
         return (f"the adaptive step cache decides over every GPU's part, and {passes} passes leave some of the "
                 f"{processes} GPUs idle")
     return None

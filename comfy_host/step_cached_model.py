@@ -17,7 +17,7 @@ def with_step_cache(model, config: DeepCacheConfig):
     patched = model.clone()
     unet = patched.model.diffusion_model
     family = family_of(unet)
-    if family is None and config.mode != "fixed":
+    if family is None and config.measured:
         raise DeepCacheConfigError(f"mode={config.mode!r} applies to DiT models ({family_titles()}); "
                                    f"this {type(unet).__name__} takes mode='fixed' (cache_interval sets its "
                                    "schedule).")

@@ -56,6 +56,8 @@ class BlockwiseForward:
 
     def __init__(self, module, family, options=None, cache_config=None, compiled_block=None, percent_to_sigma=None,
                  read_step=None, step_cache=None, graphs=None, call_options=NO_CALL_OPTIONS):
+        if cache_config is not None:
+            cache_config = cache_config.for_family(family.step_cache_threshold)
         self.module, self.family, self.options, self.cache_config = module, family, options, cache_config
         self.call_options = call_options
         if cache_config is not None and read_step is None:

@@ -21,7 +21,7 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
       call); shallow steps reuse the deep feature of the last full step.
     - DiT transformer: on reused steps only the first `cache_depth` blocks run and the rest add the residual of the
       last full step (a BlockStepCache; `mode="adaptive"` decides per step from the first blocks' change, with
-      `threshold`). A true-CFG pipeline's cond and uncond calls each keep their own residuals.
+      `threshold`; `mode="calibrated"` so at a schedule's first run, replayed after). A true-CFG pipeline's cond and uncond calls each keep their own residuals.
     If the forward was compiled (compile_), both paths run the compiled code. Calling deepcache_ again replaces the
     configuration.
     """

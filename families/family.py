@@ -197,6 +197,10 @@ class Family:
     sequence_splits: tuple = ()
     # BuiltinModel-s: the tiny files of this layout the tests and the main job write (builtin_models/dit.py).
     builtin_models: tuple = ()
+    # The step cache's default threshold (mode "auto"): the largest whose images stay 40 dB or more from eager's on the
+    # reference model with learned weights of this kind (bench/README.md, fidelity table); image models without one
+    # take the MMDiT's.
+    step_cache_threshold: float = 0.2
 
     @property
     def title(self) -> str:

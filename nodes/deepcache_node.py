@@ -18,23 +18,27 @@ DESCRIPTION = (
     "their steps run the whole model. The log shows each run's full / reused steps."
 )
 INTERVAL_TOOLTIP = (
-    "fixed mode: run the whole model every this many sampling steps; the steps in between reuse its deep features "
+    "fixed mode (and auto on UNets): run the whole model every this many sampling steps; the steps in between reuse its deep features "
     "(UNets) or the residual of its later blocks (DiTs) and run only the first blocks. 3 is DeepCache's setting; "
     "higher is faster and drifts more. 1 = no caching: the image is the same as without this node. Ignored in "
-    "adaptive mode.")
+    "adaptive and calibrated modes.")
 DEPTH_TOOLTIP = (
     "UNets: how many of the outermost skip branches (input/output block pairs) still run on cached steps; 1, the "
     f"paper's choice, runs about a tenth of a full step (SD1.5 at most 12, SDXL 9). DiTs ({family_titles()}): "
     "how many of the first transformer blocks run on every step (1 = only the first). Larger is "
     "closer to the uncached image and less fast.")
 MODE_TOOLTIP = (
+    "auto: fixed on UNets; calibrated on DiTs at the threshold chosen for their family, the largest that kept the "
+    "reference models' images closest to eager's at the fixed schedule's speed (threshold is then not read). "
     "fixed: a full step every cache_interval steps (no extra work per step). adaptive (DiT families only): each step "
     "runs the first blocks, measures how much their output changed since the last full step, and reuses the cache "
-    "only while that change is below threshold: few reuses early, many late. Costs one GPU->CPU sync per step.")
+    "only while that change is below threshold: few reuses early, many late. Costs one GPU->CPU sync per step. "
+    "calibrated (DiT families only): decides as adaptive at the first run of each latent size and step schedule, then "
+    "replays those decisions on later prompts with no sync (a new size or step count is measured again).")
 THRESHOLD_TOOLTIP = (
-    "adaptive mode: the largest relative change of the first blocks' output on the image tokens (mean absolute "
+    "adaptive and calibrated modes: the largest relative change of the first blocks' output on the image tokens (mean absolute "
     "change / mean magnitude, since the last full step) at which a step still reuses the cache. Higher is faster and "
-    "drifts more; 0 never reuses. Ignored in fixed mode.")
+    "drifts more; 0 never reuses. Ignored in fixed and auto modes.")
 START_TOOLTIP = ("Where in the sampling process caching may begin (0 = first step, 1 = last). Steps before it run "
                  "the whole UNet: raise it to keep the early steps, which set the composition, exact.")
 END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 = last). Steps after it run the "

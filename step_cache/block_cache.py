@@ -14,6 +14,9 @@ new run key starts a new run and drops every residual). Residuals and the adapti
 Adaptive mode: after block `cache_depth - 1` the image stream's mean absolute change since the last full step,
 relative to its mean magnitude, is compared with `threshold`. Reading that number is one GPU->host sync per step:
 the GPU finishes the first blocks while the host waits, then the host queues the rest (one block's launch time).
+Calibrated mode decides so at the first run of a schedule (run key and sigma) and replays its decisions on later runs
+of that schedule, with no sync (MagCache's observation: the change curve is the model's and its schedule's far more
+than the prompt's).
 """
 from dataclasses import dataclass
 
@@ -68,6 +71,7 @@ class BlockStepCache:
         self._residuals: dict = {}   # (branch, stack index) -> {stream: tensor or None}
         self._entries: dict = {}     # (branch, stack index) -> {stream: tensor} at the first skipped block (full steps)
         self._references: dict = {}  # branch -> probe at the last full step (adaptive)
+        self._learned: dict = {}     # (run key, sigma) -> full, decided by measure (calibrated: replayed)
         self._call = None
         self.changes: list = []      # the adaptive mode's measured change at each decided step of the current run
 
@@ -109,20 +113,23 @@ class BlockStepCache:
         if decision.new_run:
             self._drop()
             self.changes = []
-        adaptive = self.config.mode == "adaptive"
-        pending = adaptive and decision.new_step and not decision.full and unsupported is None
-        reuse = not decision.full and not pending and unsupported is None
+        learned = self._learned.get((run_key, sigma)) if self.config.mode == "calibrated" else None
+        open_step = decision.new_step and not decision.full and unsupported is None
+        if open_step and learned is not None:  # replayed: nothing to measure, no sync
+            self.schedule.settle(full=learned)
+        pending = self.config.measured and open_step and learned is None
+        reuse = not decision.full and not learned and not pending and unsupported is None
         if reuse and not self._recorded(branch):
             reuse, unsupported = False, "no residual recorded for this batch layout"
-        return {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full,
-                "unsupported": unsupported}
+        return {"branch": branch, "reuse": reuse, "pending": pending, "full_step": decision.full or bool(learned),
+                "unsupported": unsupported, "step": (run_key, sigma)}
 
     def block(self, position: int, args: tuple, kwargs: dict, run):
         """Block `position` of the cached stacks: run it (`run()`), or stand in for it on a reused step."""
         role = self.roles[position]
         if not role.skippable:
             out = run()
-            if position == self.config.cache_depth - 1 and self.config.mode == "adaptive":
+            if position == self.config.cache_depth - 1 and self.config.measured:
                 self._probe(self._decided(), role.block_stack.named(out)[role.block_stack.probed])
             return out
         call = self._decided()
@@ -158,9 +165,18 @@ class BlockStepCache:
             self.changes.append(change)
             reuse = change is not None and self._recorded(branch) and change < self.config.threshold
             self.schedule.settle(full=not reuse)
+            if change is not None and self.config.mode == "calibrated":
+                self._learn(call["step"], full=not reuse)
             call["reuse"], call["pending"] = reuse, False
         if not call["reuse"]:
             self._references[branch] = probe.detach().clone()
+
+    def _learn(self, step, full: bool) -> None:
+        """Keep a measured decision for later runs of its schedule; a few schedules' worth (a user's sizes and step
+        counts), the oldest dropped first."""
+        if len(self._learned) >= 4096:
+            del self._learned[next(iter(self._learned))]
+        self._learned[step] = full
 
     def end(self, completed: bool = True) -> None:
         """Close the call. One that failed before its step was decided leaves no trace in the run."""

@@ -135,7 +135,7 @@ class DeepCacheSchedule:
         return self.sigma_end <= sigma <= self.sigma_start
 
     def _full(self, in_window: bool, window_index: int) -> bool:
-        interval = self.config.cache_interval if self.config.mode == "fixed" else window_index + 1
+        interval = window_index + 1 if self.config.measured else self.config.cache_interval
         return (not in_window) or window_index % interval == 0
 
     def settle(self, full: bool) -> None:

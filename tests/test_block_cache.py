@@ -70,8 +70,10 @@ def toy(comfy):  # the step reader is in nodes/, which imports ComfyUI
 
 
 def cached(toy, **config):
+    """The toy under the step cache; "fixed" where no mode is given (the tests of the schedule's arithmetic)."""
     from overdrive.comfy_host.comfy_steps import ComfySteps
-    return BlockwiseForward(toy, TOY, cache_config=DeepCacheConfig(**config), read_step=ComfySteps())
+    return BlockwiseForward(toy, TOY, cache_config=DeepCacheConfig(**{"mode": "fixed", **config}),
+                            read_step=ComfySteps())
 
 
 def test_a_step_cache_without_a_step_reader_is_refused(toy):
@@ -171,6 +173,36 @@ def test_adaptive_reuses_only_while_the_first_blocks_changed_less_than_the_thres
     assert len(always.step_cache.changes) == 2 and all(0 < c < 0.01 for c in always.step_cache.changes)
 
 
+def test_calibrated_measures_a_schedules_first_run_and_replays_its_decisions_on_later_runs(toy):
+    """Later runs of the same schedule reuse the steps the first run's measure reused, whatever their own inputs
+    would measure, and read nothing from the device; a new schedule is measured again."""
+    forward = cached(toy, mode="calibrated", threshold=0.005)
+    img, txt = inputs(1)
+    sigmas = (1.0, 0.8, 0.6, 0.4)
+    for sigma, scale in zip(sigmas, (1.0, 1.001, 1.002, 1.1)):  # the last step changes by far more than the threshold
+        call(forward, img * scale, txt, sigma)
+    first = forward.step_cache.stats.decisions
+    assert first == [True, False, False, True] and len(forward.step_cache.changes) == 3
+    other_img = inputs(2)[0]
+    outputs = [call(forward, other_img * (1 + i), txt, sigma) for i, sigma in enumerate(sigmas)]  # large changes
+    assert forward.step_cache.stats.decisions == first and forward.step_cache.changes == []
+    assert torch.equal(outputs[0], toy(other_img, txt)) and torch.equal(outputs[3], toy(other_img * 4, txt))
+    assert not torch.equal(outputs[1], toy(other_img * 2, txt))  # reused, as the first run decided
+    for sigma in (0.9, 0.7):  # another schedule: measured
+        call(forward, img, txt, sigma)
+    assert len(forward.step_cache.changes) == 1
+
+
+def test_auto_is_calibrated_at_the_familys_threshold(toy):
+    """The default settings on a DiT: decided by measure at the threshold its family record names."""
+    import dataclasses
+    from overdrive.comfy_host.comfy_steps import ComfySteps
+    for family, threshold in ((TOY, 0.2), (dataclasses.replace(TOY, step_cache_threshold=0.15), 0.15)):
+        forward = BlockwiseForward(toy, family, cache_config=DeepCacheConfig(), read_step=ComfySteps())
+        assert (forward.step_cache.config.mode, forward.step_cache.config.threshold) == ("calibrated", threshold)
+    assert DeepCacheConfig(mode="adaptive", threshold=0.3).for_family(0.15).threshold == 0.3  # chosen: kept
+
+
 def test_adaptive_measures_the_image_stream_the_family_names_not_the_first_returned(toy):
     """Qwen-Image's and SD3's blocks return the text stream first; the text tokens change little between steps."""
     forward = cached(toy, mode="adaptive", threshold=1e9)
@@ -186,7 +218,7 @@ def test_adaptive_measures_the_image_stream_the_family_names_not_the_first_retur
 def test_a_cache_depth_the_model_does_not_have_is_refused_with_the_range(toy):
     with pytest.raises(DeepCacheConfigError, match=r"cache_depth must be in 1\.\.4"):
         cached(toy, cache_depth=5)
-    with pytest.raises(DeepCacheConfigError, match="mode must be one of fixed, adaptive"):
+    with pytest.raises(DeepCacheConfigError, match="mode must be one of auto, fixed, adaptive, calibrated"):
         DeepCacheConfig(mode="sometimes")
 
 

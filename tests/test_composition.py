@@ -79,8 +79,8 @@ def test_another_extensions_apply_model_wrapper_runs_around_the_compiled_model(n
 def test_another_extensions_apply_model_wrapper_runs_around_the_step_cache(nodes, base, sample, eager_wrapped, order):
     extension = OtherExtension()
     step_cache = nodes["OverdriveDeepCache"].execute
-    model = (step_cache(extension.on(base), cache_interval=2)[0] if order == "wrapper first"
-             else extension.on(step_cache(base, cache_interval=2)[0]))
+    model = (step_cache(extension.on(base), mode="fixed", cache_interval=2)[0] if order == "wrapper first"
+             else extension.on(step_cache(base, mode="fixed", cache_interval=2)[0]))
     out, calls = sample(model)
     assert extension.calls == len(calls)
     assert_calls_match(calls[:1], eager_wrapped[1][:1], PER_CALL_TOLERANCE)  # the first step runs in full
@@ -104,7 +104,7 @@ def test_a_block_replacement_makes_the_step_cache_run_every_block_and_says_so(no
                                                                               caplog):
     expected, runs = eager_replaced
     seen = []
-    cached = with_double_block_0_replaced(nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0], seen)
+    cached = with_double_block_0_replaced(nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0], seen)
     with caplog.at_level(logging.INFO, logger="overdrive"):
         out, calls = sample(cached)
         sample(cached)  # the first run's full / reused steps are logged when the next starts

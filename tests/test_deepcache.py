@@ -149,7 +149,7 @@ def test_deferred_floats_read_every_tensor_s_values_in_order(device):
 
 def test_schedule_decisions_are_keyed_on_sigma_and_follow_interval_and_window():
     sigmas = [10.0 - i for i in range(STEPS)]  # 10 .. 1
-    schedule = DeepCacheSchedule(DeepCacheConfig(cache_interval=3))
+    schedule = DeepCacheSchedule(DeepCacheConfig(mode="fixed", cache_interval=3))
     assert schedule.plan(sigmas) == [True, False, False, True, False, False, True, False, False, True]
     for s in sigmas:
         first = schedule.decide(s, "run")
@@ -159,7 +159,7 @@ def test_schedule_decisions_are_keyed_on_sigma_and_follow_interval_and_window():
     assert (schedule.stats.full_steps, schedule.stats.shallow_steps) == (4, 6)
 
     # Window 20%..80% with a linear percent -> sigma map (10 at 0%, 0 at 100%): sigma in [2, 8] may be cached.
-    windowed = DeepCacheSchedule(DeepCacheConfig(cache_interval=3, start_percent=0.2, end_percent=0.8),
+    windowed = DeepCacheSchedule(DeepCacheConfig(mode="fixed", cache_interval=3, start_percent=0.2, end_percent=0.8),
                                  percent_to_sigma=lambda p: 10.0 * (1.0 - p))
     # sigmas 10, 9 outside (full); 8..2 inside: full at the 1st and 4th and 7th in-window step; 1 outside (full).
     expected = [True, True, True, False, False, True, False, False, True, True]

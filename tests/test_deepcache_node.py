@@ -74,7 +74,8 @@ def test_node_is_registered_with_tooltips_and_a_description(nodes):
     assert all(options.get("tooltip") for _, options in spec.values())
     optional = node.INPUT_TYPES()["optional"]
     assert list(optional) == ["mode", "threshold"] and all(o.get("tooltip") for _, o in optional.values())
-    assert (optional["mode"][1]["options"], optional["mode"][1]["default"]) == (["fixed", "adaptive"], "fixed")
+    assert (optional["mode"][1]["options"], optional["mode"][1]["default"]) == (
+        ["auto", "fixed", "adaptive", "calibrated"], "auto")
     defaults = {name: options.get("default") for name, (_, options) in spec.items()}
     assert defaults == {"model": None, "cache_interval": 3, "cache_depth": 1, "start_percent": 0.0, "end_percent": 1.0}
     assert (spec["cache_interval"][1]["min"], spec["cache_interval"][1]["max"]) == (1, 10)

@@ -111,13 +111,13 @@ def test_precompile_runs_the_unet_through_a_saved_frame(pipe, reference):
 
 
 def test_deepcache_interval_1_is_exact_and_interval_3_is_bounded(pipe, reference):
-    runner = deepcache_(pipe, DeepCacheConfig(cache_interval=1))
+    runner = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=1))
     assert pipe.unet.forward is runner
     assert torch.equal(generate(pipe), reference["latent"])  # full path = the model's own forward, bit for bit
     assert runner.disabled is None
     assert runner.stats.decisions == [True] * STEPS and (runner.stats.full_calls, runner.stats.shallow_calls) == (10, 0)
 
-    runner = deepcache_(pipe, DeepCacheConfig(cache_interval=3))
+    runner = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=3))
     latent = generate(pipe)
     stats = runner.stats
     assert stats.decisions == [True, False, False] * 3 + [True]
@@ -130,7 +130,7 @@ def test_deepcache_interval_1_is_exact_and_interval_3_is_bounded(pipe, reference
     assert runner.schedule.runs == 2 and runner.last_stats.decisions == stats.decisions
 
     # Deeper caching runs more of the UNet on shallow steps: closer to eager.
-    deeper = deepcache_(pipe, DeepCacheConfig(cache_interval=3, cache_depth=3))
+    deeper = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=3, cache_depth=3))
     assert relative_error(generate(pipe), reference["latent"]) < error
     assert deeper.stats.shallow_calls == 6
 
@@ -167,7 +167,7 @@ def test_switching_to_weights_with_nan_or_inf_names_the_layers_and_goes_on(pipe,
 
 def test_deepcache_skips_calls_it_cannot_mirror_and_refuses_unsupported_unets():
     unet = tiny_unet()
-    runner = deepcache_(unet, DeepCacheConfig(cache_interval=2))
+    runner = deepcache_(unet, DeepCacheConfig(mode="fixed", cache_interval=2))
     x, context = torch.randn(2, 4, 8, 8), torch.randn(2, 5, 32)
     residuals = tuple(torch.zeros(2, c, 8 // s, 8 // s) for c, s in ((32, 1), (32, 1), (32, 2), (64, 2)))
     out = unet(x, 900, context, down_block_additional_residuals=residuals,
@@ -219,7 +219,7 @@ def test_compile_deepcache_and_quantize_compose_in_any_order(pipe):
     from torch._dynamo.utils import counters
     clear_shared_graphs()
     torch._dynamo.reset()
-    runner = deepcache_(pipe, DeepCacheConfig(cache_interval=3))
+    runner = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=3))
     expected = generate(pipe, steps=6)
     compiled = compile_(pipe, CompileOptions(backend="eager", cuda_graphs=False))
     assert compiled["unet.forward"] is runner.native and compiled["unet.deepcache.full_forward"] is runner.full_path

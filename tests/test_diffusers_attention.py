@@ -102,11 +102,11 @@ def test_a_unets_step_cache_compiled_with_routed_attention_keeps_its_statistics_
                     output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
     eager = tiny_sd_pipeline(tmp_path)
-    deepcache_(eager, DeepCacheConfig(cache_interval=2))
+    deepcache_(eager, DeepCacheConfig(mode="fixed", cache_interval=2))
     expected = sample(eager)
     pipe = tiny_sd_pipeline(tmp_path)
     attention_(pipe)
-    runner = deepcache_(pipe, DeepCacheConfig(cache_interval=2))
+    runner = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=2))
     compile_(pipe, CompileOptions(precompile=False))
     sample(pipe)
     with OpCalls() as calls:

@@ -101,7 +101,7 @@ def test_compile_runs_every_block_through_one_graph_and_matches_eager(family):
 
 def test_step_cache_runs_full_steps_exactly_and_each_cfg_branch_reuses_its_own_residuals(family):
     pipe = PIPELINES[family]()
-    cache = deepcache_(pipe, DeepCacheConfig(cache_interval=2))
+    cache = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=2))
     assert isinstance(cache, BlockStepCache)
     calls = recorded_calls(pipe, family)
     stats, per_step = cache.stats, CALLS_PER_STEP[family]
@@ -116,12 +116,12 @@ def test_step_cache_runs_full_steps_exactly_and_each_cfg_branch_reuses_its_own_r
 
 def test_step_cache_on_the_compiled_transformer_compiles_nothing_more_and_matches_it_eager(family):
     eager = PIPELINES[family]()
-    deepcache_(eager, DeepCacheConfig(cache_interval=2))
+    deepcache_(eager, DeepCacheConfig(mode="fixed", cache_interval=2))
     expected = generate(eager, family)
     pipe = PIPELINES[family]()
     compile_(pipe, CompileOptions(precompile=False))
     generate(pipe, family)
-    cache = deepcache_(pipe, DeepCacheConfig(cache_interval=2))
+    cache = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=2))
     before = dynamo_graph_count()
     assert relative_error(generate(pipe, family), expected) < COMPILE_RTOL
     assert dynamo_graph_count() == before and cache.stats.shallow_steps == STEPS // 2
@@ -131,7 +131,7 @@ def test_flux_step_cache_window_and_a_later_compile_keep_the_callers_statistics(
     """The window is a fraction of the timesteps the transformer takes (Flux: t / 1000 in (0, 1]); compile_ after
     deepcache_ keeps the step cache object the caller holds."""
     pipe = tiny_flux_pipeline()
-    cache = deepcache_(pipe, DeepCacheConfig(cache_interval=2, start_percent=0.5))
+    cache = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=2, start_percent=0.5))
     compile_(pipe, CompileOptions(precompile=False))
     assert pipe.transformer.forward.step_cache is cache
     generate(pipe, "flux")
@@ -173,10 +173,10 @@ def test_switching_to_another_checkpoints_folder_reuses_the_compiled_blocks(fami
 def test_switching_a_step_cached_transformer_ends_its_run_and_runs_the_new_weights(tmp_path):
     other = tiny_flux_pipeline(seed=1)
     other.transformer.save_pretrained(tmp_path / "transformer")
-    deepcache_(other, DeepCacheConfig(cache_interval=2))
+    deepcache_(other, DeepCacheConfig(mode="fixed", cache_interval=2))
     expected = generate(other, "flux")
     pipe = tiny_flux_pipeline()
-    cache = deepcache_(pipe, DeepCacheConfig(cache_interval=2))
+    cache = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=2))
     generate(pipe, "flux")
     switch_weights_(pipe, tmp_path)
     assert cache.last_stats is not None and cache.stats.steps == 0  # the run ended at the switch

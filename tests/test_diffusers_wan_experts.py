@@ -90,7 +90,7 @@ def test_compile_runs_both_experts_through_one_block_graph_and_matches_eager():
 
 def test_each_expert_keeps_its_own_step_cache_over_its_own_steps():
     pipe = experts_pipeline()
-    caches = deepcache_(pipe, DeepCacheConfig(cache_interval=2))
+    caches = deepcache_(pipe, DeepCacheConfig(mode="fixed", cache_interval=2))
     assert set(caches) == set(EXPERTS) and caches["transformer"] is not caches["transformer_2"]
     calls = recorded_calls(pipe)
     high = high_noise_steps(pipe)

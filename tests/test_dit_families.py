@@ -265,7 +265,7 @@ def test_switching_to_another_familys_file_is_refused_and_the_model_is_untouched
 def test_step_cache_reuses_the_later_blocks_on_cached_steps_and_is_exact_on_full_steps(nodes, base, sample, eager,
                                                                                        caplog):
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
+        cached = nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0]
         out, calls = sample(cached)  # step 0 full, step 1 reused
         again, calls_again = sample(cached)
     assert_calls_match(calls[:1], eager[1][:1], 1e-6)
@@ -278,8 +278,8 @@ def test_step_cache_reuses_the_later_blocks_on_cached_steps_and_is_exact_on_full
 
 def test_step_cache_on_the_compiled_model_compiles_no_more_and_matches_it_eager(composition, nodes, base, compiled,
                                                                                 sample, per_call_tolerance):
-    eager_cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
-    after = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
+    eager_cached = nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0]
+    after = nodes["OverdriveDeepCache"].execute(compiled, mode="fixed", cache_interval=2)[0]
     before = nodes["OverdriveCompileModel"].execute(eager_cached)[0]
     sample(compiled)
     graphs = dynamo_graph_count()
@@ -334,7 +334,7 @@ def test_quantize_model_decides_per_layer_and_reuses_its_decisions(own_blocks, n
     # The step cache over the quantized model: its full step is the quantized model's, and the next step is reused
     # (QuantizeModel's own entry in transformer_options is not a block patch that would stop the cache).
     with caplog.at_level(logging.INFO, logger="overdrive"):
-        cached = nodes["OverdriveDeepCache"].execute(quantized, cache_interval=2)[0]
+        cached = nodes["OverdriveDeepCache"].execute(quantized, mode="fixed", cache_interval=2)[0]
         calls = sample(cached)[1]
         sample(cached)  # the first run's counts are logged when the next starts
     assert_calls_match(calls[:1], quantized_calls[:1], 1e-6)
@@ -435,8 +435,8 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
     low_compiled = nodes["OverdriveCompileModel"].execute(low_base)[0]
     cache = nodes["OverdriveDeepCache"]
     graphs = dynamo_graph_count()
-    high_calls, low_calls = two_experts(cache.execute(compiled, cache_interval=2)[0],
-                                        cache.execute(low_compiled, cache_interval=2)[0])
+    high_calls, low_calls = two_experts(cache.execute(compiled, mode="fixed", cache_interval=2)[0],
+                                        cache.execute(low_compiled, mode="fixed", cache_interval=2)[0])
     assert dynamo_graph_count() == graphs  # the second expert runs the first's block graphs
     assert len(high_calls) == split and len(low_calls) == steps - split
     assert_calls_match(high_calls, plain_high, PER_CALL_TOLERANCE)
@@ -452,7 +452,7 @@ def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afre
 
     if family != "flux":
         pytest.skip("the step cache is the same for every family")
-    cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0]
     positive, negative = conditioning(family, 1), conditioning(family, 2)
     latent = empty_latent(family, RES, RES, FRAMES)
 
@@ -488,7 +488,7 @@ def test_a_model_loaded_with_fp8_weights_compiles_caches_switches_and_quantizes(
     _, eager_calls = sample(fp8.clone())
     compiled = nodes["OverdriveCompileModel"].execute(fp8)[0]
     assert_calls_match(sample(compiled)[1], eager_calls, PER_CALL_TOLERANCE)
-    cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(compiled, mode="fixed", cache_interval=2)[0]
     assert_calls_match(sample(cached)[1][:1], eager_calls[:1], PER_CALL_TOLERANCE)
     graphs = dynamo_graph_count()
     switched = nodes["OverdriveSwitchDiffusionModel"].execute(compiled, unet_name=second_file.name)[0]
@@ -513,7 +513,7 @@ def test_host_sync_fixes_replace_comfyuis_functions_and_sample_the_same(nodes, b
         fix.uninstall()
     comfys = {fix.name: fix.current() for fix in fixes}
     before, _ = sample(base.clone())
-    cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=1)[0]  # builds Overdrive's forward
+    cached = nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=1)[0]  # builds Overdrive's forward
     for fix in fixes:
         assert fix.current() is fix.replacement and _ORIGINALS[fix.module, fix.name] is comfys[fix.name]
     after, _ = sample(cached)

@@ -53,14 +53,14 @@ def test_compile_model_takes_the_classic_loader_and_replays_its_blocks_as_cuda_g
 
 
 def test_the_step_cache_over_the_compiled_model_samples(nodes, compiled, sample, eager):
-    cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(compiled, mode="fixed", cache_interval=2)[0]
     out, calls = sample(cached)
     assert_calls_match(calls[:1], eager[1][:1], PER_CALL_TOLERANCE)  # the first step runs in full
     assert torch.isfinite(out).all()
 
 
 def test_the_step_cache_alone_samples_on_dynamic_vram(nodes, base, sample, eager, family):
-    cached = nodes["OverdriveDeepCache"].execute(base, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0]
     assert cached.is_dynamic()
     out, calls = sample(cached)
     # The first step runs every block, through the blockwise forward rather than the model's own (bf16 rounding).
@@ -173,7 +173,7 @@ def test_a_long_mix_of_prompts_leaves_no_model_and_no_memory_behind(comfy, nodes
         return nodes["OverdriveCompileModel"].execute(model)[0]
 
     def cached(model):
-        return nodes["OverdriveDeepCache"].execute(model, cache_interval=2)[0]
+        return nodes["OverdriveDeepCache"].execute(model, mode="fixed", cache_interval=2)[0]
     recipes = {"eager": lambda: base.clone(), "compile": lambda: compile_model(base), "fp8": lambda: fp8(base),
                "4-bit": lambda: int4(base), "step cache": lambda: cached(base),
                "fp8 + compile + step cache": lambda: cached(compile_model(fp8(base)))}

@@ -216,7 +216,7 @@ def test_a_controlnet_guides_the_compiled_model_and_the_step_cache_as_it_guides_
     expected = sample_controlled(base.clone())
     assert relative_error(expected, eager_latent) > 1e-3  # the control changed the image
     assert relative_error(sample_controlled(compiled), expected) < TOLERANCE
-    cached = nodes["OverdriveDeepCache"].execute(compiled, cache_interval=2)[0]
+    cached = nodes["OverdriveDeepCache"].execute(compiled, mode="fixed", cache_interval=2)[0]
     with caplog.at_level(logging.INFO, logger="overdrive"):
         out = sample_controlled(cached)
     assert "ControlNet" in caplog.text, caplog.text[-2000:]

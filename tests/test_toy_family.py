@@ -90,7 +90,7 @@ def test_compile_runs_every_block_through_one_graph_and_matches_eager():
 
 def test_the_step_cache_reuses_the_deep_blocks_on_later_steps():
     eager, model = toy(), toy()
-    cache = deepcache_(model, DeepCacheConfig(cache_interval=2, cache_depth=1))
+    cache = deepcache_(model, DeepCacheConfig(mode="fixed", cache_interval=2, cache_depth=1))
     with torch.no_grad():
         outputs = [(model(x, timestep=t), eager(x, timestep=t)) for x, t in calls(4)]
     assert cache.stats.full_steps + cache.stats.shallow_steps == 4 and cache.stats.shallow_steps >= 1

@@ -172,10 +172,11 @@ class BlockwiseForward:
             self._warned.add(message)
             log.warning("Overdrive %s: %s", type(self.module).__name__, message)
 
-    def reset(self) -> None:
-        """End the step cache's run (as a DeepCacheRunner's reset does): no residual is reused after it."""
+    def reset(self, new_weights: bool = False) -> None:
+        """End the step cache's run (as a DeepCacheRunner's reset does): no residual is reused after it, and after
+        `new_weights` no calibrated decision either."""
         if self.step_cache is not None:
-            self.step_cache.reset()
+            self.step_cache.reset(new_weights)
 
     def release_graphs(self) -> None:
         """Free the blocks' CUDA graphs and their buffers (ComfyUI unloads the model); the next calls record again."""

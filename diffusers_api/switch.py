@@ -56,7 +56,7 @@ def switch_weights_(target, weights) -> None:
         copy_weights_(module, state, source, reference, rebuild=lambda: requantize(layers, state, copy=False))
         stack = installed_stack(module)
         if stack is not None and stack.cache_config is not None:
-            installed(module).reset()  # features computed with the old weights are never reused
+            installed(module).reset(new_weights=True)  # nothing measured on the old weights is reused
 
 
 def _read(weights, module: nn.Module, reference: dict, subfolders: tuple):

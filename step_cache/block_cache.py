@@ -83,10 +83,13 @@ class BlockStepCache:
     def last_stats(self):
         return self.schedule.last_stats
 
-    def reset(self) -> None:
-        """End the current run (logging its summary) and drop every residual; the next call starts a new run."""
+    def reset(self, new_weights: bool = False) -> None:
+        """End the current run (logging its summary) and drop every residual; the next call starts a new run. After
+        `new_weights` the calibrated decisions go too: they were measured on the old weights."""
         self.schedule.reset()
         self._drop()
+        if new_weights:
+            self._learned.clear()
 
     def _drop(self) -> None:
         self._residuals.clear()

@@ -112,8 +112,9 @@ class DeepCacheRunner:
     def last_stats(self) -> RunStats | None:
         return self.schedule.last_stats
 
-    def reset(self) -> None:
-        """End the current run (logs its summary) and drop every cached feature; the next call starts a new run."""
+    def reset(self, new_weights: bool = False) -> None:
+        """End the current run (logs its summary) and drop every cached feature; the next call starts a new run.
+        (`new_weights`: the DiT step cache's signature; a UNet's features are all dropped either way.)"""
         with self._lock:
             self.schedule.reset()
             self.cache.clear()

@@ -191,6 +191,12 @@ def test_calibrated_measures_a_schedules_first_run_and_replays_its_decisions_on_
     for sigma in (0.9, 0.7):  # another schedule: measured
         call(forward, img, txt, sigma)
     assert len(forward.step_cache.changes) == 1
+    forward.reset()  # a run ended: the decisions stay
+    call(forward, img, txt, 1.0), call(forward, img, txt, 0.8)
+    assert forward.step_cache.changes == []
+    forward.reset(new_weights=True)  # measured on other weights: measured again
+    call(forward, img, txt, 1.0), call(forward, img, txt, 0.8)
+    assert len(forward.step_cache.changes) == 1
 
 
 def test_auto_is_calibrated_at_the_familys_threshold(toy):

@@ -400,7 +400,8 @@ def parse_recipe(variant: str, args) -> Recipe:
         bound = recipe.attn[len("attn8bit" if mode == "8bit" else "attn"):]
         recipe.attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
     unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", recipe.int4, recipe.fixed, "easycache",
-                             "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window, "comfy-syncs"}
+                             "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window,
+                             "comfy-syncs"}
                - set(COMPILE_OPTIONS) - set(SWITCHES))
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -676,7 +677,8 @@ def analyse(run: Run, variant: str, patcher, row: dict) -> None:
         cprofile_run(lambda: sample(s, patcher))
     if args.sync_sources and cuda and last:
         sync_sources(lambda: sample(s, patcher))
-    step_cache = any(p.startswith(("deepcache", "easycache", "adaptive")) for p in variant.split("+"))
+    step_cache = any(p.startswith(("deepcache", "easycache", "adaptive", "calibrated", "stepcache"))
+                     for p in variant.split("+"))
     if step_cache and args.arch in dit.FAMILIES:
         row["per_call_rel_err"] = per_step_errors(s, patcher)
         row.update(step_cache_stats(patcher))

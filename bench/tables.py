@@ -163,8 +163,9 @@ def fidelity(reports) -> str:
                 cells = [f"{row['psnr_mean']:.1f} / {row['psnr_median']:.1f} / {row['psnr_min']:.1f}",
                          f"{row['ssim_mean']:.3f}", f"{row['latent_rel_err_mean']:.3f}",
                          f"{full[0]} / {full[1]}" if full else "—", cell(row, eager)]
-            lines.append(" | ".join([f"| {model}", machine, f"{side}²", f"`{variant}`", str(report["settings"]["prompts"]),
-                                     *cells, f"`{report['file']}` |"]))
+            prompts = str(report["settings"]["prompts"])
+            lines.append(" | ".join([f"| {model}", machine, f"{side}²", f"`{variant}`", prompts, *cells,
+                                     f"`{report['file']}` |"]))
     return "\n".join(lines)
 
 

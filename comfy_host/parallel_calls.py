@@ -20,6 +20,7 @@ import torch
 
 from comfy.patcher_extension import WrappersMP
 
+from ..families import family_of
 from ..parallel.batch_split import join, split_call
 from ..parallel.config import MODES, chosen, why_not_groups
 from ..parallel.workers import Placement, WorkerDied, WorkerPool
@@ -127,8 +128,10 @@ def why_not_with_idle_gpus(patcher, split: str, passes: int, processes: int) -> 
     """The adaptive step cache sums its measure over every process's part (parallel/agreement.py): a CFG split with
     fewer passes than processes leaves some out."""
     stack = installed_stack(patcher) if patcher is not None else None
-    if split == "cfg" and passes < processes and stack is not None and stack.cache_config is not None \
-            and stack.cache_config.measured:
+    family = family_of(patcher.model.diffusion_model) if stack is not None else None
+    config = stack.cache_config if stack is not None else None
+    if split == "cfg" and passes < processes and config is not None and family is not None \
+            and config.for_family(family.step_cache_threshold).measured:
         return (f"the adaptive step cache decides over every GPU's part, and {passes} passes leave some of the "
                 f"{processes} GPUs idle")
     return None

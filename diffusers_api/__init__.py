@@ -6,7 +6,7 @@ each function changes its target in place, all or nothing, and refuses what it c
 
     quantize_(pipe, QuantConfig(), calibration={"prompt": "a cat", "height": 1024, "width": 1024})
     compile_(pipe, CompileOptions())              # UNet forward + VAE decode, graphs shared per architecture
-    deepcache_(pipe, DeepCacheConfig(cache_interval=3))
+    deepcache_(pipe, DeepCacheConfig())  # auto: a UNet's DeepCache at interval 3, a DiT's calibrated step cache
     switch_weights_(pipe, "finetune.safetensors")  # same architecture: no recompile
     attention_(pipe, AttentionConfig(mode="auto"))  # the fastest attention kernel within the error bound, per shape
     parallelize_(pipe, ParallelConfig(mode="auto"))  # under torchrun: each call over every process's GPU

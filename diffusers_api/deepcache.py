@@ -1,7 +1,7 @@
 """deepcache_: DeepCache on a diffusers UNet2DConditionModel, or the DiT step cache on a family transformer (Flux,
 Wan, Qwen-Image, SD3, Z-Image; a pipeline's, or a bare one)."""
 from ..attention.routing import unwrapped
-from ..step_cache import DeepCacheConfig, DeepCacheRunner
+from ..step_cache import DeepCacheConfig, DeepCacheConfigError, DeepCacheRunner
 from ..families import family_of
 from ..core.stack import Stack
 from .installed import DiffusersHost, install, install_each, installed_stack
@@ -21,7 +21,9 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
       call); shallow steps reuse the deep feature of the last full step.
     - DiT transformer: on reused steps only the first `cache_depth` blocks run and the rest add the residual of the
       last full step (a BlockStepCache; `mode="adaptive"` decides per step from the first blocks' change, with
-      `threshold`; `mode="calibrated"` so at a schedule's first run, replayed after). A true-CFG pipeline's cond and uncond calls each keep their own residuals.
+      `threshold`; `mode="calibrated"` so at the first run of a latent size and noise level, replayed after; the
+      default `auto` is calibrated at the family's threshold). A true-CFG pipeline's cond and uncond calls each keep
+      their own residuals.
     If the forward was compiled (compile_), both paths run the compiled code. Calling deepcache_ again replaces the
     configuration.
     """
@@ -29,7 +31,7 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
     config = DeepCacheConfig() if config is None else config
     if not isinstance(config, DeepCacheConfig):
         raise TypeError(f"deepcache_: config must be a DeepCacheConfig, not {type(config).__name__}; e.g. "
-                        "DeepCacheConfig(cache_interval=3). Nothing was changed.")
+                        "DeepCacheConfig(mode=\"fixed\", cache_interval=3). Nothing was changed.")
     stacks = [(module, (installed_stack(module) or Stack()).with_cache_config(config)) for _, module in denoisers]
     module = denoisers[0][1]
     if not is_diffusers_unet(module) and family_of(module) is not None:  # a pipeline's DiTs are all of a family
@@ -40,6 +42,9 @@ def deepcache_(target, config: DeepCacheConfig | None = None):
         raise TypeError(f"deepcache_ needs a diffusers UNet2DConditionModel or a DiT transformer of a known family "
                         f"(or a pipeline with one), not {type(module).__name__}. Supported pipelines: {SUPPORTED}. "
                         "Nothing was changed.")
+    if config.measured:  # a UNet's paths have no first blocks to measure
+        raise DeepCacheConfigError(f"mode={config.mode!r} applies to DiT transformers; a UNet takes mode='fixed' "
+                                   "(cache_interval sets its schedule). Nothing was changed.")
     scheduler_config = getattr(getattr(target, "scheduler", None), "config", None) if is_pipeline(target) else None
     timesteps = int((scheduler_config or {}).get("num_train_timesteps", 1000))
     runner: DeepCacheRunner = unwrapped(install(module, stacks[0][1], DiffusersHost(module, timesteps),

@@ -142,7 +142,7 @@ def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops
                 Step(c + "stopped while calibrating", prompt("stop-q", **recalibrate), "OverdriveQuantizeModel", 1.0),
                 Step(c + "the same, queued again", prompt("stop-q-2", **recalibrate)),
             ]
-        if stops and not core:  # ComfyUI's caches let go of every model: what stays is Overdrive's own, cycle after cycle
+        if stops and not core:  # ComfyUI lets go of every model: what stays is Overdrive's own, cycle after cycle
             steps_list += [Step(c + "/free", None),
                            Step(c + "after /free", prompt("free", loras=[(one, 0.8)], **fast))]
     return steps_list

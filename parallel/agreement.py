@@ -23,9 +23,14 @@ def whole_group_call(active: bool = True):
         _WHOLE_GROUP.reset(token)
 
 
+def in_whole_group_call() -> bool:
+    """Whether the current model call is one process's part of a call split over the whole group."""
+    return _WHOLE_GROUP.get() and dist.is_initialized()
+
+
 def summed_over_the_call(values: torch.Tensor) -> torch.Tensor:
     """`values` summed over every process's part of the current call (as they are where the call is not split)."""
-    if _WHOLE_GROUP.get() and dist.is_initialized():
+    if in_whole_group_call():
         values = values.clone()
         dist.all_reduce(values)
     return values

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.agreement import summed_over_the_call
+from ..parallel.agreement import in_whole_group_call, summed_over_the_call
 from .config import DeepCacheConfig, DeepCacheConfigError
 from .schedule import DeepCacheSchedule
 
@@ -116,10 +116,13 @@ class BlockStepCache:
         if decision.new_run:
             self._drop()
             self.changes = []
-        learned = self._learned.get((run_key, sigma)) if self.config.mode == "calibrated" else None
-        open_step = decision.new_step and not decision.full and unsupported is None
-        if open_step and learned is not None:  # replayed: nothing to measure, no sync
+        # Within a call split over the group every process measures, as one run whole would: their decisions learned
+        # so far may differ (a worker restarted), and a replaying process would skip the measure's all-reduce.
+        replay = self.config.mode == "calibrated" and not in_whole_group_call()
+        learned = self._learned.get((run_key, sigma)) if replay else None
+        if decision.new_step and not decision.full and learned is not None:  # replayed: nothing measured, no sync
             self.schedule.settle(full=learned)
+        open_step = decision.new_step and not decision.full and unsupported is None
         pending = self.config.measured and open_step and learned is None
         reuse = not decision.full and not learned and not pending and unsupported is None
         if reuse and not self._recorded(branch):

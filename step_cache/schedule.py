@@ -11,8 +11,8 @@ then drops every cached feature.
 
 Within a run, step k is full when it is outside [start_percent, end_percent] (as sigmas), or when it is the j-th step
 inside that window with j % cache_interval == 0; so the first step of a run, and the first step inside the window,
-are always full. In the adaptive mode the steps inside the window after its first are decided by the caller once it
-has measured the step (`settle`).
+are always full. In the adaptive and calibrated modes the steps inside the window after its first are decided by the
+caller once it has measured the step, or replays its decision (`settle`).
 """
 import logging
 import math
@@ -139,7 +139,7 @@ class DeepCacheSchedule:
         return (not in_window) or window_index % interval == 0
 
     def settle(self, full: bool) -> None:
-        """The adaptive mode's decision for the current step, made after its first blocks ran."""
+        """The measured (or replayed) decision for the current step, made after its first blocks ran."""
         current = self._current
         if current is None or current.full == full:
             return

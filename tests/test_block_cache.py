@@ -199,6 +199,25 @@ def test_calibrated_measures_a_schedules_first_run_and_replays_its_decisions_on_
     assert len(forward.step_cache.changes) == 1
 
 
+def test_calibrated_measures_every_run_inside_a_call_split_over_the_group(toy):
+    """Processes of one split call may hold different decisions (a restarted worker): they all measure, so that each
+    takes part in the measure's all-reduce."""
+    import torch.distributed as dist
+
+    from overdrive.harness.server import free_port
+    from overdrive.parallel.agreement import whole_group_call
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        forward = cached(toy, mode="calibrated", threshold=1e9)
+        img, txt = inputs(1)
+        for _ in range(2):
+            with whole_group_call():
+                call(forward, img, txt, 1.0), call(forward, img, txt, 0.8)
+            assert len(forward.step_cache.changes) == 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_auto_is_calibrated_at_the_familys_threshold(toy):
     """The default settings on a DiT: decided by measure at the threshold its family record names."""
     import dataclasses

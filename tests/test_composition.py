@@ -104,7 +104,8 @@ def test_a_block_replacement_makes_the_step_cache_run_every_block_and_says_so(no
                                                                               caplog):
     expected, runs = eager_replaced
     seen = []
-    cached = with_double_block_0_replaced(nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0], seen)
+    cached = with_double_block_0_replaced(
+        nodes["OverdriveDeepCache"].execute(base, mode="fixed", cache_interval=2)[0], seen)
     with caplog.at_level(logging.INFO, logger="overdrive"):
         out, calls = sample(cached)
         sample(cached)  # the first run's full / reused steps are logged when the next starts

@@ -14,7 +14,7 @@ from diffusers_tiny import tiny_sd_pipeline, tiny_unet
 from overdrive.api import (CompileOptions, DeepCacheConfig, QuantConfig, WeightMismatchError, compile_, deepcache_,
                            quantize_, switch_weights_)
 from overdrive.compiler import clear_shared_graphs, dynamo_graph_count
-from overdrive.step_cache import DeepCacheRunner, UnsupportedUNetError
+from overdrive.step_cache import DeepCacheConfigError, DeepCacheRunner, UnsupportedUNetError
 
 STEPS = 10
 COMPILE_RTOL = 1e-4     # Inductor vs eager, float32 on the CPU (measured ~1e-6)
@@ -167,6 +167,10 @@ def test_switching_to_weights_with_nan_or_inf_names_the_layers_and_goes_on(pipe,
 
 def test_deepcache_skips_calls_it_cannot_mirror_and_refuses_unsupported_unets():
     unet = tiny_unet()
+    for mode in ("adaptive", "calibrated"):  # measured on a DiT's first blocks: a UNet has none
+        with pytest.raises(DeepCacheConfigError, match=f"mode='{mode}' applies to DiT transformers"):
+            deepcache_(unet, DeepCacheConfig(mode=mode))
+        assert "forward" not in unet.__dict__
     runner = deepcache_(unet, DeepCacheConfig(mode="fixed", cache_interval=2))
     x, context = torch.randn(2, 4, 8, 8), torch.randn(2, 5, 32)
     residuals = tuple(torch.zeros(2, c, 8 // s, 8 // s) for c, s in ((32, 1), (32, 1), (32, 2), (64, 2)))

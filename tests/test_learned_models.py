@@ -125,7 +125,7 @@ def test_each_accelerator_keeps_the_image_within_its_bound(reference, eager_imag
 
 
 def test_the_main_jobs_workflow_over_the_http_api_stays_within_the_quality_bound(client, server):
-    """The main job's graph (Compile Model + the adaptive step cache, a scene prompt, its 20 steps and seed) queued on
+    """The main job's graph (Compile Model + the step cache's defaults, a scene prompt, its 20 steps and seed) queued on
     a real ComfyUI: its image against eager's at the same seed."""
     from overdrive.harness.image_metrics import load_image
     from overdrive.harness.workflows import load_workflow, set_inputs, without_overdrive

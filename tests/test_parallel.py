@@ -334,6 +334,8 @@ def test_quantize_model_and_the_step_cache_reach_the_workers(comfy, builtin_dit_
     assert not torch.allclose(sample(quantized, 1.0), sample(model, 1.0), rtol=1e-3, atol=1e-4)  # and quantized
     assert "2 passes leave some of the 3 GPUs idle" in why_not_with_idle_gpus(parallel, "cfg", 2, 3)
     assert why_not_with_idle_gpus(parallel, "sequence", 1, 3) is None
+    default = NODES["OverdriveDeepCache"].execute(model)[0]  # auto: calibrated, which measures at a schedule's first run
+    assert "2 passes leave some of the 3 GPUs idle" in why_not_with_idle_gpus(default, "cfg", 2, 3)
     assert not multiprocessing.active_children()
 
 

@@ -254,13 +254,15 @@ def row_line(row: dict) -> str:
     return (f"{row['label']:<55} {row['status']:<12} {row['seconds'] or 0:7.2f} s (sampling "
             f"{row['sampling_seconds'] or 0:6.2f} s)  anon {row['anon_gib']:6.2f}  file {row['file_gib']:6.2f}  "
             f"gpu {row['gpu_gib']}  compiles {row['graphs_compiled']} calib {row['calibrations']} "
-            f"leaks {row['leak_warnings']}")
+            f"leaks {row['leak_warnings']}" + (f"  held {row['held_tensors_gib']} trimmed {row['anon_trimmed_gib']}"
+                                               if "held_tensors_gib" in row else ""))
 
 
 ROW_LINE = re.compile(r"^(?P<label>\S.*?)\s+(?P<status>success|error|interrupted|invalid|freed|unknown)\s+"
                       r"(?P<seconds>[\d.]+) s \(sampling\s+(?P<sampling>[\d.]+) s\)\s+anon\s+(?P<anon>[\d.]+)\s+"
                       r"file\s+(?P<file>[\d.]+)\s+gpu (?P<gpu>\S+)\s+compiles (?P<compiled>\d+) "
-                      r"calib (?P<calib>\d+) leaks (?P<leaks>\d+)$")
+                      r"calib (?P<calib>\d+) leaks (?P<leaks>\d+)"
+                      r"(?:\s+held (?P<held>[\d.]+) trimmed (?P<trimmed>[\d.]+))?$")  # after /free
 
 
 def rows_from_log(text: str) -> list:
@@ -278,6 +280,8 @@ def rows_from_log(text: str) -> list:
                          "anon_gib": float(found["anon"]), "file_gib": float(found["file"]),
                          "gpu_gib": None if found["gpu"] == "None" else float(found["gpu"]),
                          **log_counts("\n".join(since))})
+            if found["held"] is not None:
+                rows[-1].update(held_tensors_gib=float(found["held"]), anon_trimmed_gib=float(found["trimmed"]))
             since = []
     return rows
 

@@ -65,22 +65,27 @@ def test_a_restart_on_the_same_caches_calibrates_only_the_file_never_quantized(s
 
 def test_a_soak_cut_before_its_end_is_read_back_from_its_log():
     """A GPU call's time limit can cut a soak before it writes its result: its log's prompt lines give the rows back,
-    each with what the log lines before it counted (compiles, calibrations, fallbacks)."""
+    each with what the log lines before it counted (compiles, calibrations, fallbacks) and, after /free, what stayed."""
     from overdrive.harness.iteration_soak import row_line, rows_from_log
     rows = [{"label": "Quantize + Compile, first", "status": "success", "seconds": 58.22, "sampling_seconds": 17.11,
              "anon_gib": 35.54, "file_gib": 22.78, "gpu_gib": 2.42, "graphs_compiled": 2, "calibrations": 1,
              "leak_warnings": 0},
             {"label": "[1] LoRA 0.8", "status": "error", "seconds": 1.5, "sampling_seconds": 0.0, "anon_gib": 2.2,
-             "file_gib": 22.9, "gpu_gib": None, "graphs_compiled": 0, "calibrations": 0, "leak_warnings": 0}]
+             "file_gib": 22.9, "gpu_gib": None, "graphs_compiled": 0, "calibrations": 0, "leak_warnings": 0},
+            {"label": "[1] /free", "status": "freed", "seconds": None, "sampling_seconds": None, "anon_gib": 3.1,
+             "file_gib": 0.4, "gpu_gib": 0.6, "graphs_compiled": 0, "calibrations": 0, "leak_warnings": 0,
+             "held_tensors_gib": 0.031, "anon_trimmed_gib": 0.78}]
     log = "\n".join([
         "INFO:overdrive.compiler:Overdrive compiled DoubleStreamBlock (339.8M parameters).forward [a]: 1 graph(s) in 9 s",
         "INFO:overdrive.compiler:Overdrive compiled SingleStreamBlock (141.6M parameters).forward [b]: 1 graph(s) in 2 s",
         "INFO:overdrive:Overdrive quantization (fp8_e4m3 on cuda:0, calibrated): [cache miss, calibrated with ...]",
         row_line(rows[0]),
         "WARNING:overdrive:Overdrive: quantizing failed, so the model runs unquantized (your generation continues).",
-        row_line(rows[1])])
+        row_line(rows[1]), row_line(rows[2])])
     read = rows_from_log(log)
     assert [row["label"] for row in read] == [row["label"] for row in rows]
     assert read[0]["seconds"] == 58.22 and read[0]["sampling_seconds"] == 17.11 and read[1]["gpu_gib"] is None
     assert (read[0]["graphs_compiled"], read[0]["calibrations"], read[0]["fallbacks"]) == (2, 1, 0)
     assert (read[1]["status"], read[1]["graphs_compiled"], read[1]["fallbacks"]) == ("error", 0, 1)
+    assert (read[2]["held_tensors_gib"], read[2]["anon_trimmed_gib"]) == (0.031, 0.78)
+    assert "held_tensors_gib" not in read[1]

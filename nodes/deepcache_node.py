@@ -39,8 +39,7 @@ MODE_TOOLTIP = (
 THRESHOLD_TOOLTIP = (
     "adaptive and calibrated modes: the largest relative change of the first blocks' output on the image tokens "
     "(mean absolute change / mean magnitude, since the last full step) at which a step still reuses the cache. "
-    "Higher is faster and "
-    "drifts more; 0 never reuses. Ignored in fixed and auto modes.")
+    "Higher is faster and drifts more; 0 never reuses. Ignored in fixed and auto modes.")
 START_TOOLTIP = ("Where in the sampling process caching may begin (0 = first step, 1 = last). Steps before it run "
                  "the whole UNet: raise it to keep the early steps, which set the composition, exact.")
 END_TOOLTIP = ("Where in the sampling process caching stops (0 = first step, 1 = last). Steps after it run the "

@@ -120,10 +120,10 @@ class BlockStepCache:
         # so far may differ (a worker restarted), and a replaying process would skip the measure's all-reduce.
         replay = self.config.mode == "calibrated" and not in_whole_group_call()
         learned = self._learned.get((run_key, sigma)) if replay else None
-        if decision.new_step and not decision.full and learned is not None:  # replayed: nothing measured, no sync
+        open_step = decision.new_step and not decision.full  # this call decides the step
+        if open_step and learned is not None:  # replayed: nothing measured, no sync
             self.schedule.settle(full=learned)
-        open_step = decision.new_step and not decision.full and unsupported is None
-        pending = self.config.measured and open_step and learned is None
+        pending = self.config.measured and open_step and learned is None and unsupported is None
         reuse = not decision.full and not learned and not pending and unsupported is None
         if reuse and not self._recorded(branch):
             reuse, unsupported = False, "no residual recorded for this batch layout"

@@ -400,7 +400,7 @@ def parse_recipe(variant: str, args) -> Recipe:
         bound = recipe.attn[len("attn8bit" if mode == "8bit" else "attn"):]
         recipe.attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
     unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", recipe.int4, recipe.fixed, "easycache",
-                             "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window,
+                             "lazycache", "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window,
                              "comfy-syncs"}
                - set(COMPILE_OPTIONS) - set(SWITCHES))
     if unknown:
@@ -413,7 +413,7 @@ def make_variant(run: Run, variant: str):
     attn<bound> or attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
     overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (stepcache: the node's
     defaults; deepcache[N]: fixed interval N; adaptive[T] | calibrated[T]: that mode at threshold T;
-    easycache: ComfyUI's built-in EasyCache with its defaults; window<start>-<end>: the cache's start/end
+    easycache / lazycache: ComfyUI's built-in EasyCache / LazyCache with its defaults; window<start>-<end>: the cache's start/end
     percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
     where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
     tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
@@ -477,7 +477,7 @@ def compiled(recipe: Recipe, patcher, base):
 
 def with_step_cache(args, recipe: Recipe, patcher):
     """`patcher` with the recipe's step cache: Overdrive's DeepCache (its defaults, a fixed interval, adaptive or
-    calibrated) or ComfyUI's EasyCache."""
+    calibrated) or ComfyUI's EasyCache or LazyCache."""
     if "stepcache" in recipe.parts:
         patcher = run_node("OverdriveDeepCache", model=patcher)
     if recipe.fixed:
@@ -489,10 +489,10 @@ def with_step_cache(args, recipe: Recipe, patcher):
         patcher = run_node("OverdriveDeepCache", model=patcher, mode=mode,
                            threshold=float(recipe.adaptive[len(mode):] or args.cache_threshold),
                            start_percent=recipe.start_percent, end_percent=recipe.end_percent)
-    if "easycache" in recipe.parts:
-        from comfy_extras.nodes_easycache import EasyCacheNode
-        patcher = EasyCacheNode.execute(patcher, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95,
-                                        verbose=False)[0]
+    for peer, node_id in (("easycache", "EasyCache"), ("lazycache", "LazyCache")):
+        if peer in recipe.parts:
+            from overdrive.harness.fidelity import apply_node
+            patcher = apply_node(node_id, patcher, {})
     return patcher
 
 
@@ -677,7 +677,7 @@ def analyse(run: Run, variant: str, patcher, row: dict) -> None:
         cprofile_run(lambda: sample(s, patcher))
     if args.sync_sources and cuda and last:
         sync_sources(lambda: sample(s, patcher))
-    step_cache = any(p.startswith(("deepcache", "easycache", "adaptive", "calibrated", "stepcache"))
+    step_cache = any(p.startswith(("deepcache", "easycache", "lazycache", "adaptive", "calibrated", "stepcache"))
                      for p in variant.split("+"))
     if step_cache and args.arch in dit.FAMILIES:
         row["per_call_rel_err"] = per_step_errors(s, patcher)

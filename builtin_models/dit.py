@@ -22,6 +22,7 @@ import json
 import math
 import pathlib
 import re
+import threading
 from typing import Dict, Optional
 
 import torch
@@ -114,17 +115,23 @@ def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
+# The switch below is process-wide: one build at a time, or a thread writing a file beside another's build (the
+# iteration soak's second model) has it switched back mid-build and lays out a model without its weights.
+_LAYERS_WITH_WEIGHTS = threading.RLock()
+
+
 @contextlib.contextmanager
 def layers_with_weights():
     """ComfyUI's layers built with their weights: under dynamic VRAM its layers leave them unset until a state dict
     loads (comfy.ops), and a built-in model is laid out and initialised from its modules' own tensors."""
     import comfy.memory_management
-    enabled = getattr(comfy.memory_management, "aimdo_enabled", False)
-    comfy.memory_management.aimdo_enabled = False
-    try:
-        yield
-    finally:
-        comfy.memory_management.aimdo_enabled = enabled
+    with _LAYERS_WITH_WEIGHTS:
+        enabled = getattr(comfy.memory_management, "aimdo_enabled", False)
+        comfy.memory_management.aimdo_enabled = False
+        try:
+            yield
+        finally:
+            comfy.memory_management.aimdo_enabled = enabled
 
 
 def build_model(family: str, size: str, dtype: torch.dtype, device, overrides: Optional[dict] = None):

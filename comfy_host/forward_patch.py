@@ -24,6 +24,9 @@ FORWARD = "diffusion_model.forward"
 # diffusion model -> {the layers swapped in: (its BlockGraphs, weak references to those layers)}; outside the module, so
 # that copies of it (Switch Weights) do not copy recordings
 GRAPHS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# diffusion model -> {resolved DeepCacheConfig: calibrated step decisions}; a switched model is another module (a twin),
+# so decisions measured on one file's weights never serve another's
+LEARNED_STEPS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def swapped_layers(model, prefix: str = "diffusion_model.") -> str:
@@ -73,6 +76,11 @@ class ComfyHost(Host):
                 shelf.pop(key, None)
             shelf[key] = (BlockGraphs(), [weakref.ref(value, forget) for _, value in swapped])
         return shelf[key][0]
+
+    def learned_steps(self, config):
+        """The calibrated step cache's decisions for this model and settings, shared by every forward built over them:
+        a LoRA, strength or prompt change builds a new one, and replays what the first run measured."""
+        return LEARNED_STEPS_SHELF.setdefault(self.module, {}).setdefault(config, {})
 
     def unet_runner(self, config, native):
         return DeepCacheRunner.for_openai_unet(self.module, config, forward_timestep_embed=forward_timestep_embed,

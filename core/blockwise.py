@@ -47,6 +47,8 @@ class BlockwiseForward:
              or None), called when the step cache must decide; needed with `cache_config` (the front end's: ComfyUI's
              comfy_host/comfy_steps.py, diffusers_api/steps.py).
     step_cache: a BlockStepCache of the same config to carry on (its statistics stay live for whoever holds it).
+    learned_steps: config -> the dict of calibrated step decisions a new step cache shares (the host's, kept per model
+             and settings), or None for its own.
     graphs:  the BlockGraphs of a forward built before over the same layers, to replay its recordings.
     call_options: the front end's per-call options (core/call_options.py), which blocks compiled once are given
              only what they may share of.
@@ -55,7 +57,7 @@ class BlockwiseForward:
     overdrive_stack = None  # set by stack.build
 
     def __init__(self, module, family, options=None, cache_config=None, compiled_block=None, percent_to_sigma=None,
-                 read_step=None, step_cache=None, graphs=None, call_options=NO_CALL_OPTIONS):
+                 read_step=None, step_cache=None, graphs=None, call_options=NO_CALL_OPTIONS, learned_steps=None):
         if cache_config is not None:
             cache_config = cache_config.for_family(family.step_cache_threshold)
         self.module, self.family, self.options, self.cache_config = module, family, options, cache_config
@@ -75,7 +77,8 @@ class BlockwiseForward:
         self.graphs = (graphs or BlockGraphs()) if options is not None and options.cuda_graphs else None
         cached = [(block_stack, len(getattr(module, block_stack.attribute))) for block_stack in family.stacks
                   if block_stack.cached]
-        self.step_cache = step_cache or (BlockStepCache(cache_config, cached, percent_to_sigma)
+        learned = learned_steps(cache_config) if learned_steps is not None and cache_config is not None else None
+        self.step_cache = step_cache or (BlockStepCache(cache_config, cached, percent_to_sigma, learned)
                                         if cache_config is not None else None)
         # Position among the blocks the step cache sees (the cached stacks', in run order).
         self._cached_position = {path: i for i, path in enumerate(p for block_stack, p, _ in self.blocks if block_stack.cached)}

@@ -106,6 +106,10 @@ class Host:
         """`inner` (None: the module's own forward) run over the processes of the group, by `config`."""
         raise NotImplementedError
 
+    # A resolved DeepCacheConfig -> the calibrated step decisions shared by the forwards built for this module and
+    # settings (None: each step cache keeps its own).
+    learned_steps = None
+
     # (args, kwargs) of a model call -> a function giving (sigma, run key, branch, why not cacheable) when a DiT's
     # step cache decides (comfy_host/comfy_steps.py, diffusers_api/steps.py); a host whose DiTs take a step cache sets it.
     read_step = None
@@ -143,7 +147,7 @@ def _build(stack: Stack, host: Host, keep):
                                    lambda block, path, options: host.compiled(block, "forward", options, path),
                                    percent_to_sigma=host.percent_to_sigma, read_step=host.read_step, step_cache=kept,
                                    graphs=host.block_graphs() if stack.compile is not None else None,
-                                   call_options=host.call_options)
+                                   call_options=host.call_options, learned_steps=host.learned_steps)
     elif stack.cache_config is None:
         forward = host.compiled(host.module, "forward", stack.compile)
     else:

@@ -89,7 +89,7 @@ def flux_prompt(info: dict, files: Files, *, loras=(), quantize=None, compile_op
 
 def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops: bool = True,
          core: bool = False) -> list:
-    """The soak's steps: eager, Quantize + Compile, + step cache, then `cycles` cycles of LoRA strength and file
+    """The soak's steps: eager on each file, Quantize + Compile, + step cache, then `cycles` cycles of LoRA strength and file
     changes, two LoRAs, none, a prompt change, a size change and back, eager prompts on each file, Switch Diffusion
     Model to the second file and back, Compile Model alone; the first cycle also stops a compile and a calibration
     (each queued again after); each cycle ends with /free and a prompt after it. `core`: without the size change,
@@ -103,7 +103,9 @@ def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops
         settings = {"size": size, "steps": steps, "seed": next(seeds), "prefix": f"soak-{label}", **settings}
         return flux_prompt(info, files, **settings)
 
+    # eager's own host memory with both files loaded, before any Overdrive node: the bound of the rows that hold both
     steps_list = [Step("eager", prompt("eager")), Step("eager, next seed", prompt("eager-2")),
+                  Step("eager, the second file", prompt("eager-other", model=files.other)),
                   Step("Quantize + Compile, first", prompt("qc", quantize={}, compile_options={})),
                   Step("Quantize + Compile, next seed", prompt("qc-2", quantize={}, compile_options={})),
                   Step("+ step cache", prompt("qcs", **fast)),
@@ -222,6 +224,9 @@ class Soak:
         for step in steps:
             self.rows.append(self.step(step))
             self.log(row_line(self.rows[-1]))
+            if self.rows[-1]["node_seconds"]:  # where a prompt's time went, node by node
+                self.log("    nodes: " + ", ".join(f"{kind} {seconds:.2f}"
+                                                   for kind, seconds in self.rows[-1]["node_seconds"].items()))
         return self.rows
 
     def step(self, step: Step) -> dict:
@@ -232,7 +237,7 @@ class Soak:
             status, seconds, nodes = self.comfy.run(copy.deepcopy(step.prompt), step.stop_in, step.stop_after)
         row = {"label": step.label, "status": status, "seconds": seconds,
                "sampling_seconds": nodes.get("KSampler"), "decode_seconds": nodes.get("VAEDecode"),
-               **process_memory(), "gpu_gib": gpu_used_gib(), **self.new_log_counts()}
+               "node_seconds": nodes, **process_memory(), "gpu_gib": gpu_used_gib(), **self.new_log_counts()}
         if status == "freed":  # after the plain figure, which it changes
             row.update(held_after_free())
         return row

@@ -64,14 +64,17 @@ def relative_change(value: torch.Tensor, reference: torch.Tensor) -> float:
 class BlockStepCache:
     """The per-call state machine; `BlockwiseForward` calls `begin`, `block` for each cached block, then `end`."""
 
-    def __init__(self, config: DeepCacheConfig, stacks: list, percent_to_sigma=None):
+    def __init__(self, config: DeepCacheConfig, stacks: list, percent_to_sigma=None, learned: dict | None = None):
         self.config = config
         self.roles = block_roles(stacks, config.cache_depth)
         self.schedule = DeepCacheSchedule(config, percent_to_sigma)
         self._residuals: dict = {}   # (branch, stack index) -> {stream: tensor or None}
         self._entries: dict = {}     # (branch, stack index) -> {stream: tensor} at the first skipped block (full steps)
         self._references: dict = {}  # branch -> probe at the last full step (adaptive)
-        self._learned: dict = {}     # (run key, sigma) -> full, decided by measure (calibrated: replayed)
+        # (run key, sigma) -> full, decided by measure (calibrated: replayed); a host may share one over the forwards it
+        # builds for the same model and settings, so that a LoRA or prompt change, which runs the node chain again,
+        # replays instead of measuring again
+        self._learned: dict = {} if learned is None else learned
         self._call = None
         self.changes: list = []      # the adaptive mode's measured change at each decided step of the current run
 

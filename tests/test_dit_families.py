@@ -294,6 +294,32 @@ def test_adaptive_step_cache_at_threshold_0_runs_every_step_in_full(nodes, base,
     assert_calls_match(sample(cached)[1], eager[1], 1e-6)
 
 
+def step_cache_of(model):
+    return model.object_patches["diffusion_model.forward"].step_cache
+
+
+def test_calibrated_decisions_carry_over_a_lora_change_and_a_switched_file_is_measured_again(composition, nodes, base,
+                                                                                            sample, second_file):
+    """A LoRA or strength change runs the node chain again, which builds a new forward over the same model: its step
+    cache replays what the first run measured (nothing measured, no wait on the device). Another file's weights are
+    measured again."""
+    cache = nodes["OverdriveDeepCache"]
+    first = cache.execute(base, mode="calibrated", threshold=1e9)[0]
+    sample(first)
+    assert step_cache_of(first).changes  # measured
+    key, weight = next((f"diffusion_model.{k}", v) for k, v in base.model.diffusion_model.named_parameters()
+                       if k.endswith(".weight") and v.ndim == 2)
+    with_lora = base.clone()
+    with_lora.add_patches({key: (torch.full_like(weight, 1e-3),)}, 0.5)
+    again = cache.execute(with_lora, mode="calibrated", threshold=1e9)[0]
+    sample(again)
+    assert step_cache_of(again) is not step_cache_of(first) and step_cache_of(again).changes == []
+    assert step_cache_of(again).stats.decisions == step_cache_of(first).stats.decisions
+    switched = nodes["OverdriveSwitchDiffusionModel"].execute(first, unet_name=second_file.name)[0]
+    sample(switched)
+    assert step_cache_of(switched).changes
+
+
 def quantize_every_layer(nodes, model, family, fmt="int8", **settings):
     """QuantizeModel with no density or speed rule (every layer whose error passes is quantized), calibrated for one
     step on the family's built-in conditioning and latent: (its report, None where it fell back, and the quantized

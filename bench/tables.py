@@ -212,7 +212,7 @@ def soak(reports) -> str:
             "—" if "fallbacks" not in summary else str(len(summary["fallbacks"])),
             str(summary["leak_warnings"]), f"{summary['eager_anon_gib']:.1f} / {summary['max_anon_gib']:.1f} / {bound}",
             ratio("strength change)"), ratio("another LoRA file"),
-            " / ".join(f"{s:.1f}" for s in restart) or "—", f"`{report['file']}` |"]))
+            " / ".join("failed" if s is None else f"{s:.1f}" for s in restart) or "—", f"`{report['file']}` |"]))
     return "\n".join(lines)
 
 

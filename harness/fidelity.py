@@ -1,6 +1,8 @@
 """The fidelity benchmark's parts (bench/bench_fidelity.py and tests/test_learned_models.py): the reference model
 with learned weights loaded by ComfyUI's own loaders and sampled by its KSampler path, the accelerator variants as
 chains of nodes, and each variant's PSNR, SSIM and latent error against eager's image at the same prompt and seed."""
+import logging
+import re
 import statistics
 import time
 
@@ -29,6 +31,8 @@ VARIANTS = {
     "stepcache-adaptive0.1": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.1})],
     "stepcache-adaptive0.15": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.15})],
     "stepcache-adaptive0.2": [COMPILE, ("OverdriveDeepCache", {"mode": "adaptive", "threshold": 0.2})],
+    "stepcache-calibrated0.05": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.05})],
+    "stepcache-calibrated0.1": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.1})],
     "stepcache-calibrated0.15": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.15})],
     "stepcache-calibrated0.2": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.2})],
     "easycache": [("EasyCache", {})],
@@ -118,6 +122,37 @@ def step_cache_counts(patcher) -> dict:
     return {"steps_full_reused": [stats.full_steps, stats.shallow_steps]} if stats else {}
 
 
+PEER_SKIPS = re.compile(r"(?:EasyCache|LazyCache) - skipped (\d+)/(\d+) steps")
+
+
+class PeerSteps(logging.Handler):
+    """ComfyUI's EasyCache and LazyCache log the steps they skipped at the end of a sampling run: as full / reused
+    steps, beside Overdrive's step cache's counts."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.counts = {}
+
+    def emit(self, record):
+        found = PEER_SKIPS.search(record.getMessage())
+        if found:
+            skipped, total = map(int, found.groups())
+            self.counts = {"steps_full_reused": [total - skipped, skipped]}
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self.root_level, self.counts = root.level, {}
+        root.addHandler(self)
+        root.setLevel(min(root.level or logging.WARNING, logging.INFO))
+        return self
+
+    def __exit__(self, *exc):
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self.root_level)
+        return False
+
+
 @torch.inference_mode()  # as ComfyUI runs its nodes
 def measure(scenes_model, name: str, chain: list, prompts: list, eager: dict) -> dict:
     """The variant's row: its images against `eager`'s ({(prompt, seed): (latent, image)}; None: this is eager's),
@@ -129,8 +164,10 @@ def measure(scenes_model, name: str, chain: list, prompts: list, eager: dict) ->
     scenes_model.sample(patcher, *prompts[0])  # warm-up: compiles, calibrates attention
     rows = []
     for prompt, seed in prompts:
-        latent, image, seconds = scenes_model.sample(patcher, prompt, seed)
-        rows.append({"prompt": prompt, "seed": seed, "s": round(seconds, 4), **step_cache_counts(patcher)})
+        with PeerSteps() as peer:
+            latent, image, seconds = scenes_model.sample(patcher, prompt, seed)
+        rows.append({"prompt": prompt, "seed": seed, "s": round(seconds, 4),
+                     **(step_cache_counts(patcher) or peer.counts)})
         rows[-1]["outputs"] = (latent, image)  # for eager's comparisons and the picture; not written out
         if eager is not None:
             reference_latent, reference_image = eager[(prompt, seed)]

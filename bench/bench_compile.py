@@ -400,8 +400,8 @@ def parse_recipe(variant: str, args) -> Recipe:
         bound = recipe.attn[len("attn8bit" if mode == "8bit" else "attn"):]
         recipe.attention = {"attention": mode, "attention_max_error": float(bound or AttentionConfig().max_error)}
     unknown = (set(parts) - {"eager", "peer", "builtin", "int8", "fp8", recipe.int4, recipe.fixed, "easycache",
-                             "lazycache", "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound", recipe.window,
-                             "comfy-syncs"}
+                             "lazycache", "stepcache", recipe.adaptive, recipe.attn, "float-memory-bound",
+                             recipe.window, "comfy-syncs"}
                - set(COMPILE_OPTIONS) - set(SWITCHES))
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}")
@@ -413,10 +413,10 @@ def make_variant(run: Run, variant: str):
     attn<bound> or attn8bit<bound> for 8-bit attention, else attention=sdpa), compile (peer |
     overdrive[-no-cudagraphs|-autotune|-flat|-no-precompile|-comfy-attention]), a step cache (stepcache: the node's
     defaults; deepcache[N]: fixed interval N; adaptive[T] | calibrated[T]: that mode at threshold T;
-    easycache / lazycache: ComfyUI's built-in EasyCache / LazyCache with its defaults; window<start>-<end>: the cache's start/end
-    percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model code's own functions
-    where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced with torch's
-    tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
+    easycache / lazycache: ComfyUI's built-in EasyCache / LazyCache with its defaults; window<start>-<end>: the
+    cache's start/end percent). 'float-memory-bound': QuantizeModel's weight_only off. 'comfy-syncs': the model
+    code's own functions where a family has a host-sync fix (families/__init__.py). 'tanh-gelu': DiT blocks traced
+    with torch's tanh-GELU (CompileOptions.fast_activations off: the A/B of compiler/activations.py, see
     `slow_activations`). 'gelu-apart': the fp8 MLPs' first GEMM, GELU and cast unfused (`gelu_apart`).
     'bf16-attention-output': cuDNN's fp8 attention writes its own 16-bit output (`bf16_attention_output`).
     'no-fa3': the attention chooser without FlashAttention-3 (`without_fa3`). 'eager'

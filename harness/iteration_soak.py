@@ -89,12 +89,12 @@ def flux_prompt(info: dict, files: Files, *, loras=(), quantize=None, compile_op
 
 def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops: bool = True,
          core: bool = False) -> list:
-    """The soak's steps: eager on each file, Quantize + Compile, + step cache, then `cycles` cycles of LoRA strength and file
-    changes, two LoRAs, none, a prompt change, a size change and back, eager prompts on each file, Switch Diffusion
-    Model to the second file and back, Compile Model alone; the first cycle also stops a compile and a calibration
-    (each queued again after); each cycle ends with /free and a prompt after it. `core`: without the size change,
-    Compile Model alone, the stops and /free (the steps that compile, calibrate or load anew), for a model too large
-    to run them all in a GPU call."""
+    """The soak's steps: eager on each file, Quantize + Compile, + step cache, then `cycles` cycles of LoRA strength
+    and file changes, two LoRAs, none, a prompt change, a size change and back, eager prompts on each file, Switch
+    Diffusion Model to the second file and back, Compile Model alone; the first cycle also stops a compile and a
+    calibration (each queued again after); each cycle ends with /free and a prompt after it. `core`: without the size
+    change, Compile Model alone, the stops and /free (the steps that compile, calibrate or load anew), for a model too
+    large to run them all in a GPU call."""
     seeds = iter(range(1, 10_000))
     one, two = files.loras[:2]
     fast = dict(quantize={}, compile_options={}, step_cache=True)

@@ -5,6 +5,7 @@ stop as /interrupt makes it and a /free as the prompt worker performs it. No HTT
 process's own (host memory, the device's memory), and nothing of a web server is needed where the GPU is.
 """
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -53,6 +54,20 @@ class LogCounter(logging.Handler):
             self.lines.append(record.getMessage())
         except Exception:  # noqa: BLE001 - a record that cannot format is not what is counted
             pass
+
+
+@contextlib.contextmanager
+def captured_log():
+    """A LogCounter on the root logger for the block, which logs at INFO meanwhile (ComfyUI's own lines included)."""
+    root, counter = logging.getLogger(), LogCounter()
+    level = root.level
+    root.addHandler(counter)
+    root.setLevel(min(level or logging.WARNING, logging.INFO))
+    try:
+        yield counter
+    finally:
+        root.removeHandler(counter)
+        root.setLevel(level)
 
 
 class InProcessComfy:

@@ -1,12 +1,13 @@
 """The fidelity benchmark's parts (bench/bench_fidelity.py and tests/test_learned_models.py): the reference model
 with learned weights loaded by ComfyUI's own loaders and sampled by its KSampler path, the accelerator variants as
 chains of nodes, and each variant's PSNR, SSIM and latent error against eager's image at the same prompt and seed."""
-import logging
 import re
 import statistics
 import time
 
 import torch
+
+from .executor import captured_log
 
 # Each variant: the nodes applied to the loaded model, in order (node id, inputs beyond its defaults).
 COMPILE = ("OverdriveCompileModel", {})
@@ -125,32 +126,14 @@ def step_cache_counts(patcher) -> dict:
 PEER_SKIPS = re.compile(r"(?:EasyCache|LazyCache) - skipped (\d+)/(\d+) steps")
 
 
-class PeerSteps(logging.Handler):
+def peer_step_counts(lines) -> dict:
     """ComfyUI's EasyCache and LazyCache log the steps they skipped at the end of a sampling run: as full / reused
-    steps, beside Overdrive's step cache's counts."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.counts = {}
-
-    def emit(self, record):
-        found = PEER_SKIPS.search(record.getMessage())
-        if found:
-            skipped, total = map(int, found.groups())
-            self.counts = {"steps_full_reused": [total - skipped, skipped]}
-
-    def __enter__(self):
-        root = logging.getLogger()
-        self.root_level, self.counts = root.level, {}
-        root.addHandler(self)
-        root.setLevel(min(root.level or logging.WARNING, logging.INFO))
-        return self
-
-    def __exit__(self, *exc):
-        root = logging.getLogger()
-        root.removeHandler(self)
-        root.setLevel(self.root_level)
-        return False
+    steps, beside Overdrive's step cache's counts; {} where neither ran."""
+    found = [match for match in map(PEER_SKIPS.search, lines) if match]
+    if not found:
+        return {}
+    skipped, total = map(int, found[-1].groups())
+    return {"steps_full_reused": [total - skipped, skipped]}
 
 
 @torch.inference_mode()  # as ComfyUI runs its nodes
@@ -164,10 +147,10 @@ def measure(scenes_model, name: str, chain: list, prompts: list, eager: dict) ->
     scenes_model.sample(patcher, *prompts[0])  # warm-up: compiles, calibrates attention
     rows = []
     for prompt, seed in prompts:
-        with PeerSteps() as peer:
+        with captured_log() as log:
             latent, image, seconds = scenes_model.sample(patcher, prompt, seed)
         rows.append({"prompt": prompt, "seed": seed, "s": round(seconds, 4),
-                     **(step_cache_counts(patcher) or peer.counts)})
+                     **(step_cache_counts(patcher) or peer_step_counts(log.lines))})
         rows[-1]["outputs"] = (latent, image)  # for eager's comparisons and the picture; not written out
         if eager is not None:
             reference_latent, reference_image = eager[(prompt, seed)]

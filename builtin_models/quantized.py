@@ -20,6 +20,7 @@ import re
 
 import torch
 
+from ..core.storage import atomic_file
 from .dit import MODULATION, ensure_diffusion_model
 
 LAYOUTS = ("fp8_scaled", "fp8_mixed", "fp8_e4m3fn", "int8_convrot", "nvfp4")
@@ -100,7 +101,6 @@ def ensure_quantized_diffusion_model(family: str, size: str, seed: int, director
         with safe_open(str(source), "pt") as f:
             metadata = dict(f.metadata() or {})
         tensors, extra = quantized_state(load_file(str(source)), layout)
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={**metadata, **extra, "overdrive_layout": layout})
-        tmp.replace(path)
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata={**metadata, **extra, "overdrive_layout": layout})
     return path

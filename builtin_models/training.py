@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..core.storage import atomic_file
 from . import scenes
 from .dit import TINY_VAE, VAES, build_model
 from .learned import MODELS, SIDE, LearnedModel, conditioning
@@ -222,9 +223,8 @@ def train_dit(model, image_latents, clip_latents, image_conds, clip_conds, steps
 def write_fp16(module: torch.nn.Module, path: pathlib.Path, metadata: dict) -> None:
     from safetensors.torch import save_file
     state = {key: t.detach().to("cpu", torch.float16).contiguous() for key, t in module.state_dict().items()}
-    tmp = path.with_suffix(".tmp")
-    save_file(state, str(tmp), metadata={key: str(value) for key, value in metadata.items()})
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        save_file(state, str(tmp), metadata={key: str(value) for key, value in metadata.items()})
 
 
 class Recorder:

@@ -7,24 +7,12 @@ import pytest
 import torch
 
 # Compiled artifacts and generated checkpoints of test runs stay out of the user's cache (set before imports), in a
-# folder of this run that is removed at its end (up to a few GB with the tiny SDXL checkpoint). Under pytest-xdist each
-# worker compiles and caches into a folder of its own (cache-hit tests count their own hits), inside the controller's,
-# and the built-in models, written atomically, are generated once into folders the workers share.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-_RUN_CACHE = os.environ.get("OVERDRIVE_TEST_RUN_CACHE")
-if _WORKER and _RUN_CACHE:
-    _TEST_CACHE = tempfile.mkdtemp(prefix=f"{_WORKER}-", dir=_RUN_CACHE)
-    for kind in ("checkpoints", "dit"):
-        os.makedirs(os.path.join(_RUN_CACHE, kind), exist_ok=True)
-        os.symlink(os.path.join(_RUN_CACHE, kind), os.path.join(_TEST_CACHE, kind))
-elif "OVERDRIVE_CACHE_DIR" in os.environ:
-    _TEST_CACHE = None
-else:
-    _TEST_CACHE = os.environ["OVERDRIVE_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="overdrive-test-cache-")
+# folder of this run that is removed at its end (up to a few GB with the tiny SDXL checkpoint).
+_TEST_CACHE = None if "OVERDRIVE_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="overdrive-test-cache-")
 if _TEST_CACHE:
     os.environ["OVERDRIVE_CACHE_DIR"] = _TEST_CACHE
-# Two cores on CI: keep torch from oversubscribing them (one thread a worker when two workers share them).
-torch.set_num_threads(int(os.environ.get("OVERDRIVE_TEST_THREADS", "1" if _WORKER else "2")))
+# Two cores on CI: keep torch from oversubscribing them.
+torch.set_num_threads(int(os.environ.get("OVERDRIVE_TEST_THREADS", "2")))
 
 from comfy_env import import_comfy_in_process  # noqa: E402
 

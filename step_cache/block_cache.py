@@ -157,7 +157,15 @@ class BlockStepCache:
             entry = self._entries.pop(slot)
             self._residuals[slot] = {name: None if value is None else value - entry[name]
                                      for name, value in role.block_stack.named(out).items()}
+            self.stats.note_kept(self.kept_bytes())
         return out
+
+    def kept_bytes(self) -> int:
+        """What the cache holds between steps: per branch (cond, uncond), each stack's residual (one activation per
+        stream it carries) and the adaptive probe's reference (one image-stream activation)."""
+        kept = [t for residual in self._residuals.values() for t in residual.values() if t is not None]
+        kept += list(self._references.values())
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def _recorded(self, branch) -> bool:
         """Whether the last full step left a residual for every stack that has skipped blocks."""

@@ -154,6 +154,7 @@ class DeepCacheRunner:
             with self._lock:
                 if feature is not None:
                     self.cache.put(key, occurrence, feature)
+                    self.schedule.stats.note_kept(self.cache.nbytes())
                 if decision.full:
                     self.schedule.note_call("full")
                 else:

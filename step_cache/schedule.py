@@ -89,6 +89,12 @@ class RunStats:
     fallback_calls: int = 0   # calls in a shallow step that had to run full anyway
     fallback_reasons: Counter = field(default_factory=Counter)
     decisions: list = field(default_factory=list)  # per step: True = full
+    # the most the cache held between steps in this run (features, residuals, references): GPU memory beside the
+    # model's own, which the card's budget must leave room for
+    kept_bytes: int = 0
+
+    def note_kept(self, nbytes: int) -> None:
+        self.kept_bytes = max(self.kept_bytes, nbytes)
 
 
 class DeepCacheSchedule:
@@ -212,6 +218,8 @@ class DeepCacheSchedule:
                 f"{self.config.describe()}; "
                 f"{s.full_calls + s.shallow_calls + s.fallback_calls} model calls: {s.full_calls} full, "
                 f"{s.shallow_calls} shallow")
+        if s.kept_bytes:
+            line += f"; kept {s.kept_bytes / 2**20:.2f} MiB between steps"
         if s.fallback_calls:
             reasons = "; ".join(f"{n}x {r}" for r, n in s.fallback_reasons.most_common())
             line += f", {s.fallback_calls} ran full in shallow steps ({reasons})"

@@ -198,10 +198,13 @@ def test_interval_3_counts_full_steps_exact_and_shallow_steps_bounded(tiny, capl
     assert (runner.stats.full_calls, runner.stats.shallow_calls, runner.stats.fallback_calls) == (4, 6, 0)
     assert len(errors) == 6 and all(0.0 < e <= SHALLOW_RTOL for e in errors), errors
     assert len(runner.cache) == 1  # one feature for the one (batched cond+uncond) layout
+    kept = runner.cache.nbytes()
+    assert runner.stats.kept_bytes == kept > 0  # the one deep feature is all the run keeps between steps
 
     with caplog.at_level(logging.INFO, logger="overdrive.step_cache"):
         runner.reset()
     assert "DeepCache: 10 steps, 4 full / 6 shallow, interval 3, depth 1" in caplog.text
+    assert f"kept {kept / 2**20:.2f} MiB between steps" in caplog.text
     assert len(runner.cache) == 0
 
     # Deeper caching runs more of the UNet on shallow steps: closer to the plain forward.

@@ -218,11 +218,11 @@ class DeepCacheSchedule:
                 f"{self.config.describe()}; "
                 f"{s.full_calls + s.shallow_calls + s.fallback_calls} model calls: {s.full_calls} full, "
                 f"{s.shallow_calls} shallow")
-        if s.kept_bytes:
-            line += f"; kept {s.kept_bytes / 2**20:.2f} MiB between steps"
         if s.fallback_calls:
             reasons = "; ".join(f"{n}x {r}" for r, n in s.fallback_reasons.most_common())
             line += f", {s.fallback_calls} ran full in shallow steps ({reasons})"
+        if s.kept_bytes:
+            line += f"; kept {s.kept_bytes / 2**20:.2f} MiB between steps"
         return line
 
     def end_run(self) -> RunStats | None:

@@ -113,15 +113,16 @@ def test_a_reused_step_runs_the_first_blocks_and_adds_each_stack_s_recorded_resi
 def test_the_run_states_what_the_cache_keeps_between_steps(toy):
     """Per branch, each stack's residual (every stream it carries) and the adaptive probe's reference: their bytes
     are the run's `kept_bytes`, which its summary logs."""
-    forward = cached(toy, mode="adaptive", threshold=0.5, cache_depth=1)
+    forward = cached(toy, mode="adaptive", threshold=0.0, cache_depth=1)  # every step full
     img, txt = inputs(1)
-    for branch in ((0,), (1,)):  # cond and uncond called apart: each keeps its own
-        call(forward, img, txt, 1.0, branch)
     pairs = img.numel() + txt.numel()
     singles = (img.shape[1] + txt.shape[1]) * img.shape[2]
     per_branch = (pairs + singles + img.numel()) * img.element_size()
-    stats = forward.step_cache.stats
-    assert stats.kept_bytes == forward.step_cache.kept_bytes() == 2 * per_branch
+    for step, sigma in enumerate((1.0, 0.5), 1):  # the second step's residuals replace the first's
+        for branch in ((0,), (1,)):  # cond and uncond called apart: each keeps its own
+            call(forward, img, txt, sigma, branch)
+        stats = forward.step_cache.stats
+        assert stats.full_steps == step and stats.kept_bytes == forward.step_cache.kept_bytes() == 2 * per_branch
     assert f"kept {2 * per_branch / 2**20:.2f} MiB between steps" in forward.step_cache.schedule.summary()
 
 

@@ -21,10 +21,11 @@ variants="${VARIANTS:-eager,builtin,overdrive,overdrive+fp8+attn,overdrive+fp8+a
 run() {  # name, dynamic on|off, then bench_compile.py arguments; TAG: a suffix of the result's name
   local name="$1${TAG:-}" dynamic="$2"; shift 2
   local budget=${BUDGET_GIB:+_budget-${BUDGET_GIB}gib}  # BUDGET_GIB=16: a 16 GiB card emulated (--budget-gib)
+  local log="$out/${day}_${gpu}_comfy033_${name}_${dynamic}${budget}.log"  # dated like its result: no run reuses it
   python3 bench/bench_compile.py "$@" --dynamic-vram "$dynamic" --variants "$variants" ${BENCH_ARGS:-} \
     ${BUDGET_GIB:+--budget-gib "$BUDGET_GIB"} --out "$out/${day}_${gpu}_comfy033_dynamic-${dynamic}${budget}_${name}.json" \
-    > "$out/${name}_${dynamic}${budget}.log" 2>&1
-  grep -v "^W1\|Warning\|warn(\|it/s\]\|^{" "$out/${name}_${dynamic}${budget}.log" | cut -c1-400 | tail -${TAIL:-30}
+    > "$log" 2>&1
+  grep -v "^W1\|Warning\|warn(\|it/s\]\|^{" "$log" | cut -c1-400 | tail -${TAIL:-30}
 }
 case "$part" in
   tests)  # one process per test: run together, a dynamic-VRAM patcher collected late (ModelPatcherDynamic.__del__ ->

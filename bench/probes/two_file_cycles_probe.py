@@ -1,4 +1,4 @@
-"""Who keeps the first file's weights after Overdrive's prompts and eager on a second? Cycles: gc.collect() frees them.
+"""Who keeps the first file's weights after Overdrive's prompts and eager on a second? Four reference cycles.
 
 The iteration soak's prompts on the tiny Flux (CPU, ComfyUI's own executor in this process): eager on each file,
 Quantize + Compile and the step cache on the first, eager on the first, then eager on the second. Prints each prompt's

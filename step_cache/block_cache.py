@@ -165,7 +165,7 @@ class BlockStepCache:
         stream it carries) and the adaptive probe's reference (one image-stream activation)."""
         kept = [t for residual in self._residuals.values() for t in residual.values() if t is not None]
         kept += list(self._references.values())
-        return sum(t.numel() * t.element_size() for t in kept)
+        return sum(t.nbytes for t in kept)
 
     def _recorded(self, branch) -> bool:
         """Whether the last full step left a residual for every stack that has skipped blocks."""

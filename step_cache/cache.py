@@ -32,4 +32,4 @@ class FeatureCache:
         return len(self._entries)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._entries.values())
+        return sum(t.nbytes for t in self._entries.values())

@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/: the soak's file helpers
-from iteration_soak import USED, soak_files  # noqa: E402
+from iteration_soak import FOLDERS, USED, soak_files  # noqa: E402
 
 OVERDRIVE = ("eager", "eager, the second file", "Quantize + Compile, first", "+ step cache", "[1] eager between",
              "[1] eager on the second file")
@@ -46,7 +46,7 @@ def main():
     from overdrive.harness.executor import InProcessComfy
     from overdrive.harness.iteration_soak import Soak, plan, process_memory
     work, directory = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-probe-")), pathlib.Path(args.files_dir)
-    comfy = InProcessComfy(work / "output", {f: [directory] for f in ("diffusion_models", "vae", "loras")}, cpu=True,
+    comfy = InProcessComfy(work / "output", {folder: [directory] for folder in FOLDERS}, cpu=True,
                            dynamic_vram=False, budget_gib=None)
     files, _, second = soak_files("tiny", directory)
     second.join()

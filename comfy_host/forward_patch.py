@@ -7,6 +7,7 @@ import hashlib
 import weakref
 
 import torch
+from comfy.patcher_extension import CallbacksMP
 from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
 from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 
@@ -21,6 +22,7 @@ from .comfy_steps import ComfySteps
 from .progress import comfy_progress
 
 FORWARD = "diffusion_model.forward"
+DETACH_KEY = "overdrive_forward"  # the ON_DETACH callback's key
 # diffusion model -> {the layers swapped in: (its BlockGraphs, weak references to those layers)}; outside the module, so
 # that copies of it (Switch Weights) do not copy recordings
 GRAPHS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -29,13 +31,19 @@ GRAPHS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 LEARNED_STEPS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def swapped_layers(model, prefix: str = "diffusion_model.") -> str:
-    """The layers (and module classes) `model`'s object patches swap in under `prefix` at load (QuantizeModel's 8-bit
-    layers and their LoRA side paths' rank, its fused MLPs' activations): a module with them compiles to another graph
-    than the same architecture without, so they key the graph."""
-    swaps = sorted(f"{key[len(prefix):]}:{swapped_name(value)}" for key, value in model.object_patches.items()
-                   if key.startswith(prefix) and isinstance(value, (torch.nn.Module, type)))
-    return hashlib.sha256("|".join(swaps).encode()).hexdigest()[:16] if swaps else ""
+def swapped_modules(model, prefix: str = "diffusion_model.") -> dict:
+    """{key: module or class} of `model`'s object patches under `prefix` that swap layers in at load (QuantizeModel's
+    8-bit layers and their LoRA side paths, its fused MLPs' activations)."""
+    return {key: value for key, value in model.object_patches.items()
+            if key.startswith(prefix) and isinstance(value, (torch.nn.Module, type))}
+
+
+def swapped_layers(swaps: dict, prefix: str = "diffusion_model.") -> str:
+    """A key of the layers `swaps` (swapped_modules) puts under `prefix`: a module with them compiles to another graph
+    than the same architecture without."""
+    names = sorted(f"{key[len(prefix):]}:{swapped_name(value)}" for key, value in swaps.items()
+                   if key.startswith(prefix))
+    return hashlib.sha256("|".join(names).encode()).hexdigest()[:16] if names else ""
 
 
 def swapped_name(value) -> str:
@@ -49,11 +57,16 @@ def swapped_name(value) -> str:
 class ComfyHost(Host):
     """A ModelPatcher's diffusion model: compiles show on ComfyUI's progress bar and are keyed by the layers the
     patcher swaps in at load; the step cache's window follows the model's sampling (read at each run start, so a later
-    ModelSamplingDiscrete patch is honoured)."""
+    ModelSamplingDiscrete patch is honoured).
+
+    It holds what it reads of the patcher, not the patcher: the forward it builds is one of the patcher's object
+    patches, and a patcher reachable from its own patches lives on in a reference cycle, with its model's weights,
+    until Python's cycle collector runs (a dropped file's model then stays in host memory beside the next one)."""
 
     def __init__(self, model):
         super().__init__(model.model.diffusion_model)
-        self.model = model
+        self.swaps = swapped_modules(model)
+        self.base_model = weakref.ref(model.model)
         self.read_step = ComfySteps()
 
     call_options = COMFY_CALL_OPTIONS
@@ -61,14 +74,12 @@ class ComfyHost(Host):
     def compiled(self, module, method, options, block_path=""):
         prefix = f"diffusion_model.{block_path}." if block_path else "diffusion_model."
         return CompiledMethod(module, method, self.with_call_options(options), reporter=comfy_progress,
-                              announce=not block_path,
-                              variant=swapped_layers(self.model, prefix))
+                              announce=not block_path, variant=swapped_layers(self.swaps, prefix))
 
     def block_graphs(self):
         """One BlockGraphs per set of layers the patcher swaps in, kept on the module tree: a LoRA strength or a
         prompt change runs the node chain again, which rebuilds the forward over the same layers."""
-        swapped = [(key, value) for key, value in sorted(self.model.object_patches.items(), key=lambda item: item[0])
-                   if key.startswith("diffusion_model.") and isinstance(value, (torch.nn.Module, type))]
+        swapped = sorted(self.swaps.items(), key=lambda item: item[0])
         shelf = GRAPHS_SHELF.setdefault(self.module, {})
         key = tuple((name, id(value)) for name, value in swapped)
         if key not in shelf:
@@ -88,7 +99,7 @@ class ComfyHost(Host):
                                                percent_to_sigma=self.percent_to_sigma, call_options=self.call_options)
 
     def percent_to_sigma(self, percent):
-        return self.model.model.model_sampling.percent_to_sigma(percent)
+        return self.base_model().model_sampling.percent_to_sigma(percent)
 
 
 def installed_stack(model) -> Stack | None:
@@ -115,12 +126,24 @@ def install(model, stack: Stack):
         step_clock.remove(model)
     else:
         model.add_object_patch(FORWARD, forward)
+        model.remove_callbacks_with_key(CallbacksMP.ON_DETACH, DETACH_KEY)
+        model.add_callback_with_key(CallbacksMP.ON_DETACH, DETACH_KEY, drop_restored_forward)
         conds_on_device.add(model)
         if stack.cache_config is not None:  # only DeepCache reads the clock
             step_clock.add(model)
         else:
             step_clock.remove(model)
     return forward
+
+
+def drop_restored_forward(model, unpatch_all) -> None:
+    """ON_DETACH: ComfyUI's unpatch puts back what the forward patch replaced, the module's own bound `forward`, as an
+    attribute of the module: a method bound to its module, a reference cycle that would keep a dropped model's weights
+    until Python's cycle collector runs. The class's forward is the same method without it."""
+    module = model.model.diffusion_model
+    restored = module.__dict__.get("forward")
+    if getattr(restored, "__self__", None) is module and getattr(restored, "__func__", None) is type(module).forward:
+        del module.__dict__["forward"]
 
 
 def rebuild(model) -> Stack | None:

@@ -19,15 +19,32 @@ def gpu_budget_bytes(device) -> int:
     return int(budget)
 
 
-def room_for_weights(device, activations: int = 0) -> int | None:
-    """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there and one call's
-    activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to keep). In use: what the
-    device reports used (ComfyUI's dynamic-VRAM weights live outside PyTorch's allocator) less what PyTorch caches
+def device_in_use(device) -> tuple:
+    """(bytes in use on CUDA `device`, of which PyTorch's allocator holds): what the device reports used (ComfyUI's
+    dynamic-VRAM weights live outside PyTorch's allocator, and so does the CUDA context) less what PyTorch caches
     unused, and at least what PyTorch allocated."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cached = torch.cuda.memory_reserved(device) - allocated
+    return max(allocated, total - free - cached), allocated
+
+
+def room_for_weights(device, activations: int = 0) -> int | None:
+    """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there (device_in_use)
+    and one call's activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to
+    keep)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    in_use = max(torch.cuda.memory_allocated(device), total - free - cached)
+    in_use, _ = device_in_use(device)
     return gpu_budget_bytes(device) - in_use - max(ACTIVATIONS_BYTES, activations)
+
+
+def describe_room(device, activations: int = 0) -> str:
+    """The figures room_for_weights reads, for a log line ("" off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    (in_use, allocated), kept = device_in_use(device), max(ACTIVATIONS_BYTES, activations)
+    return (f"card budget {gpu_budget_bytes(device) / 2**30:.2f} GiB, in use {in_use / 2**30:.2f} (PyTorch's "
+            f"allocations {allocated / 2**30:.2f}), one call's activations {kept / 2**30:.2f}")

@@ -16,6 +16,7 @@ from .quantized_sets import QuantizedSet
 from .quantized_state import followers
 from .layer_tensors import tensor_bytes
 from .quantized_streaming import place
+from .gpu_budget import describe_room
 
 log = logging.getLogger("overdrive.quantization")
 CLASS_PATCH = ".__class__"  # the key suffix of the object patches that give the fused MLPs' modules their classes
@@ -61,6 +62,7 @@ class QuantizedModules:
         self.streamed_bytes = 0  # of the 8-bit layers, copied in at each model call since the last load
         self.activations_bytes = 0  # ComfyUI's estimate of one model call's activations in this sampling
         self.workspace_bytes = 0  # the sampled model's compiled working memory (WORKSPACE_KEY), 0 uncompiled
+        self.cache_freed = None  # bytes of ComfyUI's dynamic-VRAM cache freed at the last placing (None: no cache)
         self.float_size = 0  # the checkpoint's size with its float layers (install_quantized sets it)
         self.logged = False  # where the float layers went, logged once
         self.return_hook = None
@@ -97,8 +99,11 @@ class QuantizedModules:
                                self.free_cache(device), self.activations_bytes, self.workspace_bytes):
             self.streamed_bytes = streamed
             log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB of "
-                     "them stay in pinned host memory and are copied in block by block at each model call.",
-                     streamed / 2**30)
+                     "them stay in pinned host memory and are copied in block by block at each model call (after "
+                     "placing: %s; a compiled model's working memory %.2f GiB; %s).", streamed / 2**30,
+                     describe_room(device, self.activations_bytes), self.workspace_bytes / 2**30,
+                     "no dynamic-VRAM cache of this model" if self.cache_freed is None else
+                     f"{self.cache_freed / 2**30:.2f} GiB of its dynamic-VRAM cache freed")
         return self
 
     def float_layers_off_gpu(self) -> None:
@@ -129,7 +134,16 @@ class QuantizedModules:
         calibration run used), or None without one."""
         vbars = getattr(self.owner() if self.owner is not None else None, "dynamic_vbars", None) or {}
         vbar = vbars.get(device)
-        return None if vbar is None else vbar.free_memory
+        if vbar is None:
+            self.cache_freed = None
+            return None
+
+        def free(wanted: int) -> int:
+            freed = vbar.free_memory(wanted)
+            self.cache_freed = (self.cache_freed or 0) + (freed or 0)
+            return freed
+        self.cache_freed = 0
+        return free
 
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:

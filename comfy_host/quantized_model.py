@@ -86,8 +86,8 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, atte
     quantized = quantized_sets.live(key)
     reused = quantized is not None
     if not reused:
-        quantized = quantized_sets.keep(quantize_once(model, config, run, attention, context, folder, fingerprint,
-                                                      float_layers, key))
+        quantized = quantize_once(model, config, run, attention, context, folder, fingerprint, float_layers, key)
+    quantized_sets.keep(quantized, model.model.diffusion_model)
     patched = model.clone()
     layers = dict(quantized.layers)
     side, baked_names = low_rank_layers(patched, layers)

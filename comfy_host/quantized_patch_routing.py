@@ -4,6 +4,7 @@ the layer where Quantize Model sees it, and refused with a clear error after it.
 import copy
 import logging
 import uuid
+import weakref
 
 import torch
 
@@ -67,9 +68,12 @@ class QuantizedPatchRouter:
         self.quantized = quantized
 
     def guard(self, patcher) -> None:
-        add_patches, layers = type(patcher).add_patches, self.quantized.layers
+        # The patcher through a weak reference: this function is one of its attributes, and a cycle through it would
+        # keep a dropped model's weights until Python's cycle collector runs.
+        add_patches, layers, patcher_ref = type(patcher).add_patches, self.quantized.layers, weakref.ref(patcher)
 
         def routed_add_patches(patches, strength_patch=1.0, strength_model=1.0):
+            patcher = patcher_ref()
             touched = False
             for k in patches:
                 key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2

@@ -5,7 +5,9 @@ A LoRA strength, a LoRA file, the prompt or the seed changes Quantize Model's in
 the model underneath is the same. Keyed by the weights without their LoRAs (quantized_model.base_tensors) and the
 settings, the second run takes the layers of the first: no load of the float model, no calibration, no quantizing,
 and no second copy of the 8-bit weights in memory. The registry holds the sets weakly: a set lives as long as a model
-ComfyUI keeps (its output cache, a loaded model) runs it, and goes with the last of them.
+ComfyUI keeps (its output cache, a loaded model) runs it, and as long as the float model it was made from, where it is
+the last set made or taken for that model (ComfyUI drops the clones that ran it when a LoRA or strength changes, before
+Quantize Model runs again); it goes with the last of them.
 """
 import dataclasses
 import hashlib
@@ -17,6 +19,8 @@ from .quantized_lora import SidePaths
 from .quantized_streaming import StreamedBlocks
 
 _LIVE: "weakref.WeakValueDictionary[str, QuantizedSet]" = weakref.WeakValueDictionary()
+# the diffusion model (ComfyUI's loader's, shared by its clones) -> the set made or taken last for it
+_LATEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,8 +50,11 @@ def live(key: str) -> QuantizedSet | None:
     return _LIVE.get(key)
 
 
-def keep(quantized: QuantizedSet) -> QuantizedSet:
+def keep(quantized: QuantizedSet, made_from) -> QuantizedSet:
+    """`quantized`, findable by its key while it lives, and kept as long as `made_from` (the diffusion model its
+    layers were quantized from) lives, until another set is kept for that model."""
     _LIVE[quantized.key] = quantized
+    _LATEST[made_from] = quantized
     return quantized
 
 

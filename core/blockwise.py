@@ -13,6 +13,7 @@ after the call), so the model's own forward, ComfyUI's block-replace patches and
 import dataclasses
 import functools
 import logging
+import weakref
 
 from .call_options import NO_CALL_OPTIONS
 from ..compiler import CompiledMethod
@@ -31,6 +32,10 @@ def block_options(options):
     without tracing it; a later resolution follows `dynamic`."""
     return dataclasses.replace(options, cuda_graphs=False, regional=False, static_shapes="first_step",
                                fast_activations=True)
+
+
+def _run_block_of(forward_ref, *args, **kwargs):
+    return forward_ref()._run_block(*args, **kwargs)
 
 
 class BlockwiseForward:
@@ -82,7 +87,9 @@ class BlockwiseForward:
                                         if cache_config is not None else None)
         # Position among the blocks the step cache sees (the cached stacks', in run order).
         self._cached_position = {path: i for i, path in enumerate(p for block_stack, p, _ in self.blocks if block_stack.cached)}
-        self._block_forwards = [functools.partial(self._run_block, block_stack, path, block)
+        # Through a weak reference: the blocks' forwards live in the module's blocks while it runs, and a forward
+        # bound to this object (which holds the module) would be a cycle that keeps a dropped model's weights.
+        self._block_forwards = [functools.partial(_run_block_of, weakref.ref(self), block_stack, path, block)
                                 for block_stack, path, block in self.blocks]
         self._warned = set()
         self._first_step_sigmas = None  # the first sampling step's sigma tensor, until the blocks' shapes are sealed

@@ -2,8 +2,10 @@
 LTX-Video, LTX-2; Flux.2's tiny file is tests/test_flux2_gpu.py's), on the built-in tiny diffusion-model files loaded by
 ComfyUI's own loader (what Load Diffusion Model does) and sampled by its real sampler, on the CPU. Fidelity is checked
 per model call: every call's output against eager's for the same input."""
+import gc
 import logging
 import re
+import weakref
 
 import pytest
 import torch
@@ -468,6 +470,31 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
     assert_calls_match(high_calls, plain_high, PER_CALL_TOLERANCE)
     assert_calls_match(low_calls[:1], plain_low[:1], PER_CALL_TOLERANCE)  # a full step: the low expert's own
     assert relative_error(low_calls[1][2], plain_low[1][2]) > PER_CALL_TOLERANCE  # then a reused one
+
+
+def test_a_model_every_node_ran_on_is_freed_once_comfyui_lets_go_of_it_without_the_cycle_collector(
+        composition, comfy, nodes, family, first_file, sample):
+    """A user's next file replaces this one in ComfyUI's cache: its weights must go then, not at Python's next cycle
+    collection (a 12 B model's host copy stayed beside the next one's). Quantize, Compile, the step cache and a clone
+    after them (a LoRA loader's), sampled, then unloaded as a load of another file does."""
+    if family != "flux":
+        pytest.skip("the same nodes on every family: run on one")
+    import comfy.model_management
+    import comfy.sd
+    gc.collect()
+    gc.disable()
+    try:
+        model = comfy.sd.load_diffusion_model(str(first_file))
+        quantized = quantize_every_layer(nodes, model, family)[1]
+        compiled = nodes["OverdriveCompileModel"].execute(quantized)[0]
+        cached = nodes["OverdriveDeepCache"].execute(compiled.clone(), mode="fixed", cache_interval=2)[0]
+        sample(cached)
+        comfy.model_management.unload_all_models()
+        module, patcher = weakref.ref(model.model.diffusion_model), weakref.ref(model)
+        del model, quantized, compiled, cached
+        assert patcher() is None and module() is None, [type(r).__name__ for r in gc.get_referrers(module())]
+    finally:
+        gc.enable()
 
 
 def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afresh(comfy, nodes, base, family):

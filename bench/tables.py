@@ -252,7 +252,7 @@ TABLES = {
                                 "2026-12-02_h200_comfy033_dynamic-on_wan22_14b_480p_fa3.json",
                                 "2026-12-02_h200_comfy033_dynamic-on_ltx2_768x512_97f_fa3.json")),
     "sequence_one_gpu": (sequence_on_one_gpu, ("*_parallel_one_gpu.json",)),
-    "soak": (soak, ("*_iteration_soak.json", "*_iteration_soak_*partial.json")),
+    "soak": (soak, ("*_iteration_soak.json", "*_iteration_soak_*partial.json", "*_iteration_soak_freed_*.json")),
     "soak_prompts": (soak_prompts, ("*_dynamic-on_budget-16gib_flux_quarter_iteration_soak.json",
                                     "*_dynamic-on_budget-16gib_flux_full_iteration_soak_partial.json",
                                     "*_dynamic-on_budget-16gib_flux_full_iteration_soak_pinned_home_partial.json",

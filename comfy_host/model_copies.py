@@ -7,6 +7,7 @@ import weakref
 import torch
 
 import comfy.model_patcher
+from comfy.patcher_extension import CallbacksMP
 
 from ..compiler.switch_weights import structural_copy
 from .file_weights import FILE_TENSORS, point_at_file, record_file_tensors
@@ -16,9 +17,11 @@ from .load_state import LAYER_LOADER_STATE, MODEL_LOADER_STATE, forget_load_stat
 # name for its stochastic rounding. A classic copy takes its layer classes' defaults instead.
 DYNAMIC_LAYER_STATE = ("comfy_cast_weights", "seed_key")
 CLASSIC_TWIN = "overdrive_classic_twin"  # on a dynamic-VRAM BaseModel: a weak reference to its classic copy
+CLASSIC_KEPT = "overdrive_classic_clones"  # on a dynamic-VRAM BaseModel: its newest classic clones (see keep_newest)
+KEPT_KEY = "overdrive_classic_kept"  # the ON_PRE_RUN callback's key
 LOADER_RECORDS = "overdrive_loader_records"  # on the classic copy: its loader's records, shared by its clones
 # What Overdrive keeps on a BaseModel about its own copies and loads: not carried into a copy of it.
-OVERDRIVE_RECORDS = (CLASSIC_TWIN, FILE_TENSORS, LOADER_RECORDS, "_apply")
+OVERDRIVE_RECORDS = (CLASSIC_TWIN, CLASSIC_KEPT, FILE_TENSORS, LOADER_RECORDS, "_apply")
 
 
 def with_diffusion_model(model, diffusion_model):
@@ -82,7 +85,32 @@ def classic_clone(model):
     if twin is None:
         twin = _classic_twin(model)
         setattr(base, CLASSIC_TWIN, weakref.ref(twin))  # goes with the last clone that runs it
-    return model.clone(disable_dynamic=True, model_override=(twin, getattr(twin, LOADER_RECORDS)))
+    clone = model.clone(disable_dynamic=True, model_override=(twin, getattr(twin, LOADER_RECORDS)))
+    keep_newest(base, clone)
+    return clone
+
+
+def keep_newest(base, clone) -> None:
+    """`clone` (a classic clone over `base`'s copy) kept by `base` until a newer one has loaded.
+
+    A LoRA, strength or prompt change makes ComfyUI drop the last prompt's Compile Model output before the node runs
+    again: kept, the copy it ran lives on for the next run, with its module's CUDA graphs and step decisions
+    (forward_patch.py keeps them per module), and ComfyUI's loader finds that copy's weights on the GPU. Kept until a
+    newer clone has loaded, as ComfyUI's memory management counts the one it loaded last (a loaded clone gone while
+    its copy lives reads to ComfyUI as a leaked model). Its `parent`, a patcher over `base`, is let go: through this
+    list it would be a reference cycle holding the file's model."""
+    clone.parent = None
+    base.__dict__.setdefault(CLASSIC_KEPT, []).append(clone)
+    clone.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, KEPT_KEY)
+    clone.add_callback_with_key(CallbacksMP.ON_PRE_RUN, KEPT_KEY, functools.partial(_newest_only, weakref.ref(base)))
+
+
+def _newest_only(base_ref, patcher) -> None:
+    """ON_PRE_RUN (a sampling run starts, its models loaded) of a clone over the classic copy: ComfyUI has let go of the
+    older ones (clones of one model replace each other at a load), so only the newest stays kept."""
+    kept = getattr(base_ref(), CLASSIC_KEPT, None)
+    if kept:
+        del kept[:-1]
 
 
 def _classic_twin(model):

@@ -2,11 +2,14 @@
 has its layers' weights in the dtypes they were built for. The dynamic-VRAM paths themselves need an NVIDIA GPU
 (comfy-aimdo): tests/test_dynamic_vram_gpu.py."""
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
 
 from overdrive.builtin_models.dit import ensure_diffusion_model
+from test_dit_families import sampler
 
 
 @contextlib.contextmanager
@@ -57,6 +60,36 @@ def test_compile_clone_of_a_classic_model_is_a_plain_clone(comfy, tmp_path):
     model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("wan22", "tiny", 0, tmp_path)))
     clone, reloaded = compile_clone(model)
     assert not reloaded and clone.model is model.model and clone is not model
+
+
+def test_the_classic_copy_outlives_a_dropped_compile_output_and_goes_with_its_file(comfy, tmp_path):
+    """ComfyUI drops the last prompt's Compile Model output before the node runs again (a LoRA or strength change):
+    the next classic clone runs the same copy, whose module keeps the CUDA graphs and step decisions. The newest clone
+    stays kept until a newer one has loaded, and all of it goes with the file's model, by reference count."""
+    import comfy.model_management
+    import comfy.sd
+    from overdrive.comfy_host.model_copies import CLASSIC_KEPT, classic_clone
+
+    gc.collect()
+    gc.disable()
+    try:
+        sample = sampler("flux")
+        model = comfy.sd.load_diffusion_model(str(ensure_diffusion_model("flux", "tiny", 0, tmp_path)))
+        first = classic_clone(model.clone())
+        twin = weakref.ref(first.model)
+        sample(first)
+        del first  # the cache's output of the last prompt
+        second = classic_clone(model.clone())
+        assert second.model is twin()
+        assert len(getattr(model.model, CLASSIC_KEPT)) == 2  # the loaded one until the newer one runs
+        sample(second)
+        assert getattr(model.model, CLASSIC_KEPT) == [second]
+        comfy.model_management.unload_all_models()
+        file_model = weakref.ref(model.model)
+        del model, second
+        assert file_model() is None and twin() is None
+    finally:
+        gc.enable()
 
 
 def test_the_gpu_budget_is_the_reserve_or_the_memory_fraction_whichever_is_lower(comfy, monkeypatch):

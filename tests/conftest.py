@@ -22,20 +22,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
-# Tests that run ComfyUI servers, soaks or other processes of their own. Under pytest-xdist's `--dist loadgroup` they
-# share one worker, one after another: two of them at once (with the other worker's in-process ComfyUI) ran a 24 GiB
-# machine out of memory.
-OWN_PROCESSES = "own-processes"
-OWN_PROCESS_FILES = {"test_iteration_soak.py", "test_soak.py", "test_browser.py", "test_parallel.py",
-                     "test_diffusers_parallel.py", "test_run_main.py", "test_compile_cache.py", "test_install.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in OWN_PROCESS_FILES or {"server", "client"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(OWN_PROCESSES))
-
-
 @pytest.fixture(autouse=True)
 def fixed_random_stream():
     """Every test draws from the same random stream on every run, so a tolerance that passed once cannot fail on a

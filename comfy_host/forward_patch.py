@@ -7,7 +7,6 @@ import hashlib
 import weakref
 
 import torch
-from comfy.patcher_extension import CallbacksMP
 from comfy.ldm.modules.diffusionmodules.openaimodel import forward_timestep_embed
 from comfy.ldm.modules.diffusionmodules.util import timestep_embedding
 
@@ -22,7 +21,8 @@ from .comfy_steps import ComfySteps
 from .progress import comfy_progress
 
 FORWARD = "diffusion_model.forward"
-DETACH_KEY = "overdrive_forward"  # the ON_DETACH callback's key
+# BaseModels whose diffusion model's forward attribute is let go when they go (see let_go_of_forward_with)
+_FORWARD_LET_GO = weakref.WeakSet()
 # diffusion model -> {the layers swapped in: (its BlockGraphs, weak references to those layers)}; outside the module, so
 # that copies of it (Switch Weights) do not copy recordings
 GRAPHS_SHELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -99,7 +99,11 @@ class ComfyHost(Host):
                                                percent_to_sigma=self.percent_to_sigma, call_options=self.call_options)
 
     def percent_to_sigma(self, percent):
-        return self.base_model().model_sampling.percent_to_sigma(percent)
+        base = self.base_model()
+        if base is None:  # a copy of this forward (a deep-copied step cache) outlived the model it was built for
+            raise RuntimeError("Overdrive's step cache was asked for the sampling schedule of a model that ComfyUI has "
+                               "let go of: run the DeepCache node again on the model you sample.")
+        return base.model_sampling.percent_to_sigma(percent)
 
 
 def installed_stack(model) -> Stack | None:
@@ -126,8 +130,7 @@ def install(model, stack: Stack):
         step_clock.remove(model)
     else:
         model.add_object_patch(FORWARD, forward)
-        model.remove_callbacks_with_key(CallbacksMP.ON_DETACH, DETACH_KEY)
-        model.add_callback_with_key(CallbacksMP.ON_DETACH, DETACH_KEY, drop_restored_forward)
+        let_go_of_forward_with(model.model)
         conds_on_device.add(model)
         if stack.cache_config is not None:  # only DeepCache reads the clock
             step_clock.add(model)
@@ -136,13 +139,22 @@ def install(model, stack: Stack):
     return forward
 
 
-def drop_restored_forward(model, unpatch_all) -> None:
-    """ON_DETACH: ComfyUI's unpatch puts back what the forward patch replaced, the module's own bound `forward`, as an
-    attribute of the module: a method bound to its module, a reference cycle that would keep a dropped model's weights
-    until Python's cycle collector runs. The class's forward is the same method without it."""
-    module = model.model.diffusion_model
-    restored = module.__dict__.get("forward")
-    if getattr(restored, "__self__", None) is module and getattr(restored, "__func__", None) is type(module).forward:
+def let_go_of_forward_with(base_model) -> None:
+    """When ComfyUI's `base_model` goes, its diffusion model's `forward` attribute goes too: Overdrive's forward, which
+    ComfyUI leaves applied after a run (a model dropped while loaded), or the module's own bound method, which an
+    unpatch puts back. Either holds the module, a reference cycle that would keep the model's weights (on the GPU, for
+    a loaded one) until Python's cycle collector runs, out of ComfyUI's sight."""
+    if base_model not in _FORWARD_LET_GO:
+        _FORWARD_LET_GO.add(base_model)
+        weakref.finalize(base_model, _drop_forward, weakref.ref(base_model.diffusion_model))
+
+
+def _drop_forward(module_ref) -> None:
+    module = module_ref()
+    forward = None if module is None else module.__dict__.get("forward")
+    bound_to_it = getattr(forward, "__self__", None) is module and \
+        getattr(forward, "__func__", None) is type(module).forward
+    if forward is not None and (bound_to_it or stack_of(forward) is not None):
         del module.__dict__["forward"]
 
 

@@ -91,14 +91,14 @@ def classic_clone(model):
 
 
 def keep_newest(base, clone) -> None:
-    """`clone` (a classic clone over `base`'s copy) kept by `base` until a newer one has loaded.
+    """`clone` (a classic clone over `base`'s copy) kept by `base` until a newer one starts a sampling run.
 
     A LoRA, strength or prompt change makes ComfyUI drop the last prompt's Compile Model output before the node runs
     again: kept, the copy it ran lives on for the next run, with its module's CUDA graphs and step decisions
-    (forward_patch.py keeps them per module), and ComfyUI's loader finds that copy's weights on the GPU. Kept until a
-    newer clone has loaded, as ComfyUI's memory management counts the one it loaded last (a loaded clone gone while
-    its copy lives reads to ComfyUI as a leaked model). Its `parent`, a patcher over `base`, is let go: through this
-    list it would be a reference cycle holding the file's model."""
+    (forward_patch.py keeps them per module), and ComfyUI's loader finds that copy's weights on the GPU. The clone
+    ComfyUI loaded last stays kept until then (a loaded clone gone while its copy lives reads to ComfyUI as a leaked
+    model). Its `parent`, a patcher over `base`, is let go: through this list it would be a reference cycle holding the
+    file's model."""
     clone.parent = None
     base.__dict__.setdefault(CLASSIC_KEPT, []).append(clone)
     clone.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, KEPT_KEY)
@@ -106,11 +106,17 @@ def keep_newest(base, clone) -> None:
 
 
 def _newest_only(base_ref, patcher) -> None:
-    """ON_PRE_RUN (a sampling run starts, its models loaded) of a clone over the classic copy: ComfyUI has let go of the
-    older ones (clones of one model replace each other at a load), so only the newest stays kept."""
-    kept = getattr(base_ref(), CLASSIC_KEPT, None)
-    if kept:
-        del kept[:-1]
+    """ON_PRE_RUN (a sampling run starts, its models loaded): where `patcher` runs the classic copy, ComfyUI's load
+    replaced the copy's other clones, so only the newest stays kept, and the one `patcher` was cloned from (ComfyUI
+    counts the model as that one once `patcher` is gone)."""
+    base = base_ref()
+    kept, held = getattr(base, CLASSIC_KEPT, None), getattr(base, CLASSIC_TWIN, None)
+    if not kept or held is None or patcher.model is not held():
+        return  # another model's run (a Switch Weights copy made from a classic clone): nothing of these replaced
+    source = patcher
+    while source is not None and not any(source is clone for clone in kept):
+        source = source.parent
+    kept[:] = [clone for clone in kept if clone is kept[-1] or clone is source]
 
 
 def _classic_twin(model):

@@ -16,7 +16,7 @@ from ..quantization.linear_layers import float_weight
 from ..quantization.modules import requantize
 from . import file_weights
 from .load_state import LAYER_LOADER_STATE
-from .quantized_follower import CLASS_PATCH, QuantizedModules
+from .quantized_follower import CLASS_PATCH, QuantizedModules, home_when_unfollowed
 from .quantized_lora import PREFIX, SidePaths, place_side_paths
 from .quantized_patch_routing import QuantizedPatchRouter
 from .quantized_sets import QuantizedSet
@@ -57,6 +57,7 @@ def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size
     follower = QuantizedModules(quantized, layers, originals, patcher.load_device, patcher.offload_device, tree,
                                 patcher.model, file_weights.source_file(patcher), patcher.backup)
     follower.float_size = float_size
+    home_when_unfollowed(follower)
     for kind, callback in ((CallbacksMP.ON_CLONE, router.on_clone), (CallbacksMP.ON_DETACH, follower.on_detach),
                            (CallbacksMP.ON_CLEANUP, follower.on_cleanup), (CallbacksMP.ON_LOAD, follower.on_load),
                            (CallbacksMP.ON_REGISTER_ALL_HOOK_PATCHES, router.on_hook_patches)):

@@ -147,17 +147,7 @@ class QuantizedModules:
 
     def on_detach(self, patcher, unpatch_all) -> None:
         if unpatch_all and self in followers(patcher) and self.offload_device is not None:
-            self.streaming.stop()
-            # unloaded (the float layers went with the tree): copied into their page-locked home, allocated once
-            # (comfy_host/pinned_home.py)
-            if self.offload_device.type == "cpu":
-                try:
-                    self.streaming.home.send(self.modules.values())
-                except Exception as error:  # an unload must not fail ComfyUI's memory management: moved as before
-                    log.warning("Overdrive quantization: the quantized layers' page-locked home failed (%s); they are "
-                                "copied to pageable host memory instead.", error_line(error))
-            move(self.modules.values(), self.offload_device)  # what the home did not take
-            self.quantized.side_paths.to(self.offload_device)
+            send_home(self.quantized, self.modules.values(), self.offload_device)
 
     def on_cleanup(self, patcher) -> None:
         """After each sampling run (also a stopped one): the checkpoint's float layers and classes back into the
@@ -240,6 +230,46 @@ def on_device(module) -> torch.device | None:
                 if tensor is not None:
                     return tensor.device
     return None
+
+
+def send_home(quantized: QuantizedSet, modules, offload_device: torch.device) -> None:
+    """`modules` (layers of `quantized`, or copies baked for one clone) unloaded: copied into their page-locked home,
+    allocated once (comfy_host/pinned_home.py), where the offload device is the host."""
+    quantized.streaming.stop()
+    modules = list(modules)
+    if offload_device.type == "cpu":
+        try:
+            quantized.streaming.home.send(modules)
+        except Exception as error:  # an unload must not fail ComfyUI's memory management: moved as before
+            log.warning("Overdrive quantization: the quantized layers' page-locked home failed (%s); they are copied "
+                        "to pageable host memory instead.", error_line(error))
+    move(modules, offload_device)  # what the home did not take
+    quantized.side_paths.to(offload_device)
+
+
+def home_when_unfollowed(follower: QuantizedModules) -> None:
+    """When `follower` goes and no other clone runs its set's layers: those on the GPU go home, as an unload sends
+    them. A clone ComfyUI drops while loaded (or whose unload went through a patcher without this follower) would
+    otherwise leave them on the card, held by the set (quantized_sets.py keeps it as long as the file's model) and out
+    of ComfyUI's sight."""
+    quantized, offload_device = follower.quantized, follower.offload_device
+    quantized.live_followers.add(follower)
+    if offload_device is not None:
+        finalizer = weakref.finalize(follower, _home_if_unfollowed, weakref.ref(quantized), offload_device)
+        finalizer.atexit = False
+
+
+def _home_if_unfollowed(quantized_ref, offload_device) -> None:
+    quantized = quantized_ref()
+    if quantized is None or any(True for _ in quantized.live_followers):
+        return
+    on_gpu = [layer for layer in quantized.layers.values() if getattr(on_device(layer), "type", None) == "cuda"]
+    if on_gpu:
+        try:
+            send_home(quantized, on_gpu, offload_device)
+        except Exception as error:  # noqa: BLE001 - a finalizer must not raise
+            log.warning("Overdrive quantization: moving the quantized layers of a dropped model off the GPU failed "
+                        "(%s).", error_line(error))
 
 
 def move(modules, device) -> None:

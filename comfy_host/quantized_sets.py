@@ -28,7 +28,8 @@ class QuantizedSet:
     """`layers`: {name: quantized layer}, shared by every clone that runs them (never written after they are made);
     `report`: the decisions, saved under the calibration's `context` (another process quantizing its copy the same way
     reads them there: Parallel Model's workers); `side_paths`: their LoRA side paths; `streaming`: the pinned host
-    copies of those a short card streams (one per layer, whichever clone runs it)."""
+    copies of those a short card streams (one per layer, whichever clone runs it); `live_followers`: the device
+    followers of the clones that run them (quantized_follower.py)."""
 
     layers: dict
     report: QuantReport
@@ -36,6 +37,7 @@ class QuantizedSet:
     key: str = ""
     context: str | None = None
     streaming: StreamedBlocks = dataclasses.field(default_factory=StreamedBlocks)
+    live_followers: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # clones' QuantizedModules
 
 
 def set_key(fingerprint: str, config: dict, fmt: str, device, float_layers) -> str:

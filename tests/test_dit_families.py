@@ -472,11 +472,13 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
     assert relative_error(low_calls[1][2], plain_low[1][2]) > PER_CALL_TOLERANCE  # then a reused one
 
 
+@pytest.mark.parametrize("unloaded", [True, False], ids=["unloaded", "dropped-while-loaded"])
 def test_a_model_every_node_ran_on_is_freed_once_comfyui_lets_go_of_it_without_the_cycle_collector(
-        composition, comfy, nodes, family, first_file, sample):
+        composition, comfy, nodes, family, first_file, sample, unloaded):
     """A user's next file replaces this one in ComfyUI's cache: its weights must go then, not at Python's next cycle
     collection (a 12 B model's host copy stayed beside the next one's). Quantize, Compile, the step cache and a clone
-    after them (a LoRA loader's), sampled, then unloaded as a load of another file does."""
+    after them (a LoRA loader's), sampled, then unloaded as a load of another file does, or dropped still loaded
+    (ComfyUI leaves a run's object patches applied)."""
     if family != "flux":
         pytest.skip("the same nodes on every family: run on one")
     import comfy.model_management
@@ -489,12 +491,43 @@ def test_a_model_every_node_ran_on_is_freed_once_comfyui_lets_go_of_it_without_t
         compiled = nodes["OverdriveCompileModel"].execute(quantized)[0]
         cached = nodes["OverdriveDeepCache"].execute(compiled.clone(), mode="fixed", cache_interval=2)[0]
         sample(cached)
-        comfy.model_management.unload_all_models()
+        if unloaded:
+            comfy.model_management.unload_all_models()
         module, patcher = weakref.ref(model.model.diffusion_model), weakref.ref(model)
         del model, quantized, compiled, cached
         assert patcher() is None and module() is None, [type(r).__name__ for r in gc.get_referrers(module())]
     finally:
         gc.enable()
+
+
+def test_the_last_clone_running_quantized_layers_sends_them_home_when_it_goes(composition, comfy, nodes, family,
+                                                                              first_file, monkeypatch):
+    """The quantized set outlives its clones (it lives as long as the file's model); a clone ComfyUI drops while loaded
+    must not leave the set's layers on the GPU out of ComfyUI's sight: when the last clone running them goes, the
+    layers on the GPU go home as an unload sends them. The CPU has no GPU to leave them on: the layers report "cuda"
+    here, and the move home is recorded."""
+    if family != "flux":
+        pytest.skip("the same nodes on every family: run on one")
+    import comfy.sd
+    from overdrive.comfy_host import quantized_follower
+    sent = []
+    monkeypatch.setattr(quantized_follower, "on_device", lambda layer: torch.device("cuda"))
+    monkeypatch.setattr(quantized_follower, "send_home", lambda quantized, layers, device: sent.append(len(layers)))
+    model = comfy.sd.load_diffusion_model(str(first_file))
+    quantized = quantize_every_layer(nodes, model, family)[1]
+    again = quantize_every_layer(nodes, model.clone(), family)[1]  # another run over the same set (a LoRA change)
+    lora = quantized.clone()
+    gc.collect()
+    del quantized
+    gc.collect()
+    assert not sent  # its clone, and the other run, still run the layers
+    del lora
+    gc.collect()
+    assert not sent
+    layers = len(quantized_follower.followers(again)[0].quantized.layers)
+    del again
+    gc.collect()
+    assert sent == [layers]
 
 
 def test_a_stop_mid_sampling_leaves_the_step_cache_to_start_the_next_prompt_afresh(comfy, nodes, base, family):

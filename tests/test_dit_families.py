@@ -472,13 +472,14 @@ def test_two_experts_share_graphs_and_each_step_cache_starts_its_own_run(comfy, 
     assert relative_error(low_calls[1][2], plain_low[1][2]) > PER_CALL_TOLERANCE  # then a reused one
 
 
-@pytest.mark.parametrize("unloaded", [True, False], ids=["unloaded", "dropped-while-loaded"])
+@pytest.mark.parametrize("after", ["unloaded", "dropped-while-loaded", "an-eager-clone-ran-then-unloaded"])
 def test_a_model_every_node_ran_on_is_freed_once_comfyui_lets_go_of_it_without_the_cycle_collector(
-        composition, comfy, nodes, family, first_file, sample, unloaded):
+        composition, comfy, nodes, family, first_file, sample, after):
     """A user's next file replaces this one in ComfyUI's cache: its weights must go then, not at Python's next cycle
     collection (a 12 B model's host copy stayed beside the next one's). Quantize, Compile, the step cache and a clone
-    after them (a LoRA loader's), sampled, then unloaded as a load of another file does, or dropped still loaded
-    (ComfyUI leaves a run's object patches applied)."""
+    after them (a LoRA loader's), sampled, then unloaded as a load of another file does, dropped still loaded
+    (ComfyUI leaves a run's object patches applied), or unloaded after an eager clone of the same file ran (its
+    unpatch puts the module's own forward back)."""
     if family != "flux":
         pytest.skip("the same nodes on every family: run on one")
     import comfy.model_management
@@ -491,7 +492,9 @@ def test_a_model_every_node_ran_on_is_freed_once_comfyui_lets_go_of_it_without_t
         compiled = nodes["OverdriveCompileModel"].execute(quantized)[0]
         cached = nodes["OverdriveDeepCache"].execute(compiled.clone(), mode="fixed", cache_interval=2)[0]
         sample(cached)
-        if unloaded:
+        if after == "an-eager-clone-ran-then-unloaded":
+            sample(model.clone())
+        if after != "dropped-while-loaded":
             comfy.model_management.unload_all_models()
         module, patcher = weakref.ref(model.model.diffusion_model), weakref.ref(model)
         del model, quantized, compiled, cached

@@ -29,12 +29,16 @@ def device_in_use(device) -> tuple:
     return max(allocated, total - free - cached), allocated
 
 
+def _cuda(device) -> torch.device | None:
+    device = torch.device(device)
+    return device if device.type == "cuda" and torch.cuda.is_available() else None
+
+
 def room_for_weights(device, activations: int = 0) -> int | None:
     """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there (device_in_use)
     and one call's activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to
     keep)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if (device := _cuda(device)) is None:
         return None
     in_use, _ = device_in_use(device)
     return gpu_budget_bytes(device) - in_use - max(ACTIVATIONS_BYTES, activations)
@@ -42,8 +46,7 @@ def room_for_weights(device, activations: int = 0) -> int | None:
 
 def describe_room(device, activations: int = 0) -> str:
     """The figures room_for_weights reads, for a log line ("" off CUDA)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if (device := _cuda(device)) is None:
         return ""
     (in_use, allocated), kept = device_in_use(device), max(ACTIVATIONS_BYTES, activations)
     return (f"card budget {gpu_budget_bytes(device) / 2**30:.2f} GiB, in use {in_use / 2**30:.2f} (PyTorch's "

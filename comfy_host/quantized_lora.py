@@ -19,6 +19,7 @@ strength, the others at 0.
 import dataclasses
 import functools
 import logging
+import uuid
 
 import torch
 from comfy.patcher_extension import CallbacksMP
@@ -123,6 +124,7 @@ class SidePaths:
         self.layers, self.dtype = layers, dtype
         self.by_rank: dict = {}  # rank -> {name: LowRankSidePath}
         self.written: dict = {}  # rank -> {name: [LowRankTerm]} written last
+        self.patches_uuid = uuid.uuid4()  # the weight-patch identity of its clones that patch no weight (see below)
 
     def at_rank(self, rank: int) -> dict:
         """{name: side path} of every layer at `rank` (made on first use, beside each layer)."""
@@ -198,7 +200,20 @@ def place_side_paths(patcher, side_paths: SidePaths, layers: dict) -> int:
         patcher.remove_callbacks_with_key(kind, WRITE_KEY)
         if rank:
             patcher.add_callback_with_key(kind, WRITE_KEY, functools.partial(write_terms, side_paths))
+    if not patches_weights(patcher, layers):
+        # ComfyUI reloads a model whose patches_uuid differs from the one loaded (moving the whole tree to the host and
+        # back, 8-bit layers and all, so their CUDA graphs are recorded again); these clones' LoRAs change no weight it
+        # patches, so they all share one identity and a strength or LoRA change only writes the side paths.
+        patcher.patches_uuid = side_paths.patches_uuid
     return rank
+
+
+def patches_weights(patcher, layers: dict) -> bool:
+    """Whether ComfyUI's load patches or casts any weight of `patcher`'s model: a patch outside `layers` (the
+    quantized layers it runs, whose patches run beside them or were baked into them), a weight wrapper or a cast."""
+    ours = {key for name in layers for key in (weight_key(name), bias_key(name))}
+    return bool(patcher.weight_wrapper_patches) or patcher.force_cast_weights or \
+        any(key not in ours for key in patcher.patches)
 
 
 def side_paths_of(patcher) -> dict:

@@ -169,6 +169,8 @@ class BlockGraphs:
         self._failed = 0      # recordings that failed, until release()
         self.replays = 0
         self.recorded = 0
+        self.recorded_again = 0  # blocks recorded anew because their weights moved (ComfyUI reloaded the model)
+        self._said_moved = False  # that, logged once per model call
 
     def forget_copies(self) -> None:
         """At the end of each model call: which arguments were copied into which buffers holds within one call.
@@ -188,7 +190,8 @@ class BlockGraphs:
         self._failed = 0
 
     def describe(self) -> str:
-        return f"{len(self._recordings)} block CUDA graphs recorded ({self.replays} replays)"
+        again = f", {self.recorded_again} recorded again after a reload" if self.recorded_again else ""
+        return f"{len(self._recordings)} block CUDA graphs recorded ({self.replays} replays{again})"
 
     def call(self, path: str, block: torch.nn.Module, block_stack, run, args: tuple, kwargs: dict):
         """run(*args, **kwargs), the block's compiled call, through its recording when one applies."""
@@ -204,8 +207,11 @@ class BlockGraphs:
             weights = self._weights[path] = _BlockWeights(block)
         pointers = weights.pointers()
         recording = self._recordings.get(path)
-        if recording is not None and recording.signature == signature and recording.weights == pointers:
-            return self._replay(recording, tensors)
+        if recording is not None and recording.signature == signature:
+            if recording.weights == pointers:
+                return self._replay(recording, tensors)
+            if self._calls.get(path, (None, None))[1] != pointers:  # once per move, not at each call until recorded
+                self._weights_moved(path)
         seen = self._calls.get(path)
         count = seen[2] + 1 if seen is not None and seen[0] == signature and seen[1] == pointers else 1
         self._calls[path] = (signature, pointers, count)
@@ -239,6 +245,15 @@ class BlockGraphs:
             log.info("Overdrive: blocks replay as CUDA graphs from now on, each recorded at its second call with the "
                      "same shapes and weights (cuda_graphs=False turns this off)")
         return self._replay(recording, tensors)
+
+    def _weights_moved(self, path: str) -> None:
+        """A recorded block's weights are at other addresses now (a reload put them there): recorded again at its
+        next call, which costs a plain call and a recording per block; said once per model call."""
+        self.recorded_again += 1
+        if not self._said_moved:
+            self._said_moved = True
+            log.info("Overdrive: block %s (and any other of this model call) is recorded again: its weights moved "
+                     "since its CUDA graph was recorded (the model was reloaded)", path)
 
     # -- replay ----------------------------------------------------------------------------------------------------
     def _replay(self, recording: _Recording, tensors: list):

@@ -18,6 +18,7 @@ LEAK = "memory leak with model"
 COMPILED = re.compile(r"Overdrive compiled .*?: (\d+) graph")
 COUNTED = {"calibrations": "cache miss, calibrated", "quantize_reused": "quantized earlier in this process",
            "lora_strengths_written": "LoRA strengths written", "lora_factors_written": "LoRA factors written",
+           "graphs_recorded_again": "is recorded again: its weights moved",
            "fallbacks": "your generation continues"}  # an optimization that failed and was left out, with a warning
 
 

@@ -82,6 +82,38 @@ def test_quantize_model_fp8_then_compile_model(nodes, base, family, sample, eage
              len(report.quantized), error_eager, error)
 
 
+def test_a_lora_strength_change_on_quantize_and_compile_replays_every_recorded_block(comfy, nodes, base, family,
+                                                                                   first_file, models_folder, sample):
+    """The iteration loop's commonest change: a LoRA's strength only. The side paths take it in place, so ComfyUI
+    reloads nothing (a reload moved the 8-bit layers to the host and back, and every block was recorded again) and each
+    block replays the CUDA graph recorded at the first strength."""
+    import comfy.sd
+    import comfy.utils
+
+    from overdrive.builtin_models.lora import ensure_lora
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    lora = comfy.utils.load_torch_file(str(ensure_lora(first_file, models_folder)))
+
+    def with_lora(strength):
+        return comfy.sd.load_lora_for_models(base, None, lora, strength, 0)[0]
+
+    def quantized_and_compiled(strength):
+        return nodes["OverdriveCompileModel"].execute(quantize_every_layer(nodes, with_lora(strength), family,
+                                                                           "fp8_e4m3")[1])[0]
+    strong = quantized_and_compiled(0.8)
+    sample(strong)
+    sample(strong)
+    weak = quantized_and_compiled(0.4)
+    graphs = weak.object_patches["diffusion_model.forward"].graphs
+    recorded, replays = graphs.recorded, graphs.replays
+    assert recorded > 0 and graphs is strong.object_patches["diffusion_model.forward"].graphs
+    _, calls = sample(weak)
+    assert (graphs.recorded, graphs.recorded_again) == (recorded, 0) and graphs.replays > replays, graphs.describe()
+    assert_calls_match(calls, sample(with_lora(0.4))[1], FP8_TOLERANCE)
+
+
 def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, nodes, base, family, sample,
                                                                           monkeypatch):
     """A card too small for every 8-bit layer (fp8 Flux on an 8 GiB card): the layers beyond the room stay in pinned

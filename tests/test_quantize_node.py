@@ -481,6 +481,31 @@ def test_a_lora_strength_change_rewrites_only_the_strengths_beside_the_same_laye
     assert "LoRA strengths written" in caplog.text and "LoRA factors written" not in caplog.text
 
 
+@pytest.mark.parametrize("conv", [False, True], ids=["beside-the-layers-only", "and-on-a-float-layer"])
+def test_a_lora_strength_change_reloads_the_model_only_where_comfyui_patches_a_weight(quantized, node, base, prompt,
+                                                                                      float_layers, sample, conv):
+    """ComfyUI unpatches and reloads a model whose weight patches differ from the loaded ones (moving the whole tree,
+    8-bit layers and all, to the host and back: every CUDA graph of its blocks was recorded again). Where a LoRA runs
+    beside the quantized layers only, a strength change changes no weight ComfyUI patches: it reloads nothing. Where
+    the LoRA also patches a float layer (the 3x3 conv), it must reload, and the new strength reaches that layer."""
+    lora = lora_for(base, float_layers, LORA_LAYERS + ([CONV3X3] if conv else []), seed=8)
+    strong, weak = (quantize(node, with_lora(base, lora, strength), prompt, **EVERYTHING)[0] for strength in (1.0, 0.4))
+    sample(strong)
+    unpatched = []
+    unpatch = type(weak).unpatch_model
+
+    def watched(patcher, device_to=None, unpatch_weights=True):
+        unpatched.append(unpatch_weights)
+        return unpatch(patcher, device_to, unpatch_weights)
+    type(weak).unpatch_model = watched
+    try:
+        out = sample(weak)
+    finally:
+        type(weak).unpatch_model = unpatch
+    assert any(unpatched) == conv, unpatched
+    assert relative_error(out, sample(with_lora(base, lora, 0.4))) < TOLERANCE
+
+
 @pytest.mark.parametrize("unloaded", [True, False], ids=["quantized-model-unloaded", "quantized-model-loaded"])
 def test_a_lora_model_run_after_a_quantized_model_gets_its_lora_on_every_layer(comfy, quantized, base, float_layers,
                                                                                sample, unloaded):

@@ -23,6 +23,7 @@ from ..core.errors import OverdriveError
 from ..core.registry import Registry
 from . import cudnn8, fa3, fa3_fp8, triton8
 from .reference import relative_error
+from .video_sparsity import VideoSparsity
 
 log = logging.getLogger("overdrive")
 
@@ -46,6 +47,9 @@ class AttentionConfig:
     # Where cuDNN's fp8 graph is chosen, a block traced at that shape takes its e4m3 output and dequantizes it in the
     # compiled code (e4m3_output.py). Off: the backend's own 16-bit output (bench/bench_compile.py's A/B).
     e4m3_output: bool = True
+    # A video model's self-attention over its frames, masked by frame distance (video_sparsity.py; ComfyUI's nodes
+    # only, which read the video grid from the model's call). None: dense.
+    video: VideoSparsity | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -14,6 +14,9 @@ ATTENTION_OVERRIDE = "optimized_attention_override"
 # Sequence parallelism's mark on a block's options (comfy_host/sequence_split.py): (text tokens, image tokens) of this
 # process's block inputs, which its attention override reads; the same for every block of a call.
 SEQUENCE_SHARD = "overdrive_sequence_shard"
+# A video model's token grid (frames, height, width), which ComfyUI's Wan code sets: Sparse Video Attention's override
+# reads it.
+VIDEO_GRID = "grid_sizes"
 # ComfyUI copies a ModelPatcher's callbacks here while it samples. They run when the model loads, detaches or is
 # cleaned up (QuantizeModel's device follower, Compile Model's frame release), never in the forward.
 LIFECYCLE_CALLBACKS = "callbacks"
@@ -38,7 +41,11 @@ def shared_block_options(options):
     override = options.get(ATTENTION_OVERRIDE)
     if override is None:
         return shared
-    return {ATTENTION_OVERRIDE: override, **shared} if getattr(override, "overdrive_attention", False) else None
+    if not getattr(override, "overdrive_attention", False):
+        return None
+    if override.config.video is not None and VIDEO_GRID in options:  # the same grid for every block of a call
+        shared[VIDEO_GRID] = options[VIDEO_GRID]
+    return {ATTENTION_OVERRIDE: override, **shared}
 
 
 def step_sigmas(options):

@@ -201,6 +201,9 @@ class Family:
     # reference model with learned weights of this kind (bench/README.md, fidelity table); image models without one
     # take the MMDiT's.
     step_cache_threshold: float = 0.2
+    # ComfyUI's model code gives its attention the video's token grid (transformer_options["grid_sizes"]: frames,
+    # height, width), which Sparse Video Attention masks by (attention/video_sparsity.py).
+    video_grid: bool = False
 
     @property
     def title(self) -> str:

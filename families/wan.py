@@ -52,7 +52,7 @@ FAMILY = register(Family("wan", frozenset({"WanModel"}), (
 ), host_sync_fixes=tuple(HostSyncFix(module, "sinusoidal_embedding_1d", time_embedding, _WHY,
                                      probe=(16, torch.tensor([0.0, 0.5, 999.0])))
                          for module in ("comfy.ldm.wan.model", "comfy.ldm.wan.model_animate")),
-   display_name="Wan", step_cache_threshold=STEP_CACHE_THRESHOLD, static_under_auto=True,
+   display_name="Wan", step_cache_threshold=STEP_CACHE_THRESHOLD, static_under_auto=True, video_grid=True,
    builtin_models=(BUILTIN_WAN22, BUILTIN_WAN22_14B), sequence_splits=(
     SplitFamily(lambda m: double_blocks(m.blocks), lambda m: m.blocks[0].self_attn.num_heads,
                 lambda m: tuple(m.patch_size), joint=False, pe_dim=1, vec_per_token=True),)))

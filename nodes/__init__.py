@@ -6,10 +6,12 @@ from .compile_nodes import OverdriveCompileModel, OverdriveCompileVAE
 from .deepcache_node import OverdriveDeepCache
 from .parallel_model import OverdriveParallelModel
 from .quantize_node import OverdriveQuantizeModel
+from .sparse_video_node import OverdriveSparseVideoAttention
 from .switch_weights_node import OverdriveSwitchDiffusionModel, OverdriveSwitchWeights
 
 NODE_LIST = [OverdriveCompileModel, OverdriveCompileVAE, OverdriveSwitchWeights, OverdriveSwitchDiffusionModel,
-             OverdriveDeepCache, OverdriveQuantizeModel, OverdriveBuiltinConditioning, OverdriveParallelModel]
+             OverdriveDeepCache, OverdriveQuantizeModel, OverdriveBuiltinConditioning, OverdriveParallelModel,
+             OverdriveSparseVideoAttention]
 # node id -> class, as ComfyUI registers them: each class is named after its node id (test_server checks the ids), so
 # importing the nodes builds no schema (the switch nodes' schemas list the model folders).
 NODES = {node.__name__: node for node in NODE_LIST}

@@ -11,9 +11,9 @@ import torch
 
 from overdrive.builtin_models.quantized import LAYOUTS
 from overdrive.compiler import dynamo_graph_count
-from test_dit_families import (FRAMES, RES, assert_calls_match, base, compiled, conditioning,  # noqa: F401
-                               eager, empty_latent, first_file, models_folder, nodes, quantize_every_layer,
-                               sample, second_file)
+from test_dit_families import (CFG, FRAMES, RES, STEPS, assert_calls_match, base, compiled,  # noqa: F401
+                               conditioning, eager, empty_latent, first_file, models_folder, nodes,
+                               quantize_every_layer, record_calls, sample, second_file)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PER_CALL_TOLERANCE = 2e-2  # compiled vs eager in bf16
@@ -112,6 +112,30 @@ def test_a_lora_strength_change_on_quantize_and_compile_replays_every_recorded_b
     _, calls = sample(weak)
     assert (graphs.recorded, graphs.recorded_again) == (recorded, 0) and graphs.replays > replays, graphs.describe()
     assert_calls_match(calls, sample(with_lora(0.4))[1], FP8_TOLERANCE)
+
+
+def test_sparse_video_attention_compiled_replays_its_blocks_and_matches_its_uncompiled_calls(nodes, base, family):
+    """Wan over 5 latent frames, half its steps dense: compiled with CUDA graphs, every block records and replays (the
+    phase switches the mask's tables in place), and each model call matches the same sparse model uncompiled."""
+    import comfy.sample
+
+    if family != "wan22":
+        pytest.skip("a video family's node")
+    latent = empty_latent(family, RES, RES, 17)
+
+    def calls_of(model):
+        recorded, calls = record_calls(model)
+        comfy.sample.sample(recorded, comfy.sample.prepare_noise(latent, 7), STEPS + 2, CFG, "euler", "simple",
+                            conditioning(family, 1), conditioning(family, 2), latent, seed=7, disable_pbar=True)
+        return calls
+    sparse = nodes["OverdriveSparseVideoAttention"].execute(base, dense_steps=0.5)[0]
+    both = nodes["OverdriveCompileModel"].execute(sparse)[0]
+    expected = calls_of(sparse)
+    calls_of(both)
+    calls = calls_of(both)
+    graphs = both.object_patches["diffusion_model.forward"].graphs
+    assert graphs.recorded > 0 and graphs.replays > 0, graphs.describe()
+    assert_calls_match(calls, expected, PER_CALL_TOLERANCE)
 
 
 def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, nodes, base, family, sample,

@@ -103,8 +103,9 @@ def build_vae(comfy, seed: int = 0):
     import io
 
     import comfy.sd
-    # It prints every key it did not get; we fill them just below.
-    with contextlib.redirect_stdout(io.StringIO()), layers_with_weights():
+    # It prints every key it did not get; we fill them just below. (The redirect inside the builds' lock: see
+    # builtin_models/dit.py's _quiet.)
+    with layers_with_weights(), contextlib.redirect_stdout(io.StringIO()):
         vae = comfy.sd.VAE(sd={}, config=SD_VAE_CONFIG)
     seeded_init_(vae.first_stage_model, seed)
     return vae

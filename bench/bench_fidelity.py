@@ -49,6 +49,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cfg", type=float, default=4.0)
     parser.add_argument("--side", type=int, default=128)
+    parser.add_argument("--frames", type=int, default=1, help="video frames (a video model: moving scenes, every "
+                                                              "frame compared)")
     parser.add_argument("--variants", help="comma-separated names of harness/fidelity.py's VARIANTS (default: all)")
     parser.add_argument("--picture", help="PNG: per prompt (the first 6) the scene as drawn by the data, eager's "
                                           "image and each --picture-variants' image")
@@ -59,8 +61,8 @@ def main(argv=None):
     import_comfy(cpu=not torch.cuda.is_available())
     import overdrive.nodes  # noqa: F401  (ComfyUI's per-call options description, as loading the nodes sets it)
 
-    scenes_model = Scenes(args.steps, args.cfg, args.side, args.model)
-    prompts = scene_prompts(args.prompts, args.seed)
+    scenes_model = Scenes(args.steps, args.cfg, args.side, args.model, args.frames)
+    prompts = scene_prompts(args.prompts, args.seed, video=args.frames > 1)
     reference = measure(scenes_model, "eager", [], prompts, None)
     eager = {(r["prompt"], r["seed"]): r["outputs"] for r in reference["per_prompt"]}
     results = [reference]

@@ -36,16 +36,20 @@ VARIANTS = {
     "stepcache-calibrated0.1": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.1})],
     "stepcache-calibrated0.15": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.15})],
     "stepcache-calibrated0.2": [COMPILE, ("OverdriveDeepCache", {"mode": "calibrated", "threshold": 0.2})],
+    # Sparse Video Attention: run on clips (bench_fidelity.py --frames), where the mask skips work
+    "sparse-video": [COMPILE, ("OverdriveSparseVideoAttention", {})],
+    "sparse-video-dense0": [COMPILE, ("OverdriveSparseVideoAttention", {"dense_steps": 0.0})],
+    "sparse-video-window2": [COMPILE, ("OverdriveSparseVideoAttention", {"window": 2})],
     "easycache": [("EasyCache", {})],
     "lazycache": [("LazyCache", {})],
 }
 
 
-def scene_prompts(count: int, seed: int) -> list:
-    """(prompt, seed) pairs: random still scenes, each sampled at its own seed."""
+def scene_prompts(count: int, seed: int, video: bool = False) -> list:
+    """(prompt, seed) pairs: random still scenes (moving ones with `video`), each sampled at its own seed."""
     from overdrive.builtin_models import scenes
     generator = torch.Generator().manual_seed(seed)
-    return [(scenes.random_scene(generator).prompt(), seed + i) for i in range(count)]
+    return [(scenes.random_scene(generator, video=video).prompt(video=video), seed + i) for i in range(count)]
 
 
 def apply_node(node_id: str, model, inputs: dict):
@@ -62,7 +66,7 @@ def apply_node(node_id: str, model, inputs: dict):
 class Scenes:
     """A learned model (builtin_models.learned.MODELS), its VAE and the sampling of one prompt and seed."""
 
-    def __init__(self, steps: int, cfg: float, side: int, name: str = "wan22_14b"):
+    def __init__(self, steps: int, cfg: float, side: int, name: str = "wan22_14b", frames: int = 1):
         import comfy.sd
         import comfy.utils
 
@@ -70,18 +74,18 @@ class Scenes:
         self.learned = learned.MODELS[name]
         self.model = comfy.sd.load_diffusion_model(str(learned.FOLDER / self.learned.dit_file))
         self.vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(learned.FOLDER / self.learned.vae_file)))
-        self.steps, self.cfg, self.side = steps, cfg, side
+        self.steps, self.cfg, self.side, self.frames = steps, cfg, side, frames
 
     def empty_latent(self) -> torch.Tensor:
         from overdrive.builtin_models.dit import empty_latent
-        return empty_latent(self.learned.family, self.side, self.side)
+        return empty_latent(self.learned.family, self.side, self.side, self.frames)
 
     def conditioning(self, prompt: str):
         from overdrive.builtin_models import learned
         return learned.conditioning(self.learned.family, prompt), learned.conditioning(self.learned.family, "")
 
     def sample(self, patcher, prompt: str, seed: int):
-        """(latent, image (1, h, w, 3) in [0, 1], seconds)."""
+        """(latent, image (1, h, w, 3) in [0, 1]: a clip's frames one under the other, seconds)."""
         import comfy.model_management
         import comfy.sample
         positive, negative = self.conditioning(prompt)
@@ -92,7 +96,9 @@ class Scenes:
         out = comfy.sample.sample(patcher, noise, self.steps, self.cfg, "euler", "simple", positive, negative, latent,
                                   seed=seed, disable_pbar=True)
         image = self.vae.decode(out)
-        image = (image[:, 0] if image.ndim == 5 else image).float().cpu()  # a video VAE's first frame
+        if image.ndim == 5:  # a video VAE's (batch, frames, h, w, 3): the first frame of an image, a clip's all
+            image = image[:, 0] if self.frames == 1 else image.flatten(1, 2)
+        image = image.float().cpu()
         synchronize()
         return out.float().cpu(), image, time.perf_counter() - start
 

@@ -122,12 +122,16 @@ def test_the_node_changes_a_wan_clip_only_in_its_sparse_steps(wan, caplog):
     assert 1e-5 < relative_error(late, eager) < relative_error(always, eager) < 0.5
 
 
-def test_compile_model_before_or_after_runs_the_same_mask(wan):
+def test_compile_model_before_or_after_runs_the_same_mask_without_a_graph_break(wan):
+    from torch._dynamo.utils import counters
+
     from overdrive.nodes import OverdriveCompileModel
     expected = sample(sparse(wan, dense_steps=0.5))
     compile_model = OverdriveCompileModel.execute
+    counters.clear()
     assert relative_error(sample(compile_model(sparse(wan, dense_steps=0.5))[0]), expected) < 1e-4
     assert relative_error(sample(sparse(compile_model(wan)[0], dense_steps=0.5)), expected) < 1e-4
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the mask's choice reads no tensor
 
 
 def test_a_model_of_another_family_is_returned_unchanged_with_a_warning(comfy, caplog):

@@ -143,17 +143,18 @@ def latest(reports) -> str:
 def fidelity(reports) -> str:
     """Per accelerator on the reference models with learned weights (bench_fidelity.py): its image against eager's at
     the same prompt and seed, over every prompt of the newest run of that variant per model, machine and image side."""
-    newest = {}  # (model, machine, side) -> {variant: (row, its report)}, newer files replacing older rows
+    newest = {}  # (model, machine, side, frames) -> {variant: (row, its report)}, newer files replacing older rows
     for report in reports:
         settings = report["settings"]
-        key = (settings.get("model", "wan22_14b"), report["environment"].get("gpu", "CPU"), settings["side"])
+        key = (settings.get("model", "wan22_14b"), report["environment"].get("gpu", "CPU"), settings["side"],
+               settings.get("frames", 1))
         for row in report["results"][1:]:
             newest.setdefault(key, {})[row["variant"]] = (row, report)
-    header = ("model", "machine", "side", "variant", "prompts", "PSNR dB mean / median / min", "SSIM",
+    header = ("model", "machine", "side (× frames)", "variant", "prompts", "PSNR dB mean / median / min", "SSIM",
               "final-latent error", "steps full / reused", "s/image", "`bench/results/`")
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for (model, machine, side), variants in sorted(newest.items(), key=lambda item: (
-            item[0][0], item[0][1] != "CPU", item[0][1], item[0][2])):
+    for (model, machine, side, frames), variants in sorted(newest.items(), key=lambda item: (
+            item[0][0], item[0][1] != "CPU", item[0][1], item[0][2], item[0][3])):
         for variant, (row, report) in variants.items():
             eager = next(r for r in report["results"] if r["variant"] == "eager")
             if "failed" in row:
@@ -164,7 +165,8 @@ def fidelity(reports) -> str:
                          f"{row['ssim_mean']:.3f}", f"{row['latent_rel_err_mean']:.3f}",
                          f"{full[0]} / {full[1]}" if full else "—", cell(row, eager)]
             prompts = str(report["settings"]["prompts"])
-            lines.append(" | ".join([f"| {model}", machine, f"{side}²", f"`{variant}`", prompts, *cells,
+            size = f"{side}²" if frames == 1 else f"{side}²×{frames}"
+            lines.append(" | ".join([f"| {model}", machine, size, f"`{variant}`", prompts, *cells,
                                      f"`{report['file']}` |"]))
     return "\n".join(lines)
 

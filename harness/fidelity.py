@@ -40,6 +40,8 @@ VARIANTS = {
     "sparse-video": [COMPILE, ("OverdriveSparseVideoAttention", {})],
     "sparse-video-dense0": [COMPILE, ("OverdriveSparseVideoAttention", {"dense_steps": 0.0})],
     "sparse-video-window2": [COMPILE, ("OverdriveSparseVideoAttention", {"window": 2})],
+    "sparse-video-dense0.5": [COMPILE, ("OverdriveSparseVideoAttention", {"dense_steps": 0.5})],
+    "sparse-video-dense0.75": [COMPILE, ("OverdriveSparseVideoAttention", {"dense_steps": 0.75})],
     "easycache": [("EasyCache", {})],
     "lazycache": [("LazyCache", {})],
 }

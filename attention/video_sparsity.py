@@ -50,6 +50,11 @@ class VideoSparsity:
         if not 0.0 <= self.dense_steps <= 1.0:
             raise VideoSparsityError(f"dense_steps is a share of the sampling steps in [0, 1], got {self.dense_steps}")
 
+    @property
+    def mask(self) -> tuple:
+        """What the mask depends on (not the phase schedule): the key of its plans and phases."""
+        return self.window, self.sink
+
     def keeps(self, query_frame: torch.Tensor, key_frame: torch.Tensor) -> torch.Tensor:
         return ((query_frame - key_frame).abs() <= self.window) | (key_frame < self.sink)
 
@@ -68,6 +73,7 @@ class Plan:
     """The mask of one setting over `tokens` tokens of `per_frame` tokens a frame, on `device`, in its current phase."""
 
     def __init__(self, sparsity: VideoSparsity, tokens: int, per_frame: int, device: torch.device):
+        # `sparsity`: its mask only (the phase comes from set_dense)
         self.sparsity, self.tokens, self.per_frame, self.device = sparsity, tokens, per_frame, device
         self.dense = False
         self.reported = False
@@ -83,19 +89,22 @@ class Plan:
         return mask_mod
 
     def block_mask(self):
-        """FlexAttention's BlockMask, made once; its tables hold the current phase's."""
-        if self._block_mask is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-            made = {}
-            for dense in (True, False):
-                self._flag.fill_(dense)
-                made[dense] = create_block_mask(self._mask_mod(), None, None, self.tokens, self.tokens,
-                                                device=self.device, BLOCK_SIZE=BLOCK)
-            self._tables = {dense: {name: getattr(mask, name).clone() for name in TABLES}
-                            for dense, mask in made.items()}
-            self._block_mask = made[False]
-            self._write(self.dense)
-        return self._block_mask
+        """FlexAttention's BlockMask, made once; its tables hold the current phase's. On CUDA its making is compiled,
+        block by block: made eagerly it holds the whole token-by-token mask at once (tens of GiB at 720p)."""
+        with _LOCK:  # one BlockMask per plan: a graph recorded over a second one would read stale tables
+            if self._block_mask is None:
+                from torch.nn.attention.flex_attention import create_block_mask
+                made = {}
+                for dense in (True, False):
+                    self._flag.fill_(dense)
+                    made[dense] = create_block_mask(self._mask_mod(), None, None, self.tokens, self.tokens,
+                                                    device=self.device, BLOCK_SIZE=BLOCK,
+                                                    _compile=self.device.type == "cuda")
+                self._tables = {dense: {name: getattr(mask, name).clone() for name in TABLES}
+                                for dense, mask in made.items()}
+                self._block_mask = made[False]
+                self._write(self.dense)
+            return self._block_mask
 
     def token_mask(self) -> torch.Tensor | None:
         """SDPA's boolean mask in the sparse phase, None in the dense one (the path off CUDA)."""
@@ -119,28 +128,31 @@ class Plan:
             getattr(self._block_mask, name).copy_(table)
 
 
+# Plans live as long as the process: a CUDA graph recorded over one reads its tables by address. A few MiB each at
+# 720p (its tables three times: live, dense, sparse), one per mask, size and device.
 _PLANS: dict = {}
-_DENSE: dict = {}  # VideoSparsity -> whether its current model call is in the dense phase
-_LOCK = threading.Lock()
+_DENSE: dict = {}  # mask (window, sink) -> whether the model call about to run is in the dense phase
+_LOCK = threading.RLock()
 _FLEX = None
 
 
 def plan_for(sparsity: VideoSparsity, tokens: int, per_frame: int, device: torch.device) -> Plan:
-    key = (sparsity, tokens, per_frame, device)
+    key = (sparsity.mask, tokens, per_frame, device)
     with _LOCK:
         plan = _PLANS.get(key)
         if plan is None:
             plan = _PLANS[key] = Plan(sparsity, tokens, per_frame, device)
-            plan.set_dense(_DENSE.get(sparsity, False))
+            plan.set_dense(_DENSE.get(sparsity.mask, False))
         return plan
 
 
 def set_dense(sparsity: VideoSparsity, dense: bool) -> None:
-    """The phase of the model calls that follow, for every shape of `sparsity` (set before each model call)."""
+    """The phase of the model calls that follow, for every size of `sparsity`'s mask (set before each model call:
+    ComfyUI samples one model at a time)."""
     with _LOCK:
-        _DENSE[sparsity] = dense
+        _DENSE[sparsity.mask] = dense
         for plan in _PLANS.values():
-            if plan.sparsity == sparsity:
+            if plan.sparsity.mask == sparsity.mask:
                 plan.set_dense(dense)
 
 
@@ -157,22 +169,22 @@ def applies(sparsity: VideoSparsity, q: torch.Tensor, k: torch.Tensor, grid) -> 
 
 
 @torch.library.custom_op("overdrive::video_attention", mutates_args=())
-def video_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_frame: int, window: int, sink: int,
-                    dense_steps: float) -> torch.Tensor:
+def video_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_frame: int, window: int,
+                    sink: int) -> torch.Tensor:
     """(batch, heads, tokens, head dim) q, k, v -> (batch, tokens, heads, head dim), contiguous, as
-    overdrive::attention; the mask by the current phase of these settings."""
-    plan = plan_for(VideoSparsity(window, sink, dense_steps), q.shape[2], per_frame, q.device)
+    overdrive::attention; the mask as the current phase has it."""
+    plan = plan_for(VideoSparsity(window, sink), q.shape[2], per_frame, q.device)
     if q.is_cuda and not plan.failed:  # both phases: a CUDA graph recorded in one replays the other's tables
         out = _flex_or_dense(plan, q, k, v)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if plan.failed else plan.token_mask())
+        out = _masked_or_dense(plan, q, k, v)
     if not plan.reported and not plan.dense and not capturing():
         _report(plan, q, k, v, out)
     return out.transpose(1, 2).contiguous()
 
 
 @video_attention.register_fake
-def _(q, k, v, per_frame, window, sink, dense_steps):
+def _(q, k, v, per_frame, window, sink):
     batch, heads, tokens, dim = q.shape
     return q.new_empty((batch, tokens, heads, v.shape[-1]))
 
@@ -187,10 +199,24 @@ def _flex_or_dense(plan: Plan, q, k, v) -> torch.Tensor:
     except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
         if capturing():
             raise  # the recorder runs the block without a graph, and this call again
-        plan.failed = True
-        log.warning("Overdrive sparse video attention failed at %s (%s: %s); this shape runs dense attention, your "
-                    "generation continues.", tuple(q.shape), type(error).__name__, str(error)[:200])
+        return _dense_from_now(plan, q, k, v, error)
+
+
+def _masked_or_dense(plan: Plan, q, k, v) -> torch.Tensor:
+    """Off CUDA: SDPA with the boolean mask (the reference the tests compare), all of it at once."""
+    if plan.failed:
         return F.scaled_dot_product_attention(q, k, v)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.token_mask())
+    except Exception as error:  # noqa: BLE001 - a generation never fails because of an optimization
+        return _dense_from_now(plan, q, k, v, error)
+
+
+def _dense_from_now(plan: Plan, q, k, v, error) -> torch.Tensor:
+    plan.failed = True
+    log.warning("Overdrive sparse video attention failed at %s (%s: %s); this size runs dense attention, your "
+                "generation continues.", tuple(q.shape), type(error).__name__, str(error)[:200])
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 def _report(plan: Plan, q, k, v, out) -> None:

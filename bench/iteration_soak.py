@@ -57,7 +57,8 @@ def run(args) -> tuple:
             if name in USED}
     steps = (plan(info, files, args.res, args.steps, args.cycles, not args.no_stops, args.core) if args.phase == "soak"
              else restart_plan(info, files, args.res, args.steps))
-    soak = Soak(comfy, log=lambda line: print(line, flush=True))
+    # On stderr: a build's stdout redirect (a thread writing the second model) would swallow the rows meanwhile
+    soak = Soak(comfy, log=lambda line: print(line, file=sys.stderr, flush=True))
     first_other = next((i for i, step in enumerate(steps) if files.other in json.dumps(step.prompt)), len(steps))
     soak.run(steps[:first_other])
     other_written.join()

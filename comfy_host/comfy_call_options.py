@@ -43,7 +43,8 @@ def shared_block_options(options):
         return shared
     if not getattr(override, "overdrive_attention", False):
         return None
-    if override.config.video is not None and VIDEO_GRID in options:  # the same grid for every block of a call
+    video = getattr(getattr(override, "config", None), "video", None)  # sequence parallelism's has no config
+    if video is not None and VIDEO_GRID in options:  # the same grid for every block of a call
         shared[VIDEO_GRID] = options[VIDEO_GRID]
     return {ATTENTION_OVERRIDE: override, **shared}
 

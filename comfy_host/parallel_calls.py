@@ -44,6 +44,14 @@ def carried(transformer_options: dict) -> dict:
     return {**plain(transformer_options), **kept}
 
 
+def patch_key(patches: dict) -> tuple:
+    """Each weight patch's key, strengths and data, the data by identity: not the patcher's patches_uuid, which the
+    clones of a quantized model share across LoRA strengths and files where every LoRA runs beside the 8-bit layers
+    (quantized_lora.place_side_paths)."""
+    return tuple((key, tuple((entry[0], id(entry[1]), *map(repr, entry[2:])) for entry in entries))
+                 for key, entries in sorted(patches.items()))
+
+
 def plain(value):
     """What of a call's options can travel to another process: data (tensors, numbers, strings and containers of
     them); functions, patches and wrappers stay here."""
@@ -68,6 +76,7 @@ class Pools:
 
     def __init__(self):
         self.pool, self.key = None, None
+        self.patches = {}  # the pool's weight patches: kept, so that the ids in its key are not reused
 
     def get(self, init: tuple, processes: int, cuda: bool, patcher=None) -> WorkerPool:
         """The pool for the model file `init` as `patcher` (the ModelPatcher running the call) runs it: its weight
@@ -76,7 +85,7 @@ class Pools:
         patches = patcher.patches if patcher is not None else {}
         stack = installed_stack(patcher) if patcher is not None else None
         quantize = quantize_recipe(patcher)
-        key = (repr(init), processes, cuda, patcher.patches_uuid if patches else None, stack, repr(quantize))
+        key = (repr(init), processes, cuda, patch_key(patches), stack, repr(quantize))
         if self.pool is not None and self.key == key and self.pool.alive():
             return self.pool
         same_processes = (self.pool is not None and self.pool.placement == Placement(processes, cuda)
@@ -94,7 +103,7 @@ class Pools:
         except BaseException:
             self.pool, self.key = None, None  # closed by the pool itself
             raise
-        self.key = key
+        self.key, self.patches = key, dict(patches)
         return self.pool
 
     def close(self) -> None:
@@ -119,6 +128,8 @@ def why_not_carried(patcher) -> str | None:
     override = patcher.model_options.get("transformer_options", {}).get(ATTENTION_OVERRIDE)
     if override is not None and not getattr(override, "overdrive_attention", False):
         return "another node's attention override, which its workers cannot run"
+    if getattr(getattr(override, "config", None), "video", None) is not None:
+        return "Sparse Video Attention, whose dense and sparse steps this process sets before each call"
     if quantized_modules(patcher) and quantize_recipe(patcher) is None:
         return "its quantized layers were not made by Quantize Model, which its workers repeat"
     return None

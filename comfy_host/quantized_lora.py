@@ -124,7 +124,7 @@ class SidePaths:
         self.layers, self.dtype = layers, dtype
         self.by_rank: dict = {}  # rank -> {name: LowRankSidePath}
         self.written: dict = {}  # rank -> {name: [LowRankTerm]} written last
-        self.patches_uuid = uuid.uuid4()  # the weight-patch identity of its clones that patch no weight (see below)
+        self.patches_uuid = None  # the weight-patch identity of its clones that patch no weight (unpatched_uuid)
 
     def at_rank(self, rank: int) -> dict:
         """{name: side path} of every layer at `rank` (made on first use, beside each layer)."""
@@ -138,6 +138,17 @@ class SidePaths:
     def bytes(self, rank: int) -> int:
         return sum(t.numel() * t.element_size() for path in self.by_rank.get(rank, {}).values()
                    for t in (path.down, path.up, path.scale))
+
+    def unpatched_uuid(self, patcher):
+        """The weight-patch identity of this set's clones whose LoRAs all run beside the layers: that of the
+        unpatched model `patcher` descends from (ComfyUI then reloads nothing between it and them either, as before
+        any LoRA), else a new one."""
+        if self.patches_uuid is None:
+            source = patcher
+            while source is not None and not unpatched(source):
+                source = source.parent
+            self.patches_uuid = source.patches_uuid if source is not None else uuid.uuid4()
+        return self.patches_uuid
 
     def to(self, device) -> None:
         """Every side path's own buffers onto `device` (their layers move with the model)."""
@@ -204,7 +215,7 @@ def place_side_paths(patcher, side_paths: SidePaths, layers: dict) -> int:
         # ComfyUI reloads a model whose patches_uuid differs from the one loaded (moving the whole tree to the host and
         # back, 8-bit layers and all, so their CUDA graphs are recorded again); these clones' LoRAs change no weight it
         # patches, so they all share one identity and a strength or LoRA change only writes the side paths.
-        patcher.patches_uuid = side_paths.patches_uuid
+        patcher.patches_uuid = side_paths.unpatched_uuid(patcher)
     return rank
 
 
@@ -214,6 +225,10 @@ def patches_weights(patcher, layers: dict) -> bool:
     ours = {key for name in layers for key in (weight_key(name), bias_key(name))}
     return bool(patcher.weight_wrapper_patches) or patcher.force_cast_weights or \
         any(key not in ours for key in patcher.patches)
+
+
+def unpatched(patcher) -> bool:
+    return not (patcher.patches or patcher.weight_wrapper_patches or patcher.force_cast_weights)
 
 
 def side_paths_of(patcher) -> dict:

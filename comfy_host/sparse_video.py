@@ -23,6 +23,9 @@ def with_sparse_video(model, sparsity: VideoSparsity):
     """A clone of `model` whose video self-attention runs masked by `sparsity`; the clone unchanged, with a warning,
     where the model is not one of the video families or another node overrides attention."""
     clone = model.clone()
+    if sparsity.dense_steps >= 1.0:
+        log.info("Overdrive Sparse Video Attention: every step dense (dense_steps 1): nothing changed.")
+        return clone
     family = family_of(clone.get_model_object("diffusion_model"))
     if family is None or not family.video_grid:
         log.warning("Overdrive Sparse Video Attention: %s is not a video model it masks (%s); its attention stays "

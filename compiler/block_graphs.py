@@ -176,6 +176,7 @@ class BlockGraphs:
         """At the end of each model call: which arguments were copied into which buffers holds within one call.
         (Within it, an argument the model's own code changes in place between two block calls is not seen.)"""
         self._filled.clear()
+        self._said_moved = False
 
     def release(self) -> None:
         """Drop every recording (and with the last one, the pool's memory)."""

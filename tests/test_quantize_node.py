@@ -487,9 +487,14 @@ def test_a_lora_strength_change_reloads_the_model_only_where_comfyui_patches_a_w
     """ComfyUI unpatches and reloads a model whose weight patches differ from the loaded ones (moving the whole tree,
     8-bit layers and all, to the host and back: every CUDA graph of its blocks was recorded again). Where a LoRA runs
     beside the quantized layers only, a strength change changes no weight ComfyUI patches: it reloads nothing. Where
-    the LoRA also patches a float layer (the 3x3 conv), it must reload, and the new strength reaches that layer."""
+    the LoRA also patches a float layer (the 3x3 conv), it must reload, and the new strength reaches that layer. The
+    identity the clones share is the unpatched model's, as a quantized clone without a LoRA has it; Parallel Model's
+    workers still tell the strengths apart."""
+    from overdrive.comfy_host.parallel_calls import patch_key
     lora = lora_for(base, float_layers, LORA_LAYERS + ([CONV3X3] if conv else []), seed=8)
     strong, weak = (quantize(node, with_lora(base, lora, strength), prompt, **EVERYTHING)[0] for strength in (1.0, 0.4))
+    assert (strong.patches_uuid == weak.patches_uuid == base.patches_uuid) != conv
+    assert quantized["model"].patches_uuid == base.patches_uuid and patch_key(strong.patches) != patch_key(weak.patches)
     sample(strong)
     unpatched = []
     unpatch = type(weak).unpatch_model

@@ -58,3 +58,30 @@ def test_the_command_line_writes_files_comfyui_loads(comfy, tmp_path):
     assert type(model.model.model_config).__name__ == "WAN22_T2V"
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_path))
     assert vae.latent_channels == 48
+
+
+def test_a_layout_made_while_another_thread_builds_leaves_stdout_as_it_was(comfy):
+    """Builds silence ComfyUI's prints by redirecting stdout, which is process-wide: a thread that redirected before
+    waiting for the builds' lock restored the other thread's redirect at its end, and the process printed into it
+    for good (the iteration soak writes its second model beside its prompts)."""
+    import sys
+    import threading
+
+    from overdrive.builtin_models.dit import _quiet, layers_with_weights
+
+    stdout, inside, leave = sys.stdout, threading.Event(), threading.Event()
+
+    def hold_a_build():
+        with layers_with_weights(), _quiet():
+            inside.set()
+            leave.wait(30)
+    other = threading.Thread(target=hold_a_build)
+    other.start()
+    inside.wait(30)
+    building = threading.Thread(target=vae_layout, args=("wan21", "tiny"))
+    building.start()
+    building.join(0.5)  # it waits for the other build: let it get as far as it can before that one ends
+    leave.set()
+    other.join(30)
+    building.join(60)
+    assert sys.stdout is stdout

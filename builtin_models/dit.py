@@ -111,11 +111,13 @@ def _specs(module: torch.nn.Module) -> Specs:
     return out
 
 
-def _quiet():
-    """ComfyUI's prints while a model is laid out, dropped. Inside layers_with_weights' lock: stdout is process-wide,
-    and two threads' redirects ending out of order (the iteration soak writes its second model beside its prompts)
-    left it pointing at one of them for good, so the soak's own lines never reached its log."""
-    return contextlib.redirect_stdout(io.StringIO())
+@contextlib.contextmanager
+def quiet_build():
+    """layers_with_weights, with ComfyUI's prints while a model is laid out dropped. The redirect inside its lock:
+    stdout is process-wide, and two threads' redirects ending out of order (the iteration soak writes its second model
+    beside its prompts) left it pointing at one of them for good, so the soak's own lines never reached its log."""
+    with layers_with_weights(), contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 # The switch below is process-wide: one build at a time, or a thread writing a file beside another's build (the
@@ -149,7 +151,7 @@ def build_model(family: str, size: str, dtype: torch.dtype, device, overrides: O
     if type(model_config).__name__ != expected:
         raise AssertionError(f"{family}/{size}: ComfyUI picks {type(model_config).__name__} for {cfg}, not {expected}")
     model_config.set_inference_dtype(dtype, None)
-    with torch.device(device), layers_with_weights(), _quiet():
+    with torch.device(device), quiet_build():
         return model_config.get_model({}, "", device=device)
 
 
@@ -184,7 +186,7 @@ def vae_layout(name: str, size: str) -> Specs:
     comfy = _import_comfy()
     kind, cfg = VAES[name]
     cfg = {**cfg, **(TINY_VAE.get(name, {}) if size == "tiny" else {})}
-    with torch.device("meta"), layers_with_weights(), _quiet():
+    with torch.device("meta"), quiet_build():
         if kind == "sd_kl":
             import comfy.ldm.models.autoencoder
             module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=cfg, embed_dim=cfg["z_channels"])

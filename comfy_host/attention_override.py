@@ -9,7 +9,7 @@ import torch
 from ..attention import video_sparsity
 from ..attention.choice import AttentionConfig, OnePerConfig, bound
 from ..attention.op import attend, fits
-from .comfy_call_options import ATTENTION_OVERRIDE, VIDEO_GRID
+from .comfy_call_options import ATTENTION_OVERRIDE, VIDEO_GRID, video_sparsity_of
 
 
 EXACT = AttentionConfig("exact")
@@ -59,7 +59,7 @@ def install_attention(patcher, config: AttentionConfig) -> str:
     options = patcher.model_options.setdefault("transformer_options", {})
     current = options.get(ATTENTION_OVERRIDE)
     ours = getattr(current, "overdrive_attention", False)
-    video = current.config.video if ours else None  # Sparse Video Attention's mask stays with the model
+    video = video_sparsity_of(current) if ours else None  # Sparse Video Attention's mask stays with the model
     if config.mode == "sdpa" and video is None:
         if ours:
             del options[ATTENTION_OVERRIDE]

@@ -43,10 +43,15 @@ def shared_block_options(options):
         return shared
     if not getattr(override, "overdrive_attention", False):
         return None
-    video = getattr(getattr(override, "config", None), "video", None)  # sequence parallelism's has no config
-    if video is not None and VIDEO_GRID in options:  # the same grid for every block of a call
+    if video_sparsity_of(override) is not None and VIDEO_GRID in options:  # the same grid for every block of a call
         shared[VIDEO_GRID] = options[VIDEO_GRID]
     return {ATTENTION_OVERRIDE: override, **shared}
+
+
+def video_sparsity_of(override):
+    """The Sparse Video Attention settings an attention override carries, or None (sequence parallelism's override
+    carries no settings)."""
+    return getattr(getattr(override, "config", None), "video", None)
 
 
 def step_sigmas(options):

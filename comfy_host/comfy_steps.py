@@ -10,26 +10,38 @@ from ..step_cache.schedule import DeferredFloats, host_floats
 OWN_PATCHES = "overdrive_"
 
 
+class RunSchedule:
+    """The sampler's sigma list of the run a call belongs to (transformer_options["sample_sigmas"]), as host floats:
+    read once per run, () where the call carries none."""
+
+    def __init__(self):
+        self._schedule = (None, ())  # (the run's sample_sigmas tensor, its values)
+
+    def __call__(self, options: dict) -> tuple:
+        sample_sigmas = options.get("sample_sigmas")
+        if not isinstance(sample_sigmas, torch.Tensor):
+            self._schedule = (None, ())
+        elif sample_sigmas is not self._schedule[0]:
+            self._schedule = (sample_sigmas, tuple(host_floats([sample_sigmas])[0]))
+        return self._schedule[1]
+
+
 class ComfySteps:
     """A call returns a function giving (sigma, run key, branch, why the call cannot be cached or None): the call's
     sigma is copied to the host without waiting (DeferredFloats), so the host queues the model's first blocks before
     it waits for the previous step to end; the sampler's sigma list is read once per run."""
 
     def __init__(self):
-        self._schedule = (None, ())  # (the run's sample_sigmas tensor, its values)
+        self._schedule = RunSchedule()
 
     def __call__(self, args, kwargs):
         options = kwargs.get("transformer_options") or {}
         x = args[0] if args else kwargs.get("x")
-        sigmas, sample_sigmas = (options.get(name) for name in ("sigmas", "sample_sigmas"))
-        if not isinstance(sample_sigmas, torch.Tensor):
-            self._schedule = (None, ())
-        elif sample_sigmas is not self._schedule[0]:
-            self._schedule = (sample_sigmas, tuple(host_floats([sample_sigmas])[0]))
+        sigmas = options.get("sigmas")
+        schedule = self._schedule(options)
         pending = DeferredFloats([sigmas]) if isinstance(sigmas, torch.Tensor) else None
         first = x[0] if isinstance(x, (list, tuple)) and x else x  # LTX-2 gets [video, audio]
-        run_key = (latent_shapes(x), str(getattr(first, "dtype", "")), str(getattr(first, "device", "")),
-                   self._schedule[1])
+        run_key = (latent_shapes(x), str(getattr(first, "dtype", "")), str(getattr(first, "device", "")), schedule)
         branch = (tuple(options.get("cond_or_uncond") or ()), latent_shapes(x))
         structural = None
         if kwargs.get("control") is not None:

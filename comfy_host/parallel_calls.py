@@ -25,7 +25,7 @@ from ..parallel.batch_split import join, split_call
 from ..parallel.config import MODES, chosen, why_not_groups
 from ..parallel.workers import Placement, WorkerDied, WorkerPool
 from .worker_reload import ComfyReload
-from .comfy_call_options import ATTENTION_OVERRIDE
+from .comfy_call_options import ATTENTION_OVERRIDE, video_sparsity_of
 from .forward_patch import installed_stack
 from .quantized_model import RECIPE
 from .quantized_state import quantized_modules
@@ -128,7 +128,7 @@ def why_not_carried(patcher) -> str | None:
     override = patcher.model_options.get("transformer_options", {}).get(ATTENTION_OVERRIDE)
     if override is not None and not getattr(override, "overdrive_attention", False):
         return "another node's attention override, which its workers cannot run"
-    if getattr(getattr(override, "config", None), "video", None) is not None:
+    if video_sparsity_of(override) is not None:
         return "Sparse Video Attention, whose dense and sparse steps this process sets before each call"
     if quantized_modules(patcher) and quantize_recipe(patcher) is None:
         return "its quantized layers were not made by Quantize Model, which its workers repeat"

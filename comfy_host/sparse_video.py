@@ -10,6 +10,7 @@ from ..attention.video_sparsity import VideoSparsity, set_dense
 from ..families import family_of, family_titles
 from ..step_cache.schedule import host_floats
 from .attention_override import install_video_sparsity
+from .comfy_steps import RunSchedule
 
 log = logging.getLogger("overdrive")
 WRAPPER_KEY = "overdrive_sparse_video"
@@ -36,36 +37,31 @@ def with_sparse_video(model, sparsity: VideoSparsity):
                     "attention stays as that node sets it.")
         return clone
     clone.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
-    clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, functools.partial(_set_phase, sparsity))
+    clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY,
+                               functools.partial(_set_phase, sparsity, RunSchedule()))
     log.info("Overdrive Sparse Video Attention on %s: each frame attends to %d frame(s) on each side and the first %d; "
              "the first %.0f%% of the sampling steps dense.", family.title, sparsity.window, sparsity.sink,
              100 * sparsity.dense_steps)
     return clone
 
 
-def _set_phase(sparsity: VideoSparsity, executor, *args, **kwargs):
+def _set_phase(sparsity: VideoSparsity, schedule: RunSchedule, executor, *args, **kwargs):
     options = kwargs.get("transformer_options")
     if options is None:  # ComfyUI's model forwards pass it positionally, the one dict among their arguments
         options = next((arg for arg in args if isinstance(arg, dict)), {})
-    set_dense(sparsity, in_dense_steps(options, sparsity.dense_steps))
+    set_dense(sparsity, in_dense_steps(options, schedule(options), sparsity.dense_steps))
     return executor(*args, **kwargs)
 
 
-_SCHEDULE = [None, ()]  # the last run's sample_sigmas tensor and its values
-
-
-def in_dense_steps(options: dict, share: float) -> bool:
-    """Whether this model call's step is among the first `share` of its run's steps. It reads the call's sigma on the
-    host, a wait for the GPU per call: a video model's step runs for seconds. Dense where the call carries no
-    schedule (the faithful side)."""
+def in_dense_steps(options: dict, schedule: tuple, share: float) -> bool:
+    """Whether this model call's step is among the first `share` of its run's steps (`schedule`: the run's sigmas).
+    It reads the call's sigma on the host, a wait for the GPU per call: a video model's step runs for seconds. Dense
+    where the call carries no schedule (the faithful side)."""
     if share <= 0.0 or share >= 1.0:
         return share >= 1.0
-    schedule, sigmas = options.get("sample_sigmas"), options.get("sigmas")
-    if schedule is None or sigmas is None:
+    sigmas = options.get("sigmas")
+    if not schedule or sigmas is None:
         return True
-    if schedule is not _SCHEDULE[0]:
-        _SCHEDULE[:] = [schedule, tuple(host_floats([schedule])[0])]
-    values = _SCHEDULE[1]
     current = max(host_floats([sigmas])[0])
-    step = sum(1 for value in values if value > current * (1 + 1e-6))
-    return step < round(share * (len(values) - 1))
+    step = sum(1 for value in schedule if value > current * (1 + 1e-6))
+    return step < round(share * (len(schedule) - 1))

@@ -207,13 +207,12 @@ class BlockGraphs:
         if weights is None:
             weights = self._weights[path] = _BlockWeights(block)
         pointers = weights.pointers()
-        recording = self._recordings.get(path)
+        recording, seen = self._recordings.get(path), self._calls.get(path)
         if recording is not None and recording.signature == signature:
             if recording.weights == pointers:
                 return self._replay(recording, tensors)
-            if self._calls.get(path, (None, None))[1] != pointers:  # once per move, not at each call until recorded
+            if seen is None or seen[1] != pointers:  # once per move, not at each call until recorded
                 self._weights_moved(path)
-        seen = self._calls.get(path)
         count = seen[2] + 1 if seen is not None and seen[0] == signature and seen[1] == pointers else 1
         self._calls[path] = (signature, pointers, count)
         if count < RECORD_AT_CALL:

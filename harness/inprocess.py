@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from ..builtin_models.dit import MODULATION, MODULATION_GAIN, layers_with_weights
+from ..builtin_models.dit import MODULATION, MODULATION_GAIN, layers_with_weights, quiet_build
 from ..builtin_models.unet import FULL, unet_config
 
 # What ComfyUI's detection adds beside the shapes in builtin_models.unet (SDXL's label embedding and head size).
@@ -99,13 +99,8 @@ SD_VAE_CONFIG = {"params": {"embed_dim": 4, "ddconfig": {
 
 def build_vae(comfy, seed: int = 0):
     """ComfyUI's own VAE class (the SD/SDXL autoencoder config) with seeded weights."""
-    import contextlib
-    import io
-
     import comfy.sd
-    # It prints every key it did not get; we fill them just below. (The redirect inside the builds' lock: see
-    # builtin_models/dit.py's _quiet.)
-    with layers_with_weights(), contextlib.redirect_stdout(io.StringIO()):
+    with quiet_build():  # it prints every key it did not get; we fill them just below
         vae = comfy.sd.VAE(sd={}, config=SD_VAE_CONFIG)
     seeded_init_(vae.first_stage_model, seed)
     return vae

@@ -67,12 +67,12 @@ def test_a_layout_made_while_another_thread_builds_leaves_stdout_as_it_was(comfy
     import sys
     import threading
 
-    from overdrive.builtin_models.dit import _quiet, layers_with_weights
+    from overdrive.builtin_models.dit import quiet_build
 
     stdout, inside, leave = sys.stdout, threading.Event(), threading.Event()
 
     def hold_a_build():
-        with layers_with_weights(), _quiet():
+        with quiet_build():
             inside.set()
             leave.wait(30)
     other = threading.Thread(target=hold_a_build)

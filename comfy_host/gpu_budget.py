@@ -34,20 +34,19 @@ def _cuda(device) -> torch.device | None:
     return device if device.type == "cuda" and torch.cuda.is_available() else None
 
 
-def room_for_weights(device, activations: int = 0) -> int | None:
+def room_for_weights(device, activations: int = ACTIVATIONS_BYTES) -> int | None:
     """Bytes of weights that may still come onto `device` (a CUDA GPU) beside what is in use there (device_in_use)
-    and one call's activations (`activations` bytes, at least ACTIVATIONS_BYTES); None off CUDA (no budget to
-    keep)."""
+    and `activations` bytes kept free for a model call's working memory; None off CUDA (no budget to keep)."""
     if (device := _cuda(device)) is None:
         return None
     in_use, _ = device_in_use(device)
-    return gpu_budget_bytes(device) - in_use - max(ACTIVATIONS_BYTES, activations)
+    return gpu_budget_bytes(device) - in_use - activations
 
 
-def describe_room(device, activations: int = 0) -> str:
+def describe_room(device, activations: int = ACTIVATIONS_BYTES) -> str:
     """The figures room_for_weights reads, for a log line ("" off CUDA)."""
     if (device := _cuda(device)) is None:
         return ""
-    (in_use, allocated), kept = device_in_use(device), max(ACTIVATIONS_BYTES, activations)
+    (in_use, allocated), kept = device_in_use(device), activations
     return (f"card budget {gpu_budget_bytes(device) / 2**30:.2f} GiB, in use {in_use / 2**30:.2f} (PyTorch's "
-            f"allocations {allocated / 2**30:.2f}), one call's activations {kept / 2**30:.2f}")
+            f"allocations {allocated / 2**30:.2f}), kept free for a model call {kept / 2**30:.2f}")

@@ -26,6 +26,7 @@ from .quantized_state import (FOLLOWER, compute_dtype, followers, is_quantized, 
 log = logging.getLogger("overdrive.quantization")
 ROUTER_KEY = "overdrive_quantized_patches"  # the ON_CLONE callback that routes each clone's add_patches
 ACTIVATIONS_KEY = "overdrive_quantized_activations"  # the PREPARE_SAMPLING wrapper's key (record_activations)
+MEASURE_KEY = "overdrive_quantized_working_memory"  # the SAMPLER_SAMPLE wrapper's key (measure_working_memory)
 # model_options key: the working memory a compiled model needs beside one call's activations (Compile Model sets it),
 # kept free too where some quantized layers stream
 WORKSPACE_KEY = "overdrive_compiled_workspace"
@@ -65,6 +66,8 @@ def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size
         patcher.add_callback_with_key(kind, ROUTER_KEY, callback)
     patcher.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY)
     patcher.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, ACTIVATIONS_KEY, record_activations)
+    patcher.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, MEASURE_KEY)
+    patcher.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, MEASURE_KEY, measure_working_memory)
     patcher.set_model_patch(follower, FOLLOWER)
     # ComfyUI loads a model whole (model.to(device), every tensor) only where its size fits; told the float size, it
     # loaded a 4-bit Wan 14B that fits a short card partially, leaving the blocks' own modulation tensors in host
@@ -73,15 +76,36 @@ def install_quantized(patcher, quantized: QuantizedSet, layers: dict, float_size
 
 
 def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
-    """A PREPARE_SAMPLING wrapper: ComfyUI's own estimate of one model call's activations for this sampling (what its
-    partial loader keeps free, comfy.sampler_helpers.estimate_memory), kept for placing the quantized layers at the
-    load that follows. A video model's activations outgrow the fixed reserve (gpu_budget.ACTIVATIONS_BYTES): Wan 14B's
-    8-bit layers placed beside it ran a short card out of memory in the first step."""
+    """A PREPARE_SAMPLING wrapper: what this sampling needs beside the quantized layers, for placing them at the load
+    that follows: ComfyUI's own estimate of one model call's activations (what its partial loader keeps free,
+    comfy.sampler_helpers.estimate_memory), a compiled model's working memory floor, and the sampling's kind, under
+    which its runs are measured (QuantizedModules.kept_free). A video model's activations outgrow the fixed reserve
+    (gpu_budget.ACTIVATIONS_BYTES): Wan 14B's 8-bit layers placed beside it ran a short card out of memory in the first
+    step."""
     _, minimum = comfy.sampler_helpers.estimate_memory(model, noise_shape, conds)
+    workspace = int(model.model_options.get(WORKSPACE_KEY, 0))
     for follower in followers(model):  # shared by clones: set for the one sampling now
         follower.activations_bytes = int(minimum)
-        follower.workspace_bytes = int(model.model_options.get(WORKSPACE_KEY, 0))
+        follower.workspace_bytes = workspace
+        follower.sampling_key = (tuple(noise_shape), int(minimum), workspace)
     return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+def measure_working_memory(executor, guider, *args, **kwargs):
+    """A SAMPLER_SAMPLE wrapper (the model is loaded and its quantized layers placed): a completed run's working memory
+    measured for the next placement."""
+    measured = [follower for follower in followers(guider.model_patcher) if follower.sampling_key is not None]
+    for follower in measured:
+        follower.working_memory.begin(follower.sampling_key, follower.load_device)
+    try:
+        result = executor(guider, *args, **kwargs)
+    except BaseException:
+        for follower in measured:
+            follower.working_memory.abandon()
+        raise
+    for follower in measured:
+        follower.working_memory.end(follower.streaming.in_flight_bytes() if follower.streamed_bytes else 0)
+    return result
 
 
 def requantize_onto(patcher, diffusion_model) -> list:

@@ -16,7 +16,8 @@ from .quantized_sets import QuantizedSet
 from .quantized_state import followers
 from .layer_tensors import tensor_bytes
 from .quantized_streaming import place
-from .gpu_budget import describe_room
+from .gpu_budget import ACTIVATIONS_BYTES, describe_room
+from .working_memory import MeasuredWorkingMemory
 
 log = logging.getLogger("overdrive.quantization")
 CLASS_PATCH = ".__class__"  # the key suffix of the object patches that give the fused MLPs' modules their classes
@@ -62,6 +63,8 @@ class QuantizedModules:
         self.streamed_bytes = 0  # of the 8-bit layers, copied in at each model call since the last load
         self.activations_bytes = 0  # ComfyUI's estimate of one model call's activations in this sampling
         self.workspace_bytes = 0  # the sampled model's compiled working memory (WORKSPACE_KEY), 0 uncompiled
+        self.working_memory = MeasuredWorkingMemory()  # what completed sampling runs of each kind used
+        self.sampling_key = None  # this sampling's kind (record_activations), working_memory's key
         self.cache_freed = None  # bytes of ComfyUI's dynamic-VRAM cache freed at the last placing (None: no cache)
         self.float_size = 0  # the checkpoint's size with its float layers (install_quantized sets it)
         self.logged = False  # where the float layers went, logged once
@@ -91,20 +94,34 @@ class QuantizedModules:
             forget_load_state(self.originals.values())
             if self.tree is not None and self.originals and self.return_hook is None:
                 self.return_hook = return_hook(self)
-        self.streamed_bytes = 0
+        streamed_before, self.streamed_bytes = self.streamed_bytes, 0
         self.quantized.side_paths.to(device)
         if self.tree is None or device.type != "cuda":
             move(self.modules.values(), device)
-        elif streamed := place(self.tree, self.modules, device, self.streaming, self.streaming.home.bring,
-                               self.free_cache(device), self.activations_bytes, self.workspace_bytes):
-            self.streamed_bytes = streamed
-            log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB of "
-                     "them stay in pinned host memory and are copied in block by block at each model call (after "
-                     "placing: %s; a compiled model's working memory %.2f GiB; %s).", streamed / 2**30,
-                     describe_room(device, self.activations_bytes), self.workspace_bytes / 2**30,
-                     "no dynamic-VRAM cache of this model" if self.cache_freed is None else
-                     f"{self.cache_freed / 2**30:.2f} GiB of its dynamic-VRAM cache freed")
+        else:
+            kept, workspace = self.kept_free()
+            if streamed := place(self.tree, self.modules, device, self.streaming, self.streaming.home.bring,
+                                 self.free_cache(device), kept, workspace):
+                self.streamed_bytes = streamed
+                log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB "
+                         "of them stay in pinned host memory and are copied in block by block at each model call "
+                         "(after placing: %s; a compiled model's working memory %.2f GiB; %s).", streamed / 2**30,
+                         describe_room(device, kept), workspace / 2**30,
+                         "no dynamic-VRAM cache of this model" if self.cache_freed is None else
+                         f"{self.cache_freed / 2**30:.2f} GiB of its dynamic-VRAM cache freed")
+            elif streamed_before:
+                log.info("Overdrive quantization: every quantized layer fits the card now, none streams (kept free "
+                         "for a model call: %.2f GiB, %s).", kept / 2**30,
+                         "measured" if self.working_memory.reserve(self.sampling_key) else "ComfyUI's estimate")
         return self
+
+    def kept_free(self) -> tuple:
+        """(bytes kept free for a model call, more kept where layers stream) at placing: what a completed run of this
+        sampling's kind measured, with its margin, else ComfyUI's estimate (at least ACTIVATIONS_BYTES) and the
+        compiled floor."""
+        if (reserve := self.working_memory.reserve(self.sampling_key)) is not None:
+            return reserve, 0
+        return max(ACTIVATIONS_BYTES, self.activations_bytes), self.workspace_bytes
 
     def float_layers_off_gpu(self) -> None:
         """The float layers pointed at their file where it holds them, else copied to the host; logged once."""

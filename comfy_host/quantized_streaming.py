@@ -145,6 +145,12 @@ class StreamedBlocks:
             block.__dict__[WEIGHTS_COPIED_IN] = True  # no CUDA graph of it (compiler/block_graphs.py)
             self.marked.append(block)
 
+    def in_flight_bytes(self) -> int:
+        """At most what the streamed copies hold on the card at once: the running block's and the one copied ahead
+        (the two largest, to be safe)."""
+        sizes = sorted(sum(tensor.numel() * tensor.element_size() for *_, tensor in host) for *_, host in self.blocks)
+        return sum(sizes[-2:])
+
     def _bring_in(self, index: int):
         def hook(block, args):
             first_name, first_layer, host = self.blocks[index]

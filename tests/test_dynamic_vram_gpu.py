@@ -180,6 +180,32 @@ def test_8_bit_layers_a_short_card_has_no_room_for_stream_block_by_block(comfy, 
              error)
 
 
+def test_a_quantized_model_that_streams_by_comfyuis_estimate_fits_once_a_run_is_measured(comfy, nodes, base, family,
+                                                                                         sample, monkeypatch):
+    """ComfyUI's estimate of a call's activations (at least ACTIVATIONS_BYTES) kept a 4-bit Flux that fits an 8 GiB
+    card whole streaming part of its layers. The tiny model's card is set to hold its quantized layers and half a GiB:
+    the first run streams by the estimate, its working memory is measured (PyTorch's peak, less the streamed copies in
+    flight), and the next run's load keeps that and its margin free instead: every layer resident, the same calls."""
+    from overdrive.comfy_host import quantized_streaming
+    from overdrive.comfy_host.quantized_state import followers, quantized_modules
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    _, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
+    layers = sum(quantized_streaming.tensor_bytes(layer) for layer in quantized_modules(quantized).values())
+    monkeypatch.setattr(quantized_streaming, "room_for_weights", lambda device, kept: layers + 2**29 - kept)
+    comfy.model_management.unload_all_models()  # the next load places the layers again, by the room
+    _, first = sample(quantized)
+    follower = followers(quantized)[0]
+    assert follower.streamed_bytes > 0
+    measured = follower.working_memory.measured[follower.sampling_key]
+    assert 0 < measured < 2**28, measured
+    _, second = sample(quantized)
+    assert follower.streamed_bytes == 0
+    assert_calls_match(second, first, 1e-3)
+    comfy.model_management.unload_all_models()
+
+
 def test_quantize_model_4_bits_then_compile_model(nodes, base, family, sample, eager):
     """int4 weights wherever the tiny model's layers take them (a threshold every layer passes), fp8 for the rest,
     eager and compiled on dynamic VRAM; the error per model call is 4 bits' on random weights."""

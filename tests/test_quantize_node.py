@@ -956,6 +956,27 @@ def test_a_quantized_sampling_keeps_comfyuis_activation_estimate_for_placing_its
     assert expected > 0 and follower.activations_bytes == expected
 
 
+def test_a_measured_run_of_the_same_kind_replaces_comfyuis_estimate_when_placing(quantized, sample, prompt):
+    """Once a sampling of one kind (latent shape, conditioning, compiled or not) completed and was measured on the GPU,
+    the next load keeps that working memory and its margin free instead of ComfyUI's estimate and the compiled floor;
+    another kind still gets the estimate. (The CPU measures nothing: the measurement itself runs in
+    test_dynamic_vram_gpu.py.)"""
+    from overdrive.comfy_host import quantize_patches, working_memory
+    from overdrive.comfy_host.gpu_budget import ACTIVATIONS_BYTES
+    model = quantized["model"]
+    follower = quantize_patches.followers(model)[0]
+    sample(model)
+    latent = prompt["latent"]["samples"]
+    assert follower.sampling_key[0] == (1, *latent.shape[1:]) and not follower.working_memory.measured
+    estimate = (max(ACTIVATIONS_BYTES, follower.activations_bytes), follower.workspace_bytes)
+    assert follower.kept_free() == estimate
+    follower.working_memory.measured[follower.sampling_key] = 2**30
+    assert follower.kept_free() == (2**30 + int(2**30 * working_memory.MARGIN_FRACTION), 0)
+    follower.sampling_key = ((2, *latent.shape[1:]), *follower.sampling_key[1:])
+    assert follower.kept_free() == estimate
+    follower.working_memory.measured.clear()
+
+
 def test_compiled_blocks_run_their_streamed_layers_as_resident_ones_without_recompiling(comfy, tmp_path):
     """Compile Model over a quantized model whose layers do not all fit: each streamed block's layers are swapped in
     before its compiled forward and emptied after, at every call; the compiled blocks compute what the eager ones do

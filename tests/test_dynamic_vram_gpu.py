@@ -198,8 +198,8 @@ def test_a_quantized_model_that_streams_by_comfyuis_estimate_fits_once_a_run_is_
     _, first = sample(quantized)
     follower = followers(quantized)[0]
     assert follower.streamed_bytes > 0
-    measured = follower.working_memory.measured[follower.sampling_key]
-    assert 0 < measured < 2**28, measured
+    measured = follower.working_memory.measured[follower.sampling_key]  # a tiny model's: far below the margin
+    assert 0 <= measured < 2**27, measured
     _, second = sample(quantized)
     assert follower.streamed_bytes == 0
     assert_calls_match(second, first, 1e-3)

@@ -32,10 +32,15 @@ def release_held_memory(patcher, unpatch_all) -> None:
     if not unpatch_all:
         return
     forward = patcher.object_patches.get(FORWARD)
+    released = []
     for name in ("release_precompiled", "release_graphs"):
         release = getattr(forward, name, None)
         if release is not None:
             release()
+            released.append(name)
+    if released:  # the next run records (and loads its precompiled frames) again: say why it is slower
+        log.info("Overdrive Compile Model: ComfyUI unloaded %s; its CUDA graphs and precompiled frames are freed and "
+                 "recorded again at its next run.", type(patcher.model).__name__)
 
 
 def compiled_model(model, options: CompileOptions, fast_attention: bool):

@@ -1,5 +1,6 @@
 """What a quantized model's sampling runs need on the GPU beside its weights, measured: PyTorch's peak over a sampling
-run less what was allocated as it began and the streamed layers' copies in flight. The next load places the quantized
+run less what was allocated as it began and the streamed layers' copies in flight, from the second run of a kind on
+(the first compiles, times the attention kernels and records CUDA graphs: one-time peaks). The next load places the quantized
 layers with that (and a margin) kept free instead of ComfyUI's estimate of an uncompiled call's activations plus the
 compiled floor, which kept a 4-bit Flux that fits an 8 GiB card whole streaming part of its layers."""
 import logging
@@ -19,6 +20,7 @@ class MeasuredWorkingMemory:
 
     def __init__(self):
         self.measured = {}
+        self.completed = {}  # key -> completed runs, measured or not
         self.run = None  # (key, device, allocated at the start) of the run in progress
 
     def reserve(self, key) -> int | None:
@@ -29,17 +31,19 @@ class MeasuredWorkingMemory:
 
     def begin(self, key, device) -> None:
         device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            self.run = None
-            return
-        torch.cuda.reset_peak_memory_stats(device)
-        self.run = (key, device, torch.cuda.memory_allocated(device))
+        measured = device.type == "cuda" and torch.cuda.is_available() and self.completed.get(key, 0) > 0
+        if measured:
+            torch.cuda.reset_peak_memory_stats(device)
+        self.run = (key, device, torch.cuda.memory_allocated(device) if measured else None)
 
     def end(self, in_flight: int) -> None:
         """After a completed run: its working memory, less `in_flight` bytes of streamed copies, kept if larger."""
         if self.run is None:
             return
         (key, device, start), self.run = self.run, None
+        self.completed[key] = self.completed.get(key, 0) + 1
+        if start is None:
+            return
         used = max(0, torch.cuda.max_memory_allocated(device) - start - in_flight)
         if used > self.measured.get(key, -1):
             if key not in self.measured:

@@ -968,6 +968,7 @@ def test_a_measured_run_of_the_same_kind_replaces_comfyuis_estimate_when_placing
     sample(model)
     latent = prompt["latent"]["samples"]
     assert follower.sampling_key[0] == (1, *latent.shape[1:]) and not follower.working_memory.measured
+    assert follower.working_memory.completed[follower.sampling_key] >= 1  # ComfyUI's sampler ran the wrapper
     estimate = (max(ACTIVATIONS_BYTES, follower.activations_bytes), follower.workspace_bytes)
     assert follower.kept_free() == estimate
     follower.working_memory.measured[follower.sampling_key] = 2**30

@@ -100,8 +100,20 @@ class QuantizedModules:
             move(self.modules.values(), device)
         else:
             kept, workspace = self.kept_free()
-            if streamed := place(self.tree, self.modules, device, self.streaming, self.streaming.home.bring,
-                                 self.free_cache(device), kept, workspace):
+            try:
+                streamed = place(self.tree, self.modules, device, self.streaming, self.streaming.home.bring,
+                                 self.free_cache(device), kept, workspace)
+            except torch.OutOfMemoryError:
+                if not self.working_memory.refuse(self.sampling_key):
+                    raise
+                log.warning("Overdrive quantization: placing the quantized layers by the working memory a run measured "
+                            "ran out of GPU memory; placed by ComfyUI's estimate instead, for this kind of sampling "
+                            "from now on.")
+                torch.cuda.empty_cache()
+                kept, workspace = self.kept_free()
+                streamed = place(self.tree, self.modules, device, self.streaming, self.streaming.home.bring,
+                                 self.free_cache(device), kept, workspace)
+            if streamed:
                 self.streamed_bytes = streamed
                 log.info("Overdrive quantization: the card's budget leaves no room for every quantized layer; %.2f GiB "
                          "of them stay in pinned host memory and are copied in block by block at each model call "
@@ -117,10 +129,10 @@ class QuantizedModules:
 
     def kept_free(self) -> tuple:
         """(bytes kept free for a model call, more kept where layers stream) at placing: what a completed run of this
-        sampling's kind measured, with its margin, else ComfyUI's estimate (at least ACTIVATIONS_BYTES) and the
-        compiled floor."""
+        sampling's kind measured, with its margin, else ComfyUI's estimate and the compiled floor; at least
+        ACTIVATIONS_BYTES either way."""
         if (reserve := self.working_memory.reserve(self.sampling_key)) is not None:
-            return reserve, 0
+            return max(ACTIVATIONS_BYTES, reserve), 0
         return max(ACTIVATIONS_BYTES, self.activations_bytes), self.workspace_bytes
 
     def float_layers_off_gpu(self) -> None:

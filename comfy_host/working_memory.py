@@ -21,11 +21,12 @@ class MeasuredWorkingMemory:
     def __init__(self):
         self.measured = {}
         self.completed = {}  # key -> completed runs, measured or not
+        self.refused = set()  # keys whose measured reserve left too little room for loading: the estimate for good
         self.run = None  # (key, device, allocated at the start) of the run in progress
 
     def reserve(self, key) -> int | None:
         """Bytes to keep free for a run of `key`: the measured peak and its margin; None before one was measured."""
-        if (peak := self.measured.get(key)) is None:
+        if (peak := self.measured.get(key)) is None or key in self.refused:
             return None
         return peak + max(MARGIN_MIN_BYTES, int(peak * MARGIN_FRACTION))
 
@@ -52,6 +53,14 @@ class MeasuredWorkingMemory:
                          "×".join(map(str, key[0])), used / 2**30,
                          (used + max(MARGIN_MIN_BYTES, int(used * MARGIN_FRACTION))) / 2**30)
             self.measured[key] = used
+
+    def refuse(self, key) -> bool:
+        """Placing by `key`'s measured reserve ran out of memory: ComfyUI's estimate from now on. False where there
+        was no measured reserve to drop."""
+        if self.reserve(key) is None:
+            return False
+        self.refused.add(key)
+        return True
 
     def abandon(self) -> None:
         """A run that did not complete (an interrupt or an error) measures nothing."""

@@ -1,8 +1,8 @@
 """What a quantized model's sampling runs need on the GPU beside its weights, measured: PyTorch's peak over a sampling
 run less what was allocated as it began and the streamed layers' copies in flight, from the second run of a kind on
-(the first compiles, times the attention kernels and records CUDA graphs: one-time peaks). The next load places the quantized
-layers with that (and a margin) kept free instead of ComfyUI's estimate of an uncompiled call's activations plus the
-compiled floor, which kept a 4-bit Flux that fits an 8 GiB card whole streaming part of its layers."""
+(the first compiles, times the attention kernels and records CUDA graphs: one-time peaks). The next load places the
+quantized layers with that (and a margin) kept free instead of ComfyUI's estimate of an uncompiled call's activations
+plus the compiled floor, which kept a 4-bit Flux that fits an 8 GiB card whole streaming part of its layers."""
 import logging
 
 import torch

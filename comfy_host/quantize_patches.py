@@ -94,7 +94,8 @@ def record_activations(executor, model, noise_shape, conds, *args, **kwargs):
 def measure_working_memory(executor, guider, *args, **kwargs):
     """A SAMPLER_SAMPLE wrapper (the model is loaded and its quantized layers placed): a completed run's working memory
     measured for the next placement."""
-    measured = [follower for follower in followers(guider.model_patcher) if follower.sampling_key is not None]
+    patcher = getattr(guider, "model_patcher", None)  # ComfyUI's guiders all have one; another extension's may not
+    measured = [f for f in followers(patcher) if f.sampling_key is not None] if patcher is not None else []
     for follower in measured:
         follower.working_memory.begin(follower.sampling_key, follower.load_device)
     try:

@@ -10,8 +10,9 @@ import weakref
 import pytest
 import torch
 
-from overdrive.builtin_models.dit import (CPU_SUITE_FAMILIES, FAMILIES, conditioning, default_directory, empty_latent,
-                                          ensure_diffusion_model, flat_latent)
+from overdrive.builtin_models.dit import (CPU_SUITE_FAMILIES, FAMILIES, conditioning, default_directory,
+                                          diffusion_model_name, empty_latent, ensure_diffusion_model,
+                                          flat_latent)
 from overdrive.compiler import WeightMismatchError, dynamo_graph_count
 from overdrive.families import family_of
 
@@ -75,17 +76,14 @@ def first_file(family, models_folder):
 
 
 @pytest.fixture(scope="module")
-def second_file(family, models_folder, tmp_path_factory):
+def second_file(family, models_folder):
     """Seed 1 of the family: the same architecture, other weights. This module's alone: made when a test that runs
-    asks for it, in a folder of its own that ComfyUI also searches (not the built-in files' folder, which other tests
-    and another xdist worker read), gone when the family's tests end (Z-Image's is 2 GB)."""
-    import folder_paths
-
-    folder = tmp_path_factory.mktemp(f"second-{family}")
-    folder_paths.add_model_folder_path("diffusion_models", str(folder))
-    path = ensure_diffusion_model(family, "tiny", 1, folder)
-    yield path
-    path.unlink(missing_ok=True)
+    asks for it, gone when the family's tests end (Z-Image's is 2 GB)."""
+    path = models_folder / diffusion_model_name(family, "tiny", 1)
+    made_here = not path.exists()
+    yield ensure_diffusion_model(family, "tiny", 1, models_folder)
+    if made_here:
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

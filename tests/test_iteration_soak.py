@@ -4,7 +4,6 @@ runs it): ComfyUI's own prompt executor and output cache, two cycles of LoRA, pr
 holds no more host memory than the first, and ComfyUI reports no leak."""
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -14,14 +13,16 @@ UNCHANGED_STRUCTURE = ("LoRA 0.4 (strength change)", "LoRA 0.4, next seed", "ano
                        "prompt changed", "size back", "back to the first file")
 
 
+def start_early(workdir):
+    """The soak's command: conftest.py starts it as soon as a test of this file is selected (EarlyProcess)."""
+    return [sys.executable, str(REPO / "bench" / "iteration_soak.py"), "--size", "tiny", "--res", "64", "--steps", "2",
+            "--cycles", "2", "--workdir", str(workdir), "--files-dir", str(workdir / "files"),
+            "--out", str(workdir / "soak.json")]
+
+
 @pytest.fixture(scope="module")
-def soak(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("soak")
-    out = workdir / "soak.json"
-    subprocess.run([sys.executable, str(REPO / "bench" / "iteration_soak.py"), "--size", "tiny", "--res", "64",
-                    "--steps", "2", "--cycles", "2", "--workdir", str(workdir), "--files-dir", str(workdir / "files"),
-                    "--out", str(out)], check=True, timeout=1800, cwd=REPO)
-    result = json.loads(out.read_text())
+def soak(early_process):
+    result = json.loads((early_process / "soak.json").read_text())
     return result, {row["label"]: row for row in result["rows"]}
 
 

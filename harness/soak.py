@@ -239,10 +239,17 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", required=True, help="an empty folder for the server's files and caches")
     parser.add_argument("--families", action="store_true", help="also a DiT family (Wan 2.2, tiny)")
+    parser.add_argument("--seeds", type=lambda text: tuple(int(seed) for seed in text.split(",")), default=SEEDS,
+                        help="the KSampler seeds of the reference prompts, comma-separated")
+    parser.add_argument("--only", type=lambda text: tuple(text.split(",")),
+                        help="the variants whose prompts run, comma-separated (default: all)")
+    parser.add_argument("--out", help="also write the counts to this JSON file")
     args = parser.parse_args()
-    result = Soak(args.workdir, args.prompts, args.seed, args.families,
+    result = Soak(args.workdir, args.prompts, args.seed, args.families, seeds=args.seeds, only=args.only,
                   log=lambda line: print(line, flush=True, file=sys.stderr)).run()
     print(json.dumps(result, indent=1))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result))
     raise SystemExit(1 if result["failures"] else 0)
 
 

@@ -24,20 +24,17 @@ class EarlyProcess:
     as collection selects one of its tests: one test runs at a time and keeps about one of CI's two cores busy, so the
     run's minutes pass beside the other tests on the second core (one torch thread) instead of after them."""
 
-    def __init__(self, argv_of, workdir: pathlib.Path, owned: bool = False):
-        self.workdir, self.log, self.owned = workdir, workdir / "output.log", owned  # owned: removed by stop()
+    def __init__(self, argv_of):
+        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-early-"))  # removed by stop()
+        self.log = self.workdir / "output.log"
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(argv_of(workdir), stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(argv_of(self.workdir), stdout=log, stderr=subprocess.STDOUT,
                                             cwd=pathlib.Path(__file__).resolve().parents[1],
                                             env=dict(os.environ, OMP_NUM_THREADS="1"))
 
     def finished(self, timeout: float) -> pathlib.Path:
         """Its workdir, once it exited 0; its output's end in the failure otherwise."""
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
+        code = self.process.wait(timeout)
         assert code == 0, f"exit code {code}; the end of its output:\n{self.log.read_text()[-6000:]}"
         return self.workdir
 
@@ -45,33 +42,32 @@ class EarlyProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        if self.owned:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 _EARLY = {}  # module name: its EarlyProcess, started at collection
 
 
-def pytest_collection_finish(session):
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every xdist worker collects every test: each fixture starts its own
+@pytest.hookimpl(trylast=True)  # after `-k`, `-m` and `--deselect` took their tests out
+def pytest_collection_modifyitems(config, items):
+    # every xdist worker collects every test: there each fixture starts its own; --collect-only runs none
+    if os.environ.get("PYTEST_XDIST_WORKER") or config.option.collectonly:
         return
-    for module in {item.module for item in session.items if hasattr(getattr(item, "module", None), "start_early")}:
-        workdir = pathlib.Path(tempfile.mkdtemp(prefix="overdrive-early-"))
-        _EARLY[module.__name__] = EarlyProcess(module.start_early, workdir, owned=True)
+    for module in {item.module for item in items if hasattr(getattr(item, "module", None), "start_early")}:
+        _EARLY[module.__name__] = EarlyProcess(module.start_early)
 
 
 @pytest.fixture(scope="module")
-def early_process(request, tmp_path_factory) -> pathlib.Path:
+def early_process(request) -> pathlib.Path:
     """The workdir of this module's `start_early` run, once it finished (started now where collection did not)."""
-    early = _EARLY.pop(request.module.__name__, None) or EarlyProcess(request.module.start_early,
-                                                                      tmp_path_factory.mktemp("early"))
+    early = _EARLY.pop(request.module.__name__, None) or EarlyProcess(request.module.start_early)
     try:
         yield early.finished(timeout=1800)
     finally:
-        early.stop()
+        early.stop()  # also the process a timeout or a failed test left running
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_sessionfinish():
     for early in _EARLY.values():  # started, but its tests did not run (a stopped run)
         early.stop()
     if _TEST_CACHE:  # servers and workers are stopped by now (fixture teardown comes first)

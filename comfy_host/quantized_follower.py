@@ -83,7 +83,17 @@ class QuantizedModules:
             return self  # a detach: weights stay where they are (see on_detach)
         if device != FLOAT_HOME:
             # The float layers leave first: loaded beside them, the 8-bit layers would need both on the card at once.
-            self.float_layers_leave_gpu()
+            # One ComfyUI had left in host memory (dynamic VRAM, a partial load) has no GPU home to go back to.
+            for name, original in self.originals.items():
+                if (home := on_device(original)) not in (None, FLOAT_HOME):
+                    self.homes[name] = home
+            self.float_layers_off_gpu()
+            # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and
+            # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers run
+            # beside them or were baked, and the model was unpatched before this load), so nothing is lost.
+            forget_load_state(self.originals.values())
+            if self.tree is not None and self.originals and self.return_hook is None:
+                self.return_hook = return_hook(self)
         streamed_before, self.streamed_bytes = self.streamed_bytes, 0
         self.quantized.side_paths.to(device)
         if self.tree is None or device.type != "cuda":
@@ -116,27 +126,6 @@ class QuantizedModules:
                          "for a model call: %.2f GiB, %s).", kept / 2**30,
                          "measured" if self.working_memory.reserve(self.sampling_key) else "ComfyUI's estimate")
         return self
-
-    def float_layers_leave_gpu(self, in_tree: bool = False) -> None:
-        """The float layers the 8-bit ones replace off the GPU (to their file where it holds them), each one's GPU home
-        recorded for a float clone's return hook. At this model's load, and (`in_tree`) as soon as Quantize Model made
-        it: the float model Quantize Model loaded stays loaded in ComfyUI's eyes, and another model's load before this
-        one's (Switch Diffusion Model's) would make ComfyUI unload it, copying those layers into new pageable host
-        memory that nothing frees while the file's model lives. `in_tree`: the layers are still in the module tree, so
-        only those moved lose ComfyUI's marks; the layers ComfyUI keeps in host memory keep their low-VRAM casting."""
-        # One ComfyUI had left in host memory (dynamic VRAM, a partial load) has no GPU home to go back to.
-        moved = {}
-        for name, original in self.originals.items():
-            if (home := on_device(original)) not in (None, FLOAT_HOME):
-                self.homes[name] = home
-                moved[name] = original
-        self.float_layers_off_gpu()
-        # Out of the tree, ComfyUI's unpatching will not clear their marks: they would come back "patched" and
-        # skip the LoRA of the next model loaded. Their weights hold no patch here (ones on these layers run
-        # beside them or were baked, and the model was unpatched before this load), so nothing is lost.
-        forget_load_state((moved if in_tree else self.originals).values())
-        if self.tree is not None and (moved if in_tree else self.originals) and self.return_hook is None:
-            self.return_hook = return_hook(self)
 
     def kept_free(self) -> tuple:
         """(bytes kept free for a model call, more kept where layers stream) at placing: what a completed run of this

@@ -23,7 +23,7 @@ from .peak_memory import peak_memory
 from .quantize_calibration import CalibrationRun, with_room_to_calibrate
 from .quantize_patches import float_view, install_quantized
 from .quantized_patch_routing import bake_weight_patches
-from .quantized_state import compute_dtype, followers, quantized_set_of
+from .quantized_state import compute_dtype, quantized_set_of
 from .quantized_lora import SidePaths, low_rank_layers, weight_key
 from .quantized_sets import QuantizedSet, set_key
 
@@ -93,8 +93,6 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, atte
     side, baked_names = low_rank_layers(patched, layers)
     layers.update(bake_weight_patches(patched, layers, baked_names, tree, model.load_device))
     install_quantized(patched, quantized, layers)
-    for follower in followers(patched):  # the float layers it replaces leave the GPU now, not at another model's load
-        follower.float_layers_leave_gpu(in_tree=True)
     rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
     beside = sum(weight_key(name) in patched.patches for name in side)
     lora = [f"LoRAs run beside {beside} quantized layer(s)"] if beside else []

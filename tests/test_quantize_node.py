@@ -411,31 +411,6 @@ def test_float_layers_comfyui_left_in_host_memory_stay_there_when_a_float_clone_
     assert moves == [("float", "meta")] and moves.where[id(streamed)] == "cpu"
 
 
-def test_quantize_model_sends_the_float_layers_it_replaced_off_the_gpu_before_another_model_loads(node, base, prompt,
-                                                                                                   moves):
-    """Quantize Model leaves the float model it loaded loaded in ComfyUI's eyes. When another model loaded first (Switch
-    Diffusion Model's), ComfyUI unloaded it and copied the float layers the 8-bit ones replace into new pageable host
-    memory, kept as long as the file's model (the GPU iteration soak's switch prompt, dynamic VRAM off). They leave
-    the GPU as the node ends, to their file where it holds them, their way back recorded; the layers no 8-bit one
-    replaces stay where ComfyUI has them."""
-    from overdrive.comfy_host import quantize_patches
-    layers = [m for m in base.model.diffusion_model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-    moves.place(layers, "meta")  # the float model Quantize Model loaded, on the "GPU"
-    patched, _ = quantize(node, base, prompt, **EVERYTHING)
-    follower = quantize_patches.followers(patched)[0]
-    try:
-        assert follower.originals
-        assert [name for name, layer in follower.originals.items() if moves.where[id(layer)] != "cpu"] == []
-        assert set(follower.homes) == set(follower.originals)  # each one's way back to the GPU
-        replaced = {id(layer) for layer in follower.originals.values()}
-        assert all(moves.where[id(layer)] == "meta" for layer in layers if id(layer) not in replaced)
-    finally:  # the tree is shared with the other tests: no hook that would move real layers to "meta" later
-        if follower.return_hook is not None:
-            follower.return_hook.remove()
-            follower.return_hook = None
-        follower.homes.clear()
-
-
 # -------------------------------------------------------------------------------------------- LoRA
 def lora_for(base, float_layers, names, seed=5, rank=4):
     """A LoRA file's tensors (kohya naming, as most LoRAs ship) for `names`, changing each weight by ~50%."""

@@ -52,6 +52,8 @@ def run(args) -> tuple:
     # ComfyUI first (the files' layouts are read off its classes), reading the folder the files go to
     comfy = InProcessComfy(pathlib.Path(args.workdir) / "output", {folder: [directory] for folder in FOLDERS}, cpu=cpu,
                            dynamic_vram=args.dynamic_vram == "on" and not cpu, budget_gib=args.budget_gib)
+    if args.profile_quantize:
+        profile_quantize_runs()
     files, eight_bit_gib, other_written = soak_files(args.size, directory)
     info = {name: {"input": cls.INPUT_TYPES()} for name, cls in comfy.nodes.NODE_CLASS_MAPPINGS.items()
             if name in USED}
@@ -88,6 +90,8 @@ def main():
     parser.add_argument("--from-log", help="write the result from this soak log's prompt lines instead of running (a "
                         "run a GPU call's time limit cut); with --gpu and the settings it ran with")
     parser.add_argument("--gpu", help="with --from-log: the GPU's name as torch gives it")
+    parser.add_argument("--profile-quantize", action="store_true",
+                        help="log where each Quantize Model run's own time goes (cProfile, the top functions)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.from_log:
@@ -115,6 +119,28 @@ def main():
             "quantized_gib_estimate": round(eight_bit_gib, 2), "summary": result}
     write(args.out, rows + restart, meta)
     print(json.dumps(result, indent=1), flush=True)
+
+
+def profile_quantize_runs(top: int = 25) -> None:
+    """Each Quantize Model run that calibrates or quantizes (not one reusing this process's layers) under cProfile,
+    its top functions by cumulative and by own time printed to stderr (the soak's log)."""
+    import cProfile
+    import io
+    import pstats
+    from overdrive.comfy_host import quantized_model
+    unprofiled = quantized_model.quantize_once
+
+    def profiled(*args, **kwargs):
+        profile = cProfile.Profile()
+        try:
+            return profile.runcall(unprofiled, *args, **kwargs)
+        finally:
+            text = io.StringIO()
+            stats = pstats.Stats(profile, stream=text)
+            stats.sort_stats("cumulative").print_stats(top)
+            stats.sort_stats("tottime").print_stats(top)
+            print("Quantize Model profile:\n" + text.getvalue(), file=sys.stderr, flush=True)
+    quantized_model.quantize_once = profiled
 
 
 def comfyui_version() -> str:

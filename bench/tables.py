@@ -209,7 +209,7 @@ def soak(reports) -> str:
         cut = " (cut: no restart)" if "ended" in report else ""
         bound = "—" if summary["bound_gib"] is None else f"{summary['bound_gib']:.1f}"
         lines.append(" | ".join([
-            f"| {report['model']} {report['resolution']}², {report['budget_gib']:g} GiB, {report['dynamic_vram']}{cut}",
+            f"| {report['model']} {report['resolution']}², {card(report)}, {report['dynamic_vram']}{cut}",
             f"{report['gpu']}, {report['comfyui']}", str(len(report["rows"])), str(len(summary["failed"])),
             "—" if "fallbacks" not in summary else str(len(summary["fallbacks"])),
             str(summary["leak_warnings"]), f"{summary['eager_anon_gib']:.1f} / {summary['max_anon_gib']:.1f} / {bound}",
@@ -218,13 +218,17 @@ def soak(reports) -> str:
     return "\n".join(lines)
 
 
+def card(report) -> str:
+    """The card a soak emulated: its budget, or the whole GPU."""
+    return "whole card" if report.get("budget_gib") is None else f"{report['budget_gib']:g} GiB"
+
+
 def soak_prompts(reports) -> str:
     """Each prompt of the iteration soaks listed: how it ended, its whole time (and its sampler's), host memory
     (anonymous, file-backed) and GPU memory after it, graphs compiled and calibrations."""
     lines = []
     for report in reports:
-        lines += [f"{report['model']} {report['resolution']}², {report['steps']} steps, a {report['budget_gib']:g} GiB "
-                  f"card, dynamic VRAM {report['dynamic_vram']}, {report['gpu']}, ComfyUI {report['comfyui']} "
+        lines += [f"{report['model']} {report['resolution']}², {report['steps']} steps, {card(report)}, dynamic VRAM {report['dynamic_vram']}, {report['gpu']}, ComfyUI {report['comfyui']} "
                   f"(`{report['file']}`{'; ' + report['ended'] if 'ended' in report else ''}):", "",
                   "| prompt | ended | s | sampler s | anon GiB | file GiB | GPU GiB | compiled | calibrated |",
                   "|---|---|---|---|---|---|---|---|---|"]

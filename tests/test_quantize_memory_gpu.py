@@ -60,6 +60,7 @@ def weights_on_gpu(model) -> int:
 
 def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, tmp_path, monkeypatch):
     from overdrive.nodes import NODES
+    from overdrive.comfy_host.layer_tensors import tensors_of
     from overdrive.comfy_host.quantized_state import followers
     from overdrive.harness.inprocess import build_model
 
@@ -72,6 +73,9 @@ def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, t
         quantized = NODES["OverdriveQuantizeModel"].execute(
             base, format="fp8_e4m3", calibration_steps=1, **prompt, **EVERYTHING)[0]
     follower = followers(quantized)[0]
+    if memory_mode == "normal":  # each 8-bit layer waits in its page-locked home from the moment it is built
+        assert all(t.device.type == "cpu" and t.is_pinned()
+                   for m in follower.modules.values() for *_, t in tensors_of(m))
     run(quantized)
     quantized_bytes = weights_on_gpu(quantized)
     print(f"{memory_mode}: diffusion-model bytes on the GPU, float {float_bytes / 2**30:.2f} GiB, "

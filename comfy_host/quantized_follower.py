@@ -15,7 +15,6 @@ from .quantized_lora import PREFIX
 from .quantized_sets import QuantizedSet
 from .quantized_state import followers
 from .layer_tensors import tensor_bytes
-from .pinned_home import PinnedHome
 from .quantized_streaming import place
 from .gpu_budget import ACTIVATIONS_BYTES, describe_room
 from .working_memory import MeasuredWorkingMemory
@@ -266,21 +265,15 @@ def send_home(quantized: QuantizedSet, modules, offload_device: torch.device) ->
     """`modules` (layers of `quantized`, or copies baked for one clone) unloaded: copied into their page-locked home,
     allocated once (comfy_host/pinned_home.py), where the offload device is the host."""
     quantized.streaming.stop()
-    into_home(quantized.streaming.home, modules, offload_device)
-    quantized.side_paths.to(offload_device)
-
-
-def into_home(home: PinnedHome, modules, offload_device: torch.device) -> None:
-    """`modules` copied into their page-locked `home` where the offload device is the host, else (or where pinning
-    fails) moved there as modules move."""
     modules = list(modules)
     if offload_device.type == "cpu":
         try:
-            home.send(modules)
+            quantized.streaming.home.send(modules)
         except Exception as error:  # an unload must not fail ComfyUI's memory management: moved as before
             log.warning("Overdrive quantization: the quantized layers' page-locked home failed (%s); they are copied "
                         "to pageable host memory instead.", error_line(error))
     move(modules, offload_device)  # what the home did not take
+    quantized.side_paths.to(offload_device)
 
 
 def home_when_unfollowed(follower: QuantizedModules) -> None:

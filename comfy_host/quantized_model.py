@@ -22,8 +22,6 @@ from .forward_patch import FORWARD, installed_stack, rebuild
 from .peak_memory import peak_memory
 from .quantize_calibration import CalibrationRun, with_room_to_calibrate
 from .quantize_patches import float_view, install_quantized
-from .quantized_follower import into_home
-from .quantized_streaming import StreamedBlocks
 from .quantized_patch_routing import bake_weight_patches
 from .quantized_state import compute_dtype, quantized_set_of
 from .quantized_lora import SidePaths, low_rank_layers, weight_key
@@ -121,18 +119,12 @@ def quantize_once(model, config, run, attention, context, folder, fingerprint, f
         loaded = time.perf_counter()
         diffusion = calib.model.diffusion_model
         cache = QuantCache(folder or quant_cache_dir())
-        streaming = StreamedBlocks()
-
-        def wait_offloaded(layer):
-            """Each 8-bit layer, as soon as it is built, waits where ComfyUI keeps offloaded weights until the quantized
-            model loads (beside a float model that a short card holds only partly, they would run it out of memory):
-            in its page-locked home where that is the host, which the card fills at its copy rate (pageable memory
-            took most of the node's time) and the load and every unload use again."""
-            into_home(streaming.home, [layer], model.offload_device)
-            return layer
+        # The 8-bit layers wait where ComfyUI keeps offloaded weights until the quantized model loads: beside a float
+        # model that a short card holds only partly, they would run it out of memory.
         plan = plan_quantization(diffusion, config, calibration=(lambda: run(calib)) if run is not None else None,
                                  filter_fn=keeping_float(float_layers), cache=cache, resolution=context,
-                                 device=model.load_device, weights_digest=fingerprint, store_layer=wait_offloaded,
+                                 device=model.load_device, weights_digest=fingerprint,
+                                 store_device=model.offload_device,
                                  between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
     report = plan.report
     path = cache.decisions_path(report.cache_key)
@@ -146,7 +138,7 @@ def quantize_once(model, config, run, attention, context, folder, fingerprint, f
     log.info("%s [%s; float model loaded in %.1f s; %.1f s in all]%s", report.summary(), source, loaded - started,
              time.perf_counter() - started, f"; GPU memory while quantizing: {peak['text']}" if peak["text"] else "")
     log.debug("%s", report.table())
-    return QuantizedSet(plan.modules, report, SidePaths(plan.modules, compute_dtype(model)), key, context, streaming)
+    return QuantizedSet(plan.modules, report, SidePaths(plan.modules, compute_dtype(model)), key, context)
 
 
 REPORT = "overdrive_quantization_report"  # the returned model's attachment: what Quantize Model did, for callers

@@ -87,7 +87,7 @@ def _run_calibration(model, config, filter_fn, calibration) -> Calibrator:
 
 
 def _modules_from_cache(report: QuantReport, candidates: dict, store, key, device, config,
-                        store_device, keep) -> dict | None:
+                        store_device) -> dict | None:
     names = [layer.name for layer in report.layers]
     if sorted(names) != sorted(candidates) or any(
             candidates[n].skip_reason is not None for n in report.quantized):
@@ -102,7 +102,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
     for name in report.quantized:
         candidate, fmt = candidates[name], layer_formats[name]
         if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
-            modules[name] = keep(weight_only_module_for(candidate.module, device=device))
+            modules[name] = weight_only_module_for(candidate.module, device=device).to(store_device)
             continue
         tensors = (stored or {}).get(name)
         module = None
@@ -112,13 +112,13 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
                                      candidate.in_features, candidate.out_features,
                                      bias=candidate.module.bias is not None, config=config, device=store_device)
                 module.load_quantized_state(tensors)
-                module = keep(module)
             except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
                 log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
                 module = None
         if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
             input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
-            module = keep(quantized_module_for(candidate.module, fmt, config, device=device, input_amax=input_amax))
+            module = quantized_module_for(candidate.module, fmt, config, device=device,
+                                          input_amax=input_amax).to(store_device)
         modules[name] = module
     return modules
 
@@ -126,7 +126,7 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
 def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calibration=None,
                       filter_fn: FilterFn | None = None, *, cache=None, resolution=None, device=None,
                       weights_digest: str | None = None, between_layers=None, store_device=None,
-                      store_layer=None, decided: QuantReport | None = None) -> QuantPlan:
+                      decided: QuantReport | None = None) -> QuantPlan:
     """Decide per layer and build the quantized replacements, without changing `model`.
 
     - calibration: a callable that runs the model for a few steps (called with the model if it takes an
@@ -139,8 +139,6 @@ def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calib
     - between_layers: called before each layer is measured (a host's stop check, which raises to end the plan).
     - store_device: where the quantized modules are returned (default: `device`). Each goes there as soon as it is
       built, so a host that loads them later (ComfyUI) never holds the float model and every 8-bit layer together.
-    - store_layer(module) -> module: instead of `store_device`, the host's own place for each one as it is built
-      (ComfyUI's: page-locked host memory, where its unloads and loads copy it later).
     - decided: another process's report for the same model and settings, taken instead of calibrating (the processes
       of a parallelize_ group run the same layers).
     """
@@ -148,25 +146,19 @@ def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calib
     # then ordinary tensors that `load_float_weight` may overwrite later from any mode.
     with torch.inference_mode(False), torch.no_grad():
         if decided is not None:
-            return _plan_decided(model, config, decided, filter_fn, device, store_device, store_layer)
+            return _plan_decided(model, config, decided, filter_fn, device, store_device)
         return _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
-                     between_layers, store_device, store_layer)
+                     between_layers, store_device)
 
 
-def _keeper(store_device: torch.device, store_layer):
-    """What each quantized module goes through as soon as it is built: the host's `store_layer`, else a move to
-    `store_device`."""
-    return store_layer if store_layer is not None else (lambda module: module.to(store_device))
-
-
-def _plan_decided(model, config, decided: QuantReport, filter_fn, device, store_device, store_layer) -> QuantPlan:
+def _plan_decided(model, config, decided: QuantReport, filter_fn, device, store_device) -> QuantPlan:
     config = (config or QuantConfig()).validate()
     device = torch.device(device) if device is not None else _model_device(model)
     store_device = torch.device(store_device) if store_device is not None else device
     fmt = config.resolve_format(device)
     candidates = find_candidates(model, config, fmt if formats.get(fmt).bits >= 8 else None, filter_fn)
     modules = _modules_from_cache(decided, {c.name: c for c in candidates}, None, "another process's decisions",
-                                  device, config, store_device, _keeper(store_device, store_layer))
+                                  device, config, store_device)
     if modules is None:
         raise ValueError("quantize_: another process's decisions do not match this model's layers: every process "
                          "must quantize the same model with the same settings")
@@ -174,7 +166,7 @@ def _plan_decided(model, config, decided: QuantReport, filter_fn, device, store_
 
 
 def _plan(model, config, calibration, filter_fn, cache, resolution, device, weights_digest,
-          between_layers, store_device, store_layer) -> QuantPlan:
+          between_layers, store_device) -> QuantPlan:
     started = time.perf_counter()
     config = (config or QuantConfig()).validate()
     device = torch.device(device) if device is not None else _model_device(model)
@@ -193,8 +185,7 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
                                      [[c.name, c.kind, c.skip_reason] for c in candidates])
         cached = store.load(key)
         if cached is not None:
-            modules = _modules_from_cache(cached, by_name, store, key, device, config, store_device,
-                                          _keeper(store_device, store_layer))
+            modules = _modules_from_cache(cached, by_name, store, key, device, config, store_device)
             if modules is not None:
                 cached.cache_hit, cached.calibrated, cached.cache_key = True, False, key
                 cached.seconds = {"total": time.perf_counter() - started}
@@ -202,8 +193,7 @@ def _plan(model, config, calibration, filter_fn, cache, resolution, device, weig
 
     calibrator = _run_calibration(model, config, filter_fn, calibration)
     measure_started = time.perf_counter()
-    decisions, modules = decide(candidates, calibrator.samples, config, fmt, between_layers,
-                                _keeper(store_device, store_layer))
+    decisions, modules = decide(candidates, calibrator.samples, config, fmt, between_layers, store_device)
     report = QuantReport(format=fmt, device=str(device), config=config.to_dict(), layers=decisions,
                          cache_hit=False, calibrated=True, cache_key=key)
     report.seconds = {"calibration_run": calibrator.seconds, "measure": time.perf_counter() - measure_started,

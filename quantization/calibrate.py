@@ -137,9 +137,9 @@ class Calibrator:
             sample.rows[positions] = rows.to(sample.rows.dtype)
 
     # -- measuring and deciding ------------------------------------------------------------------------------
-    def decide(self, fmt: str, config: QuantConfig | None = None, between_layers=None):
+    def decide(self, fmt: str, config: QuantConfig | None = None, between_layers=None, store_device=None):
         """Measure every measurable layer with format `fmt` and decide. Returns (decisions, {name: module})."""
-        return decide(self.candidates, self.samples, config or self.config, fmt, between_layers)
+        return decide(self.candidates, self.samples, config or self.config, fmt, between_layers, store_device)
 
 
 def measure_layer(module: nn.Module, rows: torch.Tensor, fmt: str, config: QuantConfig,
@@ -251,12 +251,12 @@ def _gemm_if_faster(decision: LayerDecision, candidate: Candidate, sample: Layer
     return quantized
 
 
-def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, between_layers=None, keep=None):
+def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, between_layers=None,
+           store_device=None):
     """Per layer: kernel available? called? density >= threshold? error < threshold? -> LayerDecision.
     `between_layers()`, if given, is called before each layer's measurement: a host's stop check (it raises).
-    `keep(module) -> module`, if given, takes each chosen module as soon as it is decided (off the card): on a card
-    that holds the float model only partly, the 8-bit layers must not pile up beside it (one layer at a time is
-    measured there)."""
+    `store_device`, if given, is where each chosen module goes as soon as it is decided: on a card that holds the
+    float model only partly, the 8-bit layers must not pile up beside it (one layer at a time is measured there)."""
     decisions, modules = [], {}
     for candidate in candidates:
         if between_layers is not None:
@@ -264,7 +264,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
         decision, module = decide_layer(candidate, samples.get(candidate.name), config, fmt)
         decisions.append(decision)
         if module is not None:
-            modules[candidate.name] = module if keep is None else keep(module)
+            modules[candidate.name] = module if store_device is None else module.to(store_device)
     for decision in decisions:
         if decision.decision != QUANTIZE:
             decision.decision = SKIP

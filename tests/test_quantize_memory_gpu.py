@@ -93,9 +93,10 @@ def test_quantized_weights_lower_vram_in_every_memory_mode(comfy, memory_mode, t
     assert ((again - float_out).norm() / float_out.norm()).item() < 1e-3
 
 
-def test_an_unload_to_the_pinned_home_frees_the_card_and_copies_nothing_the_second_time():
+def test_an_unload_to_the_pinned_home_frees_the_card_and_copies_nothing_the_second_time(comfy):
     """The quantized layers' page-locked home (comfy_host/pinned_home.py): an unload gives their GPU memory back, a
-    load computes the same, again and again."""
+    load computes the same, again and again. Pinning counts against ComfyUI's limit, so ComfyUI is imported (`comfy`)
+    even where this test runs alone."""
     from overdrive.comfy_host.layer_tensors import tensors_of
     from overdrive.comfy_host.pinned_home import PinnedHome
     from overdrive.quantization import Int8Linear

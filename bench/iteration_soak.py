@@ -103,21 +103,22 @@ def main():
     if args.phase == "restart":
         pathlib.Path(args.out).write_text(json.dumps(rows))
         return
-    restart_out = pathlib.Path(args.workdir) / "restart.json"
-    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--phase", "restart", "--workdir", args.workdir,
-                    "--out", str(restart_out)], check=True)
-    restart = json.loads(restart_out.read_text())
-
     from overdrive.harness.iteration_soak import summary, write
-    result = summary(rows, eight_bit_gib)
-    result["restart_seconds"] = {row["label"]: row["seconds"] for row in restart}
     import torch
     meta = {"bench": "iteration_soak", "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "comfyui": comfyui_version(),
             "torch": torch.__version__, "python": platform.python_version(), "dynamic_vram": args.dynamic_vram,
             "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res, "steps": args.steps,
-            "quantized_gib_estimate": round(eight_bit_gib, 2), "summary": result}
-    write(args.out, rows + restart, meta)
+            "quantized_gib_estimate": round(eight_bit_gib, 2)}
+    # Written before the restart too: a GPU call's time limit that cuts the restart leaves the soak's result
+    write(args.out, rows, {**meta, "ended": "the restart did not finish", "summary": summary(rows, eight_bit_gib)})
+    restart_out = pathlib.Path(args.workdir) / "restart.json"
+    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--phase", "restart", "--workdir", args.workdir,
+                    "--out", str(restart_out)], check=True)
+    restart = json.loads(restart_out.read_text())
+    result = summary(rows, eight_bit_gib)
+    result["restart_seconds"] = {row["label"]: row["seconds"] for row in restart}
+    write(args.out, rows + restart, {**meta, "summary": result})
     print(json.dumps(result, indent=1), flush=True)
 
 

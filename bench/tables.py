@@ -220,7 +220,7 @@ def soak(reports) -> str:
 
 def card(report) -> str:
     """The card a soak emulated: its budget, or the whole GPU."""
-    return "whole card" if report.get("budget_gib") is None else f"{report['budget_gib']:g} GiB"
+    return "whole card" if report.get("budget_gib") is None else f"{report['budget_gib']:g} GiB card"
 
 
 def soak_prompts(reports) -> str:
@@ -228,7 +228,8 @@ def soak_prompts(reports) -> str:
     (anonymous, file-backed) and GPU memory after it, graphs compiled and calibrations."""
     lines = []
     for report in reports:
-        lines += [f"{report['model']} {report['resolution']}², {report['steps']} steps, {card(report)}, dynamic VRAM {report['dynamic_vram']}, {report['gpu']}, ComfyUI {report['comfyui']} "
+        lines += [f"{report['model']} {report['resolution']}², {report['steps']} steps, {card(report)}, "
+                  f"dynamic VRAM {report['dynamic_vram']}, {report['gpu']}, ComfyUI {report['comfyui']} "
                   f"(`{report['file']}`{'; ' + report['ended'] if 'ended' in report else ''}):", "",
                   "| prompt | ended | s | sampler s | anon GiB | file GiB | GPU GiB | compiled | calibrated |",
                   "|---|---|---|---|---|---|---|---|---|"]

@@ -110,13 +110,13 @@ def main():
             "torch": torch.__version__, "python": platform.python_version(), "dynamic_vram": args.dynamic_vram,
             "budget_gib": args.budget_gib, "model": f"flux {args.size}", "resolution": args.res, "steps": args.steps,
             "quantized_gib_estimate": round(eight_bit_gib, 2)}
+    result = summary(rows, eight_bit_gib)
     # Written before the restart too: a GPU call's time limit that cuts the restart leaves the soak's result
-    write(args.out, rows, {**meta, "ended": "the restart did not finish", "summary": summary(rows, eight_bit_gib)})
+    write(args.out, rows, {**meta, "ended": "the restart did not finish", "summary": result})
     restart_out = pathlib.Path(args.workdir) / "restart.json"
     subprocess.run([sys.executable, __file__, *sys.argv[1:], "--phase", "restart", "--workdir", args.workdir,
                     "--out", str(restart_out)], check=True)
     restart = json.loads(restart_out.read_text())
-    result = summary(rows, eight_bit_gib)
     result["restart_seconds"] = {row["label"]: row["seconds"] for row in restart}
     write(args.out, rows + restart, {**meta, "summary": result})
     print(json.dumps(result, indent=1), flush=True)

@@ -120,7 +120,8 @@ def requantize_onto(patcher, diffusion_model) -> list:
     for name in old:  # each layer's float weights, dequantized where the new checkpoint stores the layer in low bits
         layer = diffusion_model.get_submodule(name)
         state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
-    fresh = requantize(old, state, copy=True)
+    # quantized on the card even where the layers wait on the host (it took the host most of a switch's time)
+    fresh = requantize(old, state, copy=True, quantize_on=patcher.load_device)
     previous = quantized_set_of(patcher)
     switched = QuantizedSet(fresh, previous.report, SidePaths(fresh, previous.side_paths.dtype),
                             context=previous.context)

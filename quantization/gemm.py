@@ -55,8 +55,11 @@ class QuantizedGemm(nn.Module):
         raise NotImplementedError
 
     @torch.no_grad()
-    def load_float_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QuantizedGemm":
-        """Re-quantize in place from a new float weight ((N, K), or (N, K, 1, 1) for a 1x1 conv) and bias."""
+    def load_float_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          quantize_on: torch.device | None = None) -> "QuantizedGemm":
+        """Re-quantize in place from a new float weight ((N, K), or (N, K, 1, 1) for a 1x1 conv) and bias, on
+        `quantize_on` (default: where this layer is; a GPU quantizes a layer kept on the host far sooner than the
+        host does)."""
         weight = weight.detach()
         if weight.dim() != 2:
             weight = weight.reshape(weight.shape[0], -1)
@@ -68,7 +71,7 @@ class QuantizedGemm(nn.Module):
             raise ValueError(f"{type(self).__name__}.load_float_weight: the layer was built "
                              f"{'without' if self.bias is None else 'with'} a bias; pass "
                              f"{'bias=None' if self.bias is None else 'its bias'}.")
-        tensors = self.quantize_weight(weight.to(self.weight_q.device))
+        tensors = self.quantize_weight(weight.to(quantize_on or self.weight_q.device))
         return self.load_quantized_state({**dict(zip(self.quantized_names, tensors)), "bias": bias})
 
     @torch.no_grad()

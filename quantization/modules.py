@@ -40,8 +40,8 @@ class QuantConv2d1x1(nn.Module):
     def format(self) -> str:
         return self.gemm.format
 
-    def load_float_weight(self, weight, bias=None):
-        self.gemm.load_float_weight(weight, bias)
+    def load_float_weight(self, weight, bias=None, quantize_on=None):
+        self.gemm.load_float_weight(weight, bias, quantize_on)
         return self
 
     def quantized_state(self) -> dict:
@@ -145,13 +145,14 @@ def float_reference(module: nn.Module, layers: dict) -> dict:
     return reference
 
 
-def requantize(layers: dict, state: dict, copy: bool) -> dict:
+def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     """Weight switching: `layers` (name -> quantized layer) quantized again from a checkpoint's float `state` (name ->
     tensor, checkpoint key names), keeping each layer's format, scales rule and static input scale (the decisions
-    stand). `copy`: new layers, so a model still running keeps its own (ComfyUI); else in place (a pipeline's)."""
+    stand). `copy`: new layers, so a model still running keeps its own (ComfyUI); else in place (a pipeline's).
+    `quantize_on`: the device that quantizes (default: each layer's own)."""
     import copy as copying
     fresh = {}
     for name, layer in layers.items():
         target = copying.deepcopy(layer) if copy else layer
-        fresh[name] = target.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"))
+        fresh[name] = target.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"), quantize_on)
     return fresh

@@ -113,3 +113,32 @@ def test_an_unload_to_the_pinned_home_frees_the_card_and_copies_nothing_the_seco
         assert all(torch.equal(layer(x), out) for layer, out in zip(layers, expected))
         held_home = home.nbytes()
         assert home.send(layers) > 0 and home.nbytes() == held_home  # the same blocks, no new allocation
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "int8 weight-only", "1x1 conv"])
+def test_a_layer_waiting_on_the_host_quantized_on_the_card_is_the_layer_the_host_quantizes(kind):
+    """Switch Weights / Switch Diffusion Model quantize the new file's weights on the card while the layers wait on the
+    host (quantize_patches.requantize_onto): the tensors the card makes for a layer on the card (as Quantize Model
+    made the layers in the first place), left on the host; they compute what the host's own quantizing computes."""
+    import copy
+    from overdrive.comfy_host.layer_tensors import tensors_of
+    from overdrive.quantization import Fp8Linear, Int8Linear, Int8WeightOnlyLinear, QuantConv2d1x1
+    from overdrive.quantization.modules import requantize
+    torch.manual_seed(0)
+    make = {"fp8": lambda: Fp8Linear.from_float(torch.nn.Linear(256, 512, dtype=torch.bfloat16)),
+            "int8": lambda: Int8Linear.from_float(torch.nn.Linear(256, 512)),
+            "int8 weight-only": lambda: Int8WeightOnlyLinear.from_float(torch.nn.Linear(256, 512)),
+            "1x1 conv": lambda: QuantConv2d1x1.from_float(torch.nn.Conv2d(256, 512, 1), "int8")}[kind]
+    layer = make()
+    weight, bias = torch.randn(512, 256, *((1, 1) if kind == "1x1 conv" else ())), torch.randn(512)
+    on_card = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True,
+                         quantize_on=torch.device("cuda"))["x"]
+    assert all(t.device.type == "cpu" for *_, t in tensors_of(on_card))
+    made_on_card = copy.deepcopy(layer).cuda().load_float_weight(weight.cuda(), bias.cuda())
+    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1
+               else torch.equal(a.cpu(), b) for (*_, a), (*_, b) in zip(tensors_of(made_on_card), tensors_of(on_card)))
+    on_host = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True)["x"]
+    x = torch.randn(4, 256, *((2, 2) if kind == "1x1 conv" else ()), device="cuda",
+                    dtype=torch.bfloat16 if kind == "fp8" else torch.float32)
+    ours, theirs = on_card.cuda()(x).float(), on_host.cuda()(x).float()
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-2

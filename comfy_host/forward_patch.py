@@ -151,7 +151,9 @@ def let_go_of_forward_with(base_model) -> None:
 
 def _drop_forward(module_ref) -> None:
     module = module_ref()
-    forward = None if module is None else module.__dict__.get("forward")
+    if module is None:  # collected already (at /free): nothing holds it
+        return
+    forward = module.__dict__.get("forward")
     bound_to_it = getattr(forward, "__self__", None) is module and \
         getattr(forward, "__func__", None) is type(module).forward
     if forward is not None and (bound_to_it or stack_of(forward) is not None):

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import comfy.model_management
+import torch
 
 from ..attention.choice import AttentionConfig
 from ..core.errors import error_line
@@ -19,8 +20,9 @@ from .attention_override import install_attention
 from .cache_folder import comfy_cache_dir
 from .file_weights import source_file
 from .forward_patch import FORWARD, installed_stack, rebuild
+from .gpu_budget import ACTIVATIONS_BYTES, describe_room, room_for_weights
 from .peak_memory import peak_memory
-from .quantize_calibration import CalibrationRun, with_room_to_calibrate
+from .quantize_calibration import RECORDING_ROOM, CalibrationRun, with_room_to_calibrate
 from .quantize_patches import float_view, install_quantized
 from .quantized_patch_routing import bake_weight_patches
 from .quantized_state import compute_dtype, quantized_set_of
@@ -119,12 +121,10 @@ def quantize_once(model, config, run, attention, context, folder, fingerprint, f
         loaded = time.perf_counter()
         diffusion = calib.model.diffusion_model
         cache = QuantCache(folder or quant_cache_dir())
-        # The 8-bit layers wait where ComfyUI keeps offloaded weights until the quantized model loads: beside a float
-        # model that a short card holds only partly, they would run it out of memory.
         plan = plan_quantization(diffusion, config, calibration=(lambda: run(calib)) if run is not None else None,
                                  filter_fn=keeping_float(float_layers), cache=cache, resolution=context,
                                  device=model.load_device, weights_digest=fingerprint,
-                                 store_device=model.offload_device,
+                                 store_device=waiting_place(calib, diffusion),
                                  between_layers=comfy.model_management.throw_exception_if_processing_interrupted)
     report = plan.report
     path = cache.decisions_path(report.cache_key)
@@ -139,6 +139,26 @@ def quantize_once(model, config, run, attention, context, folder, fingerprint, f
              time.perf_counter() - started, f"; GPU memory while quantizing: {peak['text']}" if peak["text"] else "")
     log.debug("%s", report.table())
     return QuantizedSet(plan.modules, report, SidePaths(plan.modules, compute_dtype(model)), key, context)
+
+
+def waiting_place(calib, tree) -> torch.device:
+    """Where the 8-bit layers wait from quantizing until the quantized model loads. On the card where it has room for
+    all of them beside the whole float model and the calibration's working memory: copied out to the host and back in
+    at the load, they took most of a cached Quantize Model's time (bench/experiments/quantize-model-time.md). Else
+    where ComfyUI keeps offloaded weights: beside a float model that a short card holds only partly, they would run it
+    out of memory."""
+    kept_free = ACTIVATIONS_BYTES + RECORDING_ROOM
+    room = room_for_weights(calib.load_device, kept_free)
+    if room is None:
+        return calib.offload_device
+    float_to_load = calib.model_size() - calib.loaded_size()
+    at_most = sum(weight.numel() for weight in tree.parameters())  # one byte a weight: no 8- or 4-bit layer takes more
+    if room < float_to_load + at_most:
+        return calib.offload_device
+    log.info("Overdrive quantization: the quantized layers stay on the card until the quantized model loads (room for "
+             "%.2f GiB beside the float model's %.2f GiB still to load; %s).", at_most / 2**30, float_to_load / 2**30,
+             describe_room(calib.load_device, kept_free))
+    return calib.load_device
 
 
 REPORT = "overdrive_quantization_report"  # the returned model's attachment: what Quantize Model did, for callers

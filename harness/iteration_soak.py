@@ -152,13 +152,14 @@ def plan(info: dict, files: Files, size: int, steps: int, cycles: int = 2, stops
 
 
 def restart_plan(info: dict, files: Files, size: int, steps: int) -> list:
-    """After a restart with the same caches: Quantize + Compile + step cache on the second file first (its decisions are
-    not cached: calibrated; its graphs are), then on the first (everything cached)."""
+    """After a restart with the same caches: Quantize + Compile + step cache on the first file first (everything cached:
+    the prompt a user queues again after a restart), then on the second file (its decisions are not cached:
+    calibrated; its graphs are)."""
     fast = dict(quantize={}, compile_options={}, step_cache=True, size=size, steps=steps)
-    return [Step("restart: a file never quantized (graphs cached)",
-                 flux_prompt(info, files, **fast, seed=1, prefix="soak-restart-new", model=files.other)),
-            Step("restart: the first file (all cached)",
-                 flux_prompt(info, files, **fast, seed=2, prefix="soak-restart-cached"))]
+    return [Step("restart: the first file (all cached)",
+                 flux_prompt(info, files, **fast, seed=2, prefix="soak-restart-cached")),
+            Step("restart: a file never quantized (graphs cached)",
+                 flux_prompt(info, files, **fast, seed=1, prefix="soak-restart-new", model=files.other))]
 
 
 def process_memory() -> dict:

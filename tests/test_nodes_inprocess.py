@@ -67,6 +67,20 @@ def test_compile_model_matches_eager_and_leaves_the_input_model_alone(base, comp
     assert not isinstance(base.model.diffusion_model.__dict__.get("forward"), CompiledMethod)
 
 
+def test_letting_go_of_a_dropped_models_forward_leaves_a_collected_module_alone(comfy):
+    """The finalizer that drops Overdrive's forward from a dropped model's module runs at /free after the module is
+    gone too: it has nothing to do then (it raised AttributeError from inside the garbage collector)."""
+    import weakref
+    from overdrive.comfy_host.forward_patch import _drop_forward
+    module = torch.nn.Linear(2, 2)
+    module.forward = module.forward  # the module's own bound method, as an unpatch leaves it
+    ref = weakref.ref(module)
+    _drop_forward(ref)
+    assert "forward" not in module.__dict__
+    del module
+    _drop_forward(ref)  # collected: returns without raising
+
+
 @pytest.fixture
 def comfy_progress_hook(comfy):
     """ComfyUI's progress hook as its server installs it: each update first raises a pending stop request."""

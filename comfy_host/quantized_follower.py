@@ -16,7 +16,7 @@ from .quantized_sets import QuantizedSet
 from .quantized_state import followers
 from .layer_tensors import tensor_bytes
 from .quantized_streaming import place
-from .gpu_budget import ACTIVATIONS_BYTES, describe_room
+from .gpu_budget import ACTIVATIONS_BYTES, describe_room, room_for_weights
 from .working_memory import MeasuredWorkingMemory
 
 log = logging.getLogger("overdrive.quantization")
@@ -242,12 +242,42 @@ def return_hook(follower: QuantizedModules):
         for layer_name, layer in originals.items():
             if layer_name in homes:
                 move([layer], homes[layer_name])
+        device = next((arg.device for arg in args if isinstance(arg, torch.Tensor)), None)
+        if device is not None and device.type == "cuda":
+            place_stranded([layer for layer in originals.values() if on_device(layer) == FLOAT_HOME], device)
         handle.remove()
         live = follower_ref()
         if live is not None:
             live.return_hook = None
     handle = follower.tree.register_forward_pre_hook(hook)
     return handle
+
+
+def place_stranded(layers, device) -> None:
+    """Float layers on the host that a float clone is about to run uncast on `device`: ComfyUI's classic loader counts
+    them loaded where it loaded the quantized model whole while they were out of the tree, and the clone reuses that
+    load without moving a weight (their first call failed "mat1 is on cuda:0, different from other tensors on cpu").
+    Each goes to `device` while the card's budget has room, else casts its weights at each call, as ComfyUI's low-VRAM
+    load makes a layer it leaves on the host (an unload undoes both)."""
+    stranded = [layer for layer in layers
+                if any(getattr(sub, "comfy_cast_weights", False) is False for sub in layer.modules() if sub._parameters)]
+    if not stranded:
+        return
+    room, moved, cast = room_for_weights(device), 0, 0
+    for layer in stranded:
+        size = tensor_bytes(layer)
+        if room is None or size <= room:
+            layer.to(device)
+            moved += size
+            room = None if room is None else room - size
+            continue
+        for sub in layer.modules():
+            if getattr(sub, "comfy_cast_weights", None) is False:
+                sub.prev_comfy_cast_weights, sub.comfy_cast_weights = False, True
+                cast += 1
+    log.info("Overdrive quantization: a float clone runs on the load of the quantized model: %.2f GiB of the float "
+             "layers it had sent to the host brought back to the GPU%s.", moved / 2**30,
+             f", {cast} layer(s) cast from the host at each call (no room on the card)" if cast else "")
 
 
 def on_device(module) -> torch.device | None:

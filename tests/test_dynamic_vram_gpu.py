@@ -82,6 +82,21 @@ def test_quantize_model_fp8_then_compile_model(nodes, base, family, sample, eage
              len(report.quantized), error_eager, error)
 
 
+def test_compile_model_alone_right_after_the_quantized_model_loaded_fresh(comfy, nodes, base, family, sample, eager):
+    """The quantized classic copy loaded from nothing (its float layers on the host, out of the tree while it loads),
+    then Compile Model alone on the same file: ComfyUI reuses that whole load for the float clone without moving a
+    weight, and every float layer must be on the GPU at its first call (it failed "mat1 is on cuda:0, different from
+    other tensors on cpu")."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    _, quantized = quantize_every_layer(nodes, base, family, "fp8_e4m3")
+    both = nodes["OverdriveCompileModel"].execute(quantized)[0]
+    comfy.model_management.unload_all_models()
+    sample(both)
+    alone = nodes["OverdriveCompileModel"].execute(base)[0]
+    assert_calls_match(sample(alone)[1], eager[1], PER_CALL_TOLERANCE)
+
+
 def test_a_lora_strength_change_on_quantize_and_compile_replays_every_recorded_block(comfy, nodes, base, family,
                                                                                    first_file, models_folder, sample):
     """The iteration loop's commonest change: a LoRA's strength only. The side paths take it in place, so ComfyUI

@@ -1,5 +1,6 @@
 """The quantized layers' page-locked home (comfy_host/pinned_home.py): what an unload copies out, and when it copies
-nothing. On the CPU the home is plain host memory; tests/test_quantize_memory_gpu.py runs the same on a GPU."""
+nothing. On the CPU the home is plain host memory; tests/test_quantize_memory_gpu.py runs the same on a GPU. And the
+float layers those replace, left on the host, when a float clone reuses the quantized model's load."""
 import torch
 
 from overdrive.comfy_host.layer_tensors import tensors_of
@@ -58,3 +59,26 @@ def test_a_home_made_during_a_prompt_takes_a_copy_outside_one():
     getattr(sub, kind)[name] = fresh = tensor.clone() + 1  # another tensor in the slot, made outside a prompt
     assert home.send([layer], keep_on_card=True) > 0
     assert torch.equal(home.views(layer)[0][3], fresh)
+
+
+def test_float_layers_stranded_on_the_host_go_to_the_card_while_it_has_room_and_else_cast_from_the_host(comfy,
+                                                                                                      monkeypatch):
+    """A float clone that reuses the quantized model's whole load finds the float layers the quantized one had sent to
+    the host (quantized_follower.place_stranded): each goes to the card while its budget has room, the rest cast at
+    each call as ComfyUI's low-VRAM load makes them; a layer that casts already stays where it is. The meta device
+    stands in for the card."""
+    import comfy.ops
+    from overdrive.comfy_host import quantized_follower
+    from overdrive.comfy_host.layer_tensors import tensor_bytes
+
+    def layer(ops):
+        made = ops.Linear(16, 16)
+        made.weight, made.bias = torch.nn.Parameter(torch.randn(16, 16)), torch.nn.Parameter(torch.randn(16))
+        return made
+    first, second, third = (layer(comfy.ops.disable_weight_init) for _ in range(3))
+    casting = layer(comfy.ops.manual_cast)
+    monkeypatch.setattr(quantized_follower, "room_for_weights", lambda device: 2 * tensor_bytes(first))
+    quantized_follower.place_stranded([first, second, third, casting], torch.device("meta"))
+    assert first.weight.is_meta and second.weight.is_meta
+    assert not third.weight.is_meta and third.comfy_cast_weights and third.prev_comfy_cast_weights is False
+    assert not casting.weight.is_meta and not hasattr(casting, "prev_comfy_cast_weights")

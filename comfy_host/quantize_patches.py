@@ -16,7 +16,7 @@ from ..quantization.linear_layers import float_weight
 from ..quantization.modules import requantize
 from . import file_weights
 from .load_state import LAYER_LOADER_STATE
-from .quantized_follower import CLASS_PATCH, QuantizedModules, home_when_unfollowed
+from .quantized_follower import CLASS_PATCH, QuantizedModules, home_unless_loaded, home_when_unfollowed
 from .quantized_lora import PREFIX, SidePaths, place_side_paths
 from .quantized_patch_routing import QuantizedPatchRouter
 from .quantized_sets import QuantizedSet
@@ -120,9 +120,10 @@ def requantize_onto(patcher, diffusion_model) -> list:
     for name in old:  # each layer's float weights, dequantized where the new checkpoint stores the layer in low bits
         layer = diffusion_model.get_submodule(name)
         state[f"{name}.weight"], state[f"{name}.bias"] = float_weight(layer), layer.bias
+    previous = quantized_set_of(patcher)
+    home_unless_loaded(previous, patcher.offload_device)  # the copies are made where the layers wait: not on the card
     # quantized on the card even where the layers wait on the host (it took the host most of a switch's time)
     fresh = requantize(old, state, copy=True, quantize_on=patcher.load_device)
-    previous = quantized_set_of(patcher)
     switched = QuantizedSet(fresh, previous.report, SidePaths(fresh, previous.side_paths.dtype),
                             context=previous.context)
     reinstall(patcher, switched, fresh)

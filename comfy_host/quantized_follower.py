@@ -232,7 +232,7 @@ def return_hook(follower: QuantizedModules):
     hook holding the follower kept each dropped quantized model's 8-bit layers alive until a float clone ran
     (bench/results/2026-11-25_h200_quantize_memory_repeat_wan22_compile.json). It still fires after its quantized model
     is gone, when the float layers are needed most."""
-    originals, homes, follower_ref = follower.originals, follower.homes, weakref.ref(follower)
+    originals, homes, follower_ref, owner = follower.originals, follower.homes, weakref.ref(follower), follower.owner
     name, original = next(iter(originals.items()))  # ComfyUI swaps object patches all together: one tells
     handle = None
 
@@ -242,9 +242,10 @@ def return_hook(follower: QuantizedModules):
         for layer_name, layer in originals.items():
             if layer_name in homes:
                 move([layer], homes[layer_name])
-        device = next((arg.device for arg in args if isinstance(arg, torch.Tensor)), None)
-        if device is not None and device.type == "cuda":
-            place_stranded([layer for layer in originals.values() if on_device(layer) == FLOAT_HOME], device)
+        x = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        if x is not None and x.device.type == "cuda":
+            place_stranded([layer for layer in originals.values() if on_device(layer) == FLOAT_HOME], x,
+                           owner() if owner is not None else None)
         handle.remove()
         live = follower_ref()
         if live is not None:
@@ -253,17 +254,23 @@ def return_hook(follower: QuantizedModules):
     return handle
 
 
-def place_stranded(layers, device) -> None:
-    """Float layers on the host that a float clone is about to run uncast on `device`: ComfyUI's classic loader counts
-    them loaded where it loaded the quantized model whole while they were out of the tree, and the clone reuses that
-    load without moving a weight (their first call failed "mat1 is on cuda:0, different from other tensors on cpu").
-    Each goes to `device` while the card's budget has room, else casts its weights at each call, as ComfyUI's low-VRAM
-    load makes a layer it leaves on the host (an unload undoes both)."""
+def place_stranded(layers, x: torch.Tensor, base_model=None) -> None:
+    """Float layers on the host that a float clone is about to run uncast on `x`'s device: ComfyUI's classic loader
+    counts them loaded where it loaded the quantized model whole while they were out of the tree, and the clone reuses
+    that load without moving a weight (their first call failed "mat1 is on cuda:0, different from other tensors on
+    cpu"). Each goes to the card while its budget has room beside the call's activations (ComfyUI's estimate for `x`,
+    from `base_model`), else casts its weights at each call, as ComfyUI's low-VRAM load makes a layer it leaves on the
+    host; the model is then marked low-VRAM, so that ComfyUI's unload undoes that as it undoes its own."""
     stranded = [layer for layer in layers
                 if any(getattr(sub, "comfy_cast_weights", False) is False for sub in layer.modules() if sub._parameters)]
     if not stranded:
         return
-    room, moved, cast = room_for_weights(device), 0, 0
+    device, activations = x.device, ACTIVATIONS_BYTES
+    try:
+        activations = max(activations, int(base_model.memory_required(x.shape)))
+    except Exception:  # noqa: BLE001 - no estimate (not ComfyUI's model): the floor stands
+        pass
+    room, moved, cast = room_for_weights(device, activations), 0, 0
     for layer in stranded:
         size = tensor_bytes(layer)
         if room is None or size <= room:
@@ -275,6 +282,8 @@ def place_stranded(layers, device) -> None:
             if getattr(sub, "comfy_cast_weights", None) is False:
                 sub.prev_comfy_cast_weights, sub.comfy_cast_weights = False, True
                 cast += 1
+    if cast and base_model is not None:
+        base_model.model_lowvram = True
     log.info("Overdrive quantization: a float clone runs on the load of the quantized model: %.2f GiB of the float "
              "layers it had sent to the host brought back to the GPU%s.", moved / 2**30,
              f", {cast} layer(s) cast from the host at each call (no room on the card)" if cast else "")
@@ -322,13 +331,29 @@ def _home_if_unfollowed(quantized_ref, offload_device) -> None:
     quantized = quantized_ref()
     if quantized is None or any(True for _ in quantized.live_followers):
         return
+    try:
+        send_gpu_layers_home(quantized, offload_device)
+    except Exception as error:  # noqa: BLE001 - a finalizer must not raise
+        log.warning("Overdrive quantization: moving the quantized layers of a dropped model off the GPU failed "
+                    "(%s).", error_line(error))
+
+
+def send_gpu_layers_home(quantized: QuantizedSet, offload_device) -> None:
     on_gpu = [layer for layer in quantized.layers.values() if getattr(on_device(layer), "type", None) == "cuda"]
     if on_gpu:
-        try:
-            send_home(quantized, on_gpu, offload_device)
-        except Exception as error:  # noqa: BLE001 - a finalizer must not raise
-            log.warning("Overdrive quantization: moving the quantized layers of a dropped model off the GPU failed "
-                        "(%s).", error_line(error))
+        send_home(quantized, on_gpu, offload_device)
+
+
+def home_unless_loaded(quantized: QuantizedSet, offload_device) -> None:
+    """`quantized`'s layers on a GPU sent home where no model ComfyUI has loaded runs them. Quantize Model leaves them
+    on the card for its model's load (quantized_model.waiting_place); a switch before that load (its copies would sit
+    beside them) or a Quantize Model that fails after making them would leave them there, out of ComfyUI's sight."""
+    import comfy.model_management
+    for loaded in comfy.model_management.current_loaded_models:
+        patcher = loaded.model
+        if patcher is not None and any(follower.quantized is quantized for follower in followers(patcher)):
+            return
+    send_gpu_layers_home(quantized, offload_device)
 
 
 def move(modules, device) -> None:

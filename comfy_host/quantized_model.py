@@ -26,6 +26,7 @@ from .quantize_calibration import RECORDING_ROOM, CalibrationRun, with_room_to_c
 from .quantize_patches import float_view, install_quantized
 from .quantized_patch_routing import bake_weight_patches
 from .quantized_state import compute_dtype, quantized_set_of
+from .quantized_follower import home_unless_loaded
 from .quantized_lora import SidePaths, low_rank_layers, weight_key
 from .quantized_sets import QuantizedSet, set_key
 
@@ -92,9 +93,13 @@ def quantized_clone(model, config: QuantConfig, run: CalibrationRun | None, atte
     quantized_sets.keep(quantized, model.model.diffusion_model)
     patched = model.clone()
     layers = dict(quantized.layers)
-    side, baked_names = low_rank_layers(patched, layers)
-    layers.update(bake_weight_patches(patched, layers, baked_names, tree, model.load_device))
-    install_quantized(patched, quantized, layers)
+    try:
+        side, baked_names = low_rank_layers(patched, layers)
+        layers.update(bake_weight_patches(patched, layers, baked_names, tree, model.load_device))
+        install_quantized(patched, quantized, layers)
+    except BaseException:
+        home_unless_loaded(quantized, model.offload_device)  # no model follows the layers that wait on the card
+        raise
     rebuild(patched)  # Compile Model / DeepCache came first: their graphs are keyed by the 8-bit layers
     beside = sum(weight_key(name) in patched.patches for name in side)
     lora = [f"LoRAs run beside {beside} quantized layer(s)"] if beside else []

@@ -154,5 +154,10 @@ def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     fresh = {}
     for name, layer in layers.items():
         target = copying.deepcopy(layer) if copy else layer
-        fresh[name] = target.load_float_weight(state[f"{name}.weight"], state.get(f"{name}.bias"), quantize_on)
+        weight, bias = state[f"{name}.weight"], state.get(f"{name}.bias")
+        try:
+            fresh[name] = target.load_float_weight(weight, bias, quantize_on)
+        except torch.OutOfMemoryError:  # the card full beside a loaded model: quantized where the layer is
+            torch.cuda.empty_cache()
+            fresh[name] = target.load_float_weight(weight, bias)
     return fresh

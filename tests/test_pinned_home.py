@@ -77,8 +77,21 @@ def test_float_layers_stranded_on_the_host_go_to_the_card_while_it_has_room_and_
         return made
     first, second, third = (layer(comfy.ops.disable_weight_init) for _ in range(3))
     casting = layer(comfy.ops.manual_cast)
-    monkeypatch.setattr(quantized_follower, "room_for_weights", lambda device: 2 * tensor_bytes(first))
-    quantized_follower.place_stranded([first, second, third, casting], torch.device("meta"))
+    kept = []
+
+    class Model:  # ComfyUI's BaseModel: its estimate of a call's activations, its low-VRAM mark
+        model_lowvram = False
+
+        def memory_required(self, shape):
+            return 2**31 * shape[0]
+
+    def room(device, activations):
+        kept.append(activations)
+        return 2 * tensor_bytes(first)
+    monkeypatch.setattr(quantized_follower, "room_for_weights", room)
+    model = Model()
+    quantized_follower.place_stranded([first, second, third, casting], torch.empty(2, 4, device="meta"), model)
     assert first.weight.is_meta and second.weight.is_meta
     assert not third.weight.is_meta and third.comfy_cast_weights and third.prev_comfy_cast_weights is False
     assert not casting.weight.is_meta and not hasattr(casting, "prev_comfy_cast_weights")
+    assert kept == [2**32] and model.model_lowvram  # the call's activations kept free; ComfyUI's unload undoes the cast

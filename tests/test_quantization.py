@@ -824,3 +824,26 @@ def test_a_side_path_adds_its_low_rank_terms_at_their_slices_and_strengths_chang
                                                             path.scale.data_ptr()]
     with pytest.raises(ValueError, match="do not fit"):
         path.write(terms * 6)
+
+
+def test_a_switch_that_runs_out_of_memory_quantizing_on_the_card_quantizes_that_layer_where_it_is(monkeypatch):
+    """Switch Weights quantizes the new file's weights on the card (requantize's `quantize_on`); a layer whose
+    quantizing runs the card out of memory (a loaded model beside it) is quantized where the layer is instead, to the
+    same tensors. The meta device stands in for the card."""
+    from overdrive.quantization import Int8Linear
+    from overdrive.quantization.modules import requantize
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.nn.Linear(32, 16))
+    weight, bias = torch.randn(16, 32), torch.randn(16)
+    quantize = Int8Linear.quantize_weight
+
+    def full_card(self, tensor):
+        if tensor.is_meta:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return quantize(self, tensor)
+    monkeypatch.setattr(Int8Linear, "quantize_weight", full_card)
+    switched = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True,
+                          quantize_on=torch.device("meta"))["x"]
+    expected = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True)["x"]
+    assert switched is not layer
+    assert all(torch.equal(a, b) for a, b in zip(switched.state_dict().values(), expected.state_dict().values()))

@@ -61,6 +61,8 @@ def run(args) -> tuple:
              else restart_plan(info, files, args.res, args.steps))
     # On stderr: a build's stdout redirect (a thread writing the second model) would swallow the rows meanwhile
     soak = Soak(comfy, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.profile_restart and args.phase == "restart":
+        comfy.run = profiled("Restart prompt", comfy.run, top=50)
     first_other = next((i for i, step in enumerate(steps) if files.other in json.dumps(step.prompt)), len(steps))
     soak.run(steps[:first_other])
     other_written.join()
@@ -92,6 +94,9 @@ def main():
     parser.add_argument("--gpu", help="with --from-log: the GPU's name as torch gives it")
     parser.add_argument("--profile-quantize", action="store_true",
                         help="log where each Quantize Model run's own time goes (cProfile, the top functions)")
+    parser.add_argument("--profile-restart", action="store_true",
+                        help="log where each restart prompt's time goes (cProfile over ComfyUI's executor, which runs "
+                             "the nodes in this thread)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.from_log:
@@ -122,26 +127,30 @@ def main():
     print(json.dumps(result, indent=1), flush=True)
 
 
-def profile_quantize_runs(top: int = 25) -> None:
-    """Each Quantize Model run that calibrates or quantizes (not one reusing this process's layers) under cProfile,
-    its top functions by cumulative and by own time printed to stderr (the soak's log)."""
+def profile_quantize_runs() -> None:
+    """Each Quantize Model run that calibrates or quantizes (not one reusing this process's layers) under cProfile."""
+    from overdrive.comfy_host import quantized_model
+    quantized_model.quantize_once = profiled("Quantize Model", quantized_model.quantize_once)
+
+
+def profiled(what: str, function, top: int = 25):
+    """`function` under cProfile at each call, its top functions by cumulative and by own time printed to stderr (the
+    soak's log)."""
     import cProfile
     import io
     import pstats
-    from overdrive.comfy_host import quantized_model
-    unprofiled = quantized_model.quantize_once
 
-    def profiled(*args, **kwargs):
+    def run(*args, **kwargs):
         profile = cProfile.Profile()
         try:
-            return profile.runcall(unprofiled, *args, **kwargs)
+            return profile.runcall(function, *args, **kwargs)
         finally:
             text = io.StringIO()
             stats = pstats.Stats(profile, stream=text)
             stats.sort_stats("cumulative").print_stats(top)
             stats.sort_stats("tottime").print_stats(top)
-            print("Quantize Model profile:\n" + text.getvalue(), file=sys.stderr, flush=True)
-    quantized_model.quantize_once = profiled
+            print(f"{what} profile:\n" + text.getvalue(), file=sys.stderr, flush=True)
+    return run
 
 
 def comfyui_version() -> str:

@@ -6,6 +6,7 @@ plan all at once: either every chosen layer is swapped or, if anything fails, th
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -21,7 +22,9 @@ from .calibrate import Calibrator, decide
 from .candidates import FilterFn, find_candidates
 from .config import QuantConfig
 from .gelu_fusion import fuse_in_place
-from .modules import build_empty, quantized_module_for, weight_only_module_for
+from .linear_layers import stored_in_float
+from .modules import build_empty, float_tensors, quantized_module_for, weight_only_module_for
+from ..core.weights_ahead import on_device_ahead
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
@@ -94,33 +97,43 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
         log.warning("Overdrive quantization: cached decisions %s do not match this model's layers; re-calibrating.",
                     key)
         return None
-    stored = store.load_weights(key, store_device) if report.quantized and store is not None else {}
+    stored = (store.load_weights(key, store_device) if report.quantized and store is not None else None) or {}
     amax = {layer.name: layer.input_amax for layer in report.layers}
-    weight_only = set(report.weight_only)
-    modules = {}
-    layer_formats = report.formats()
-    for name in report.quantized:
-        candidate, fmt = candidates[name], layer_formats[name]
-        if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
-            modules[name] = weight_only_module_for(candidate.module, device=device).to(store_device)
-            continue
-        tensors = (stored or {}).get(name)
-        module = None
-        if tensors is not None:
-            try:
-                module = build_empty("linear" if candidate.kind == "linear" else "conv", fmt,
-                                     candidate.in_features, candidate.out_features,
-                                     bias=candidate.module.bias is not None, config=config, device=store_device)
-                module.load_quantized_state(tensors)
-            except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
-                log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", name, error)
-                module = None
-        if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
-            input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
-            module = quantized_module_for(candidate.module, fmt, config, device=device,
-                                          input_amax=input_amax).to(store_device)
-        modules[name] = module
+    weight_only, layer_formats = set(report.weight_only), report.formats()
+    # The float weights the layers are quantized again from, copied to the card one layer ahead (a checkpoint's
+    # low-bit weights are made float where they are, one at a time, as before)
+    from_float = [name for name in report.quantized if (name in weight_only or name not in stored)
+                  and stored_in_float(candidates[name].module.weight)]
+    staged, modules = set(from_float), {}
+    ahead = on_device_ahead([float_tensors(candidates[name].module) for name in from_float], device)
+    with contextlib.closing(ahead) as arriving:
+        for name in report.quantized:
+            on_device = next(arriving) if name in staged else None
+            if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
+                modules[name] = weight_only_module_for(candidates[name].module, device, on_device).to(store_device)
+                continue
+            module = _from_stored(candidates[name], layer_formats[name], stored.get(name), config, store_device)
+            if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
+                input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
+                module = quantized_module_for(candidates[name].module, layer_formats[name], config, device=device,
+                                              input_amax=input_amax, on_device=on_device).to(store_device)
+            modules[name] = module
     return modules
+
+
+def _from_stored(candidate, fmt: str, tensors: dict | None, config, store_device) -> nn.Module | None:
+    """The layer rebuilt from its cached quantized tensors; None where there are none or they do not fit."""
+    if tensors is None:
+        return None
+    try:
+        module = build_empty("linear" if candidate.kind == "linear" else "conv", fmt, candidate.in_features,
+                             candidate.out_features, bias=candidate.module.bias is not None, config=config,
+                             device=store_device)
+        module.load_quantized_state(tensors)
+        return module
+    except Exception as error:  # noqa: BLE001 - fall back to quantizing the float weight
+        log.warning("Overdrive quantization: cached weights of %s unusable (%s); re-quantizing.", candidate.name, error)
+        return None
 
 
 def plan_quantization(model: nn.Module, config: QuantConfig | None = None, calibration=None,

@@ -11,6 +11,7 @@ the real quantized kernel, against a float32 reference: seconds for a whole UNet
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -24,6 +25,7 @@ from ..core.interrupts import raise_if_interrupt
 from . import formats, metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
+from .float_twins import on_card
 from .linear_layers import baseline, float_weight
 from .modules import gemm_of, quantized_module_for, weight_only_module_for
 from .report import QUANTIZE, SKIP, LayerDecision
@@ -258,13 +260,14 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
     `store_device`, if given, is where each chosen module goes as soon as it is decided: on a card that holds the
     float model only partly, the 8-bit layers must not pile up beside it (one layer at a time is measured there)."""
     decisions, modules = [], {}
-    for candidate in candidates:
-        if between_layers is not None:
-            between_layers()
-        decision, module = decide_layer(candidate, samples.get(candidate.name), config, fmt)
-        decisions.append(decision)
-        if module is not None:
-            modules[candidate.name] = module if store_device is None else module.to(store_device)
+    with contextlib.closing(on_card(candidates, samples)) as measured:
+        for candidate in measured:
+            if between_layers is not None:
+                between_layers()
+            decision, module = decide_layer(candidate, samples.get(candidate.name), config, fmt)
+            decisions.append(decision)
+            if module is not None:
+                modules[candidate.name] = module if store_device is None else module.to(store_device)
     for decision in decisions:
         if decision.decision != QUANTIZE:
             decision.decision = SKIP

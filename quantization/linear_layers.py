@@ -41,6 +41,11 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.bfloat16) if plain_fp8(tensor) else tensor  # few torch ops take fp8 operands
 
 
+def stored_in_float(tensor: torch.Tensor) -> bool:
+    """A weight `float_weight` returns as it is (not a low-bit one it makes a float copy of)."""
+    return not stored_low_bit(tensor) and not plain_fp8(tensor)
+
+
 def float_weight(module: nn.Module) -> torch.Tensor:
     """`module`'s weight in float: dequantized where the checkpoint stores it in a low-bit format."""
     return dequantized(module.weight)

@@ -4,6 +4,8 @@ int8 `Int8Linear`, fp8 `Fp8Linear`). `QuantConv2d1x1` runs a 1x1 / stride 1 / un
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -13,6 +15,7 @@ from .formats.int8 import Int8Linear
 from .gemm import QuantizedGemm
 from .linear_layers import float_weight, is_linear_layer
 from .weight_only import Int8WeightOnlyLinear
+from ..core.weights_ahead import on_device_ahead
 
 __all__ = ["QuantConv2d1x1", "QuantizedGemm", "Int8Linear", "Fp8Linear", "quantized_module_for", "replacement_for",
            "weight_only_module_for", "build_empty",
@@ -81,11 +84,12 @@ def gemm_of(layer: nn.Module) -> QuantizedGemm:
     return layer.gemm if isinstance(layer, QuantConv2d1x1) else layer
 
 
-def replacement_for(module: nn.Module, build, device=None) -> nn.Module:
+def replacement_for(module: nn.Module, build, device=None, on_device: tuple | None = None) -> nn.Module:
     """An nn.Linear or 1x1 nn.Conv2d replaced by the quantized linear `build(weight, bias)` makes from its weights
-    (moved to `device` first, default: where they are); a conv gets its GEMM wrapper."""
-    weight, bias = float_weight(module), module.bias
-    if device is not None:
+    (moved to `device` first, default: where they are; `on_device`: its (float weight, bias) already copied there, by
+    `float_tensors` and `core.weights_ahead`); a conv gets its GEMM wrapper."""
+    weight, bias = on_device or float_tensors(module)
+    if device is not None and on_device is None:
         weight = weight.to(device)
         bias = None if bias is None else bias.to(device)
     gemm = build(weight, bias)
@@ -96,8 +100,13 @@ def replacement_for(module: nn.Module, build, device=None) -> nn.Module:
     raise TypeError(f"no quantized replacement for {type(module).__name__}")
 
 
+def float_tensors(module: nn.Module) -> tuple:
+    """(float weight, bias) of an nn.Linear or 1x1 nn.Conv2d, where they are."""
+    return float_weight(module), module.bias
+
+
 def quantized_module_for(module: nn.Module, fmt: str, config, device=None,
-                         input_amax: torch.Tensor | None = None) -> nn.Module:
+                         input_amax: torch.Tensor | None = None, on_device: tuple | None = None) -> nn.Module:
     """The quantized replacement of an nn.Linear or 1x1 nn.Conv2d in format `fmt` with `config`'s (a QuantConfig)
     format options, on `device` (default: the weight's device), finished with the calibration's `input_amax` (the
     inputs' largest magnitude) where the format uses it."""
@@ -106,12 +115,12 @@ def quantized_module_for(module: nn.Module, fmt: str, config, device=None,
     def build(weight, bias):
         return plugin.calibrated(plugin.layer.from_float(weight, bias, **plugin.layer_options(config)), input_amax,
                                  config)
-    return replacement_for(module, build, device)
+    return replacement_for(module, build, device, on_device)
 
 
-def weight_only_module_for(module: nn.Module, device=None) -> nn.Module:
+def weight_only_module_for(module: nn.Module, device=None, on_device: tuple | None = None) -> nn.Module:
     """The weight-only int8 replacement of an nn.Linear or 1x1 nn.Conv2d (quantization/weight_only.py)."""
-    return replacement_for(module, Int8WeightOnlyLinear.from_float, device)
+    return replacement_for(module, Int8WeightOnlyLinear.from_float, device, on_device)
 
 
 def build_empty(kind: str, fmt: str, in_features: int, out_features: int, bias: bool, config,
@@ -151,13 +160,18 @@ def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     stand). `copy`: new layers, so a model still running keeps its own (ComfyUI); else in place (a pipeline's).
     `quantize_on`: the device that quantizes (default: each layer's own)."""
     import copy as copying
-    fresh = {}
-    for name, layer in layers.items():
-        target = copying.deepcopy(layer) if copy else layer
-        weight, bias = state[f"{name}.weight"], state.get(f"{name}.bias")
-        try:
-            fresh[name] = target.load_float_weight(weight, bias, quantize_on)
-        except torch.OutOfMemoryError:  # the card full beside a loaded model: quantized where the layer is
-            torch.cuda.empty_cache()
-            fresh[name] = target.load_float_weight(weight, bias)
+    fresh, names = {}, list(layers)
+    tensors = [(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in names]
+    # to the quantizing card one layer ahead; where each layer quantizes on its own device, as they are
+    arriving = on_device_ahead(tensors, quantize_on) if quantize_on is not None else (pair for pair in tensors)
+    with contextlib.closing(arriving):
+        for name, (weight, bias) in zip(names, tensors):
+            target = copying.deepcopy(layers[name]) if copy else layers[name]
+            try:
+                fresh[name] = target.load_float_weight(*next(arriving), quantize_on)
+            except torch.OutOfMemoryError:  # the card full beside a loaded model: this layer quantized where it
+                arriving.close()  # is, the rest copied to the card one at a time (each falls back the same way)
+                arriving = (pair for pair in tensors[len(fresh) + 1:])
+                torch.cuda.empty_cache()
+                fresh[name] = target.load_float_weight(weight, bias)
     return fresh

@@ -847,3 +847,48 @@ def test_a_switch_that_runs_out_of_memory_quantizing_on_the_card_quantizes_that_
     expected = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True)["x"]
     assert switched is not layer
     assert all(torch.equal(a, b) for a, b in zip(switched.state_dict().values(), expected.state_dict().values()))
+
+
+def test_layers_whose_rows_are_on_another_device_are_measured_over_float_twins_there_in_order():
+    """quantization/float_twins.py: a layer whose calibration rows sit on another device than its plain float weight
+    (the card against dynamic VRAM's host weights; `meta` stands in here) is measured over a plain twin of its kind and
+    geometry whose weights were copied there; a layer without rows, with a skip reason or whose rows are beside its
+    weight is passed on as it is, in the same order."""
+    from overdrive.quantization.calibrate import LayerSample
+    from overdrive.quantization.candidates import Candidate
+    from overdrive.quantization.float_twins import float_twin, on_card
+    linear, conv, beside, unrecorded = nn.Linear(8, 4), nn.Conv2d(4, 6, 1, bias=False), nn.Linear(8, 2), nn.Linear(8, 3)
+    candidates = [Candidate("linear", linear, "linear", None, True), Candidate("beside", beside, "linear", None, True),
+                  Candidate("conv", conv, "conv1x1", None, True),
+                  Candidate("unrecorded", unrecorded, "linear", None, True),
+                  Candidate("skipped", nn.Linear(8, 5), "linear", "no kernel", True)]
+    on_meta = dict(rows=torch.empty(3, 8, device="meta"))
+    samples = {"linear": LayerSample(**on_meta), "beside": LayerSample(rows=torch.ones(3, 8)),
+               "conv": LayerSample(rows=torch.empty(3, 4, device="meta")), "skipped": LayerSample(**on_meta)}
+    measured = list(on_card(candidates, samples))
+    assert [c.name for c in measured] == [c.name for c in candidates]
+    assert [c is original for c, original in zip(measured, candidates)] == [False, True, False, True, True]
+    for twin, original in ((measured[0].module, linear), (measured[2].module, conv)):
+        assert type(twin) is type(original) and twin.weight.is_meta
+        assert twin.weight.shape == original.weight.shape and (twin.bias is None) == (original.bias is None)
+        assert not twin.weight.requires_grad
+    assert measured[2].module.kernel_size == (1, 1) and measured[2].in_features == 4
+
+    # over the same tensors a twin computes what its layer does
+    conv3 = nn.Conv2d(3, 5, 3, stride=2, padding=1)
+    x = torch.randn(2, 3, 9, 9)
+    assert torch.equal(float_twin(conv3, conv3.weight.detach(), conv3.bias.detach())(x), conv3(x))
+    assert torch.equal(float_twin(linear, linear.weight.detach(), None)(x[..., :8, :8].reshape(-1, 8)),
+                       F.linear(x[..., :8, :8].reshape(-1, 8), linear.weight))
+
+
+def test_weights_copied_ahead_off_the_card_are_each_layers_tensors_in_order():
+    """core/weights_ahead.py off CUDA: each layer's tuple as `.to` gives it, None kept, in order, lazily."""
+    from overdrive.core.weights_ahead import on_device_ahead
+    layers = [(torch.ones(2), None), (torch.zeros(3), torch.ones(1)), (torch.full((4,), 2.0),)]
+    arrived = on_device_ahead(layers, "meta")
+    first = next(arrived)
+    assert first[0].is_meta and first[0].shape == (2,) and first[1] is None
+    rest = list(arrived)
+    assert [[None if t is None else tuple(t.shape) for t in layer] for layer in rest] == [[(3,), (1,)], [(4,)]]
+    assert list(on_device_ahead([], "cuda")) == []

@@ -142,3 +142,23 @@ def test_a_layer_waiting_on_the_host_quantized_on_the_card_is_the_layer_the_host
                     dtype=torch.bfloat16 if kind == "fp8" else torch.float32)
     ours, theirs = on_card.cuda()(x).float(), on_host.cuda()(x).float()
     assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-2
+
+
+def test_weights_copied_ahead_arrive_as_plain_copies_do_and_stay_apart():
+    """core.weights_ahead: each layer's tensors reach the card in order with the values `.to` gives, a later layer's
+    staging (through the same two page-locked buffers) overwrites no earlier copy, and a tensor that is not a plain
+    host one (already on the card, None) goes through as it is."""
+    from overdrive.core.weights_ahead import on_device_ahead
+    generator = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(300 + 7 * i, 70, generator=generator).to(torch.bfloat16), torch.randn(300 + 7 * i))
+              for i in range(5)]
+    layers += [(torch.randn(33, 5, dtype=torch.float16), None), (torch.randn(64, 64), torch.randn(64, device="cuda"))]
+    arrived = list(on_device_ahead(layers, "cuda"))
+    torch.cuda.synchronize()
+    assert len(arrived) == len(layers)
+    for layer, copies in zip(layers, arrived):
+        for tensor, copy in zip(layer, copies, strict=True):
+            if tensor is None:
+                assert copy is None
+                continue
+            assert copy.is_cuda and copy.dtype == tensor.dtype and torch.equal(copy.cpu(), tensor.cpu())

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Iterator
 
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..core.weights_ahead import on_device_ahead
 from .candidates import Candidate
@@ -42,14 +43,38 @@ def _twinned(candidate: Candidate, sample) -> bool:
 
 
 def float_twin(module: nn.Module, weight, bias) -> nn.Module:
-    """A plain torch layer of `module`'s kind and geometry over `weight` and `bias`."""
+    """A plain torch layer of `module`'s kind and geometry over `weight` and `bias` (quantized and measured as they
+    are), which runs its calls in its input's dtype."""
     if isinstance(module, nn.Conv2d):
-        twin = nn.Conv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
-                         module.dilation, module.groups, bias=bias is not None, padding_mode=module.padding_mode,
-                         device="meta")
+        twin = ConvTwin(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+                        module.dilation, module.groups, bias=bias is not None, padding_mode=module.padding_mode,
+                        device="meta")
     else:
-        twin = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
+        twin = LinearTwin(module.in_features, module.out_features, bias=bias is not None, device="meta")
     twin.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         twin.bias = nn.Parameter(bias, requires_grad=False)
     return twin
+
+
+def in_dtype(twin: nn.Module, dtype) -> tuple:
+    """The twin's weight and bias in `dtype`, cast once. A file may store another dtype than its layer computes in
+    (a bf16 Wan file under fp16): dynamic VRAM casts at each call and the classic loader a compiled model runs on
+    casts once, so the float call timed against the quantized one is the one in the input's dtype."""
+    if twin.weight.dtype == dtype:
+        return twin.weight, twin.bias
+    cast = twin.__dict__.get("_cast")
+    if cast is None or cast[0].dtype != dtype:
+        cast = (twin.weight.to(dtype), None if twin.bias is None else twin.bias.to(dtype))
+        twin.__dict__["_cast"] = cast
+    return cast
+
+
+class LinearTwin(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, *in_dtype(self, x.dtype))
+
+
+class ConvTwin(nn.Conv2d):
+    def forward(self, x):
+        return self._conv_forward(x, *in_dtype(self, x.dtype))

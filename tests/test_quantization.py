@@ -869,7 +869,7 @@ def test_layers_whose_rows_are_on_another_device_are_measured_over_float_twins_t
     assert [c.name for c in measured] == [c.name for c in candidates]
     assert [c is original for c, original in zip(measured, candidates)] == [False, True, False, True, True]
     for twin, original in ((measured[0].module, linear), (measured[2].module, conv)):
-        assert type(twin) is type(original) and twin.weight.is_meta
+        assert isinstance(twin, type(original)) and twin.weight.is_meta
         assert twin.weight.shape == original.weight.shape and (twin.bias is None) == (original.bias is None)
         assert not twin.weight.requires_grad
     assert measured[2].module.kernel_size == (1, 1) and measured[2].in_features == 4
@@ -880,6 +880,11 @@ def test_layers_whose_rows_are_on_another_device_are_measured_over_float_twins_t
     assert torch.equal(float_twin(conv3, conv3.weight.detach(), conv3.bias.detach())(x), conv3(x))
     assert torch.equal(float_twin(linear, linear.weight.detach(), None)(x[..., :8, :8].reshape(-1, 8)),
                        F.linear(x[..., :8, :8].reshape(-1, 8), linear.weight))
+    # a weight stored in another dtype than the layer's input (a bf16 file under fp16): the call runs in the input's
+    rows, weight = torch.randn(5, 8), linear.weight.detach().to(torch.bfloat16)
+    twin = float_twin(linear, weight, linear.bias.detach().to(torch.bfloat16))
+    assert twin.weight.dtype == torch.bfloat16  # quantized and measured from the file's own values
+    assert torch.equal(twin(rows), F.linear(rows, weight.float(), linear.bias.detach().to(torch.bfloat16).float()))
 
 
 def test_weights_copied_ahead_off_the_card_are_each_layers_tensors_in_order():

@@ -27,19 +27,16 @@ def on_device_ahead(layers: Iterable[tuple], device) -> Iterator[tuple]:
         for layer in layers:
             yield tuple(None if t is None else t.to(device) for t in layer)
         return
-    with _PinnedPair(max(sizes)) as buffers:
+    with _PinnedPair(max(sizes), device) as buffers:
         stream, current = side_stream(device), torch.cuda.current_stream(device)
-        stream.wait_stream(current)  # the tensors' memory may come from blocks the current stream just freed
-        ahead = _issue(layers[0], buffers[0], device, stream)
+        ahead = _issue(layers[0], buffers[0], device, stream, current)
         for index in range(len(layers)):
             copies, done = ahead
             if index + 1 < len(layers):  # the host fills the other buffer while the card copies this layer
-                ahead = _issue(layers[index + 1], buffers[(index + 1) % 2], device, stream)
+                ahead = _issue(layers[index + 1], buffers[(index + 1) % 2], device, stream, current)
             current.wait_event(done)
-            for tensor in copies:
-                if tensor is not None:
-                    tensor.record_stream(current)  # made on the side stream, used on the current one
             yield copies
+            del copies  # the caller's turn is over: only the layer in flight stays referenced here
 
 
 def _stageable(tensor, device) -> bool:
@@ -51,12 +48,15 @@ def _aligned(tensor) -> int:
     return -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
 
 
-def _issue(layer: tuple, buffer: "_Buffer", device, stream) -> tuple:
+def _issue(layer: tuple, buffer: "_Buffer", device, stream, current) -> tuple:
     """(the layer's tensors on `device`, the event their copies end with): each plain host tensor copied into `buffer`
-    by the host (once the card has read the buffer's last layer out), then to the card on the side stream."""
+    by the host (once the card has read the buffer's last layer out), then to the card on the side stream. The copies
+    are allocated on the current stream, which uses them (the side stream first waits for the work queued there, which
+    may still be reading the blocks they reuse)."""
     buffer.wait()
     copies, offset = [], 0
-    with torch.cuda.stream(stream):
+    stream.wait_stream(current)
+    try:
         for tensor in layer:
             if not _stageable(tensor, device):
                 copies.append(None if tensor is None else tensor.to(device))
@@ -65,18 +65,22 @@ def _issue(layer: tuple, buffer: "_Buffer", device, stream) -> tuple:
             staged = buffer.block[offset:offset + size].view(tensor.dtype).view(tensor.shape)
             staged.copy_(tensor.detach())
             on_device = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            on_device.copy_(staged, non_blocking=buffer.locked)
+            with torch.cuda.stream(stream):
+                on_device.copy_(staged, non_blocking=buffer.locked)
+            on_device.record_stream(stream)
             copies.append(on_device)
             offset += _aligned(tensor)
+    finally:  # also after a failure midway: the buffer is not let go while a queued copy may still read it
         buffer.read = torch.cuda.Event()
         buffer.read.record(stream)
     return tuple(copies), buffer.read
 
 
 class _Buffer:
-    def __init__(self, size: int):
+    def __init__(self, size: int):  # under the card's device context (`_PinnedPair`)
         self.block = torch.empty(size, dtype=torch.uint8)
-        self.locked = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), size, 0) == 0
+        portable = 1  # cudaHostRegisterPortable: page-locked for every card, as ComfyUI pins its weights
+        self.locked = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), size, portable) == 0
         if not self.locked:  # no page-locked memory to be had: the copies run, synchronously
             _discard_last_error()
         self.read = None
@@ -93,17 +97,24 @@ class _Buffer:
 
 
 class _PinnedPair(contextlib.AbstractContextManager):
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, device):
+        self.size, self.device = size, device
         self.buffers = []
 
     def __enter__(self):
-        self.buffers = [_Buffer(self.size) for _ in range(2)]
+        try:
+            with torch.cuda.device(self.device):
+                for _ in range(2):
+                    self.buffers.append(_Buffer(self.size))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self.buffers
 
     def __exit__(self, *exc):
-        for buffer in self.buffers:
-            buffer.release()
+        with torch.cuda.device(self.device):
+            for buffer in self.buffers:
+                buffer.release()
         return False
 
 
@@ -111,7 +122,7 @@ def _discard_last_error() -> None:
     """Clears a failed CUDA runtime call's error (the page-locking above), which the next kernel launch's check would
     otherwise report as its own."""
     try:
-        torch.ones(1, device="cuda").add_(1)
+        torch.ones(1, device=torch.cuda.current_device()).add_(1)
         torch.cuda.synchronize()
     except RuntimeError:
         pass

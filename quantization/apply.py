@@ -107,18 +107,25 @@ def _modules_from_cache(report: QuantReport, candidates: dict, store, key, devic
     staged, modules = set(from_float), {}
     ahead = on_device_ahead([float_tensors(candidates[name].module) for name in from_float], device)
     with contextlib.closing(ahead) as arriving:
-        for name in report.quantized:
-            on_device = next(arriving) if name in staged else None
-            if name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
-                modules[name] = weight_only_module_for(candidates[name].module, device, on_device).to(store_device)
-                continue
-            module = _from_stored(candidates[name], layer_formats[name], stored.get(name), config, store_device)
-            if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
-                input_amax = None if amax[name] is None else torch.tensor(amax[name], dtype=torch.float32)
-                module = quantized_module_for(candidates[name].module, layer_formats[name], config, device=device,
-                                              input_amax=input_amax, on_device=on_device).to(store_device)
-            modules[name] = module
+        for name in report.quantized:  # each layer's copies referenced by its call only, gone before the next arrives
+            modules[name] = _quantized_again(candidates[name], layer_formats[name], weight_only, stored.get(name),
+                                             amax[name], next(arriving) if name in staged else None, device, config,
+                                             store_device)
     return modules
+
+
+def _quantized_again(candidate, fmt: str, weight_only: set, stored: dict | None, amax, on_device: tuple | None,
+                     device, config, store_device) -> nn.Module:
+    """One layer of cached decisions: int8 storage or its format quantized again from its float weight (`on_device`
+    where it was copied ahead), or rebuilt from its cached quantized tensors."""
+    if candidate.name in weight_only:  # int8 storage: quantized again from the float weight (rounding; no calibration)
+        return weight_only_module_for(candidate.module, device, on_device).to(store_device)
+    module = _from_stored(candidate, fmt, stored, config, store_device)
+    if module is None:  # quantized again from the float weight: fast, and exactly what calibration built
+        input_amax = None if amax is None else torch.tensor(amax, dtype=torch.float32)
+        module = quantized_module_for(candidate.module, fmt, config, device=device, input_amax=input_amax,
+                                      on_device=on_device).to(store_device)
+    return module
 
 
 def _from_stored(candidate, fmt: str, tensors: dict | None, config, store_device) -> nn.Module | None:

@@ -23,10 +23,11 @@ from ..core.storage import (CorruptEntry, atomic_file, cache_dir, cache_key, dis
 from .report import QuantReport
 
 log = logging.getLogger("overdrive.quantization")
-SCHEMA = 8  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
+SCHEMA = 9  # 2: fp8 layers hold one weight scale per tensor (was per channel); 3: and a static input scale;
 #            4: storage's framing; 5: decisions carry each layer's calibration amax; 6: a memory-bound layer may run
 #            its 8-bit GEMM where that measured faster than weight-only storage; 7: each layer's own format (4 bits
-#            fall back to 8 per layer); 8: ComfyUI keys decisions by the weights without their LoRAs
+#            fall back to 8 per layer); 8: ComfyUI keys decisions by the weights without their LoRAs; 9: layers
+#            whose weights dynamic VRAM keeps on the host are timed too (float_twins.py)
 REQUANTIZE = "its cached decisions stand, and the chosen layers are quantized again from the model's weights (no calibration)"
 _TENSOR_NAMES = ("weight_q", "weight_scale", "group_scale", "bias", "input_scale")
 

@@ -25,7 +25,7 @@ from ..core.interrupts import raise_if_interrupt
 from . import formats, metrics, speed
 from .candidates import Candidate, FilterFn, find_candidates
 from .config import QuantConfig
-from .float_twins import on_card
+from .float_twins import measured_beside_rows
 from .linear_layers import baseline, float_weight
 from .modules import gemm_of, quantized_module_for, weight_only_module_for
 from .report import QUANTIZE, SKIP, LayerDecision
@@ -260,7 +260,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
     `store_device`, if given, is where each chosen module goes as soon as it is decided: on a card that holds the
     float model only partly, the 8-bit layers must not pile up beside it (one layer at a time is measured there)."""
     decisions, modules = [], {}
-    with contextlib.closing(on_card(candidates, samples)) as measured:
+    with contextlib.closing(measured_beside_rows(candidates, samples)) as measured:
         for candidate in measured:
             if between_layers is not None:
                 between_layers()
@@ -268,6 +268,7 @@ def decide(candidates: list, samples: dict, config: QuantConfig, fmt: str, betwe
             decisions.append(decision)
             if module is not None:
                 modules[candidate.name] = module if store_device is None else module.to(store_device)
+            del candidate, module  # a twin's weights go before the next layer's arrive
     for decision in decisions:
         if decision.decision != QUANTIZE:
             decision.decision = SKIP

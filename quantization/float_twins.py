@@ -17,19 +17,18 @@ from .candidates import Candidate
 from .linear_layers import stored_in_float
 
 
-def on_card(candidates: list, samples: dict) -> Iterator[Candidate]:
+def measured_beside_rows(candidates: list, samples: dict) -> Iterator[Candidate]:
     """`candidates` in order; one whose calibration rows are on another device than its plain float weight (rows on
     the card, the weight on the host) over a float twin of its layer on the rows' device, every other one as it is."""
     moved = [c for c in candidates if _twinned(c, samples.get(c.name))]
     device = samples[moved[0].name].rows.device if moved else None
+    moved = [c for c in moved if samples[c.name].rows.device == device]  # one card's rows (the calibration's)
     arriving = on_device_ahead([(c.module.weight, c.module.bias) for c in moved], device) if moved else iter(())
     twins = {c.name for c in moved}
     try:
-        for candidate in candidates:
-            if candidate.name in twins:
-                weight, bias = next(arriving)
-                candidate = dataclasses.replace(candidate, module=float_twin(candidate.module, weight, bias))
-            yield candidate
+        for candidate in candidates:  # the twin referenced by the caller alone: gone before the next layer arrives
+            yield (dataclasses.replace(candidate, module=float_twin(candidate.module, *next(arriving)))
+                   if candidate.name in twins else candidate)
     finally:
         if moved:
             arriving.close()
@@ -54,27 +53,26 @@ def float_twin(module: nn.Module, weight, bias) -> nn.Module:
     twin.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         twin.bias = nn.Parameter(bias, requires_grad=False)
+    twin.cast = None  # (weight, bias) in the dtype of the calls, once one comes in another
     return twin
 
 
-def in_dtype(twin: nn.Module, dtype) -> tuple:
+def _weights_in(twin: nn.Module, dtype) -> tuple:
     """The twin's weight and bias in `dtype`, cast once. A file may store another dtype than its layer computes in
     (a bf16 Wan file under fp16): dynamic VRAM casts at each call and the classic loader a compiled model runs on
     casts once, so the float call timed against the quantized one is the one in the input's dtype."""
-    if twin.weight.dtype == dtype:
+    if all(t is None or t.dtype == dtype for t in (twin.weight, twin.bias)):
         return twin.weight, twin.bias
-    cast = twin.__dict__.get("_cast")
-    if cast is None or cast[0].dtype != dtype:
-        cast = (twin.weight.to(dtype), None if twin.bias is None else twin.bias.to(dtype))
-        twin.__dict__["_cast"] = cast
-    return cast
+    if twin.cast is None or twin.cast[0].dtype != dtype:
+        twin.cast = (twin.weight.to(dtype), None if twin.bias is None else twin.bias.to(dtype))
+    return twin.cast
 
 
 class LinearTwin(nn.Linear):
     def forward(self, x):
-        return F.linear(x, *in_dtype(self, x.dtype))
+        return F.linear(x, *_weights_in(self, x.dtype))
 
 
 class ConvTwin(nn.Conv2d):
     def forward(self, x):
-        return self._conv_forward(x, *in_dtype(self, x.dtype))
+        return self._conv_forward(x, *_weights_in(self, x.dtype))

@@ -4,8 +4,6 @@ int8 `Int8Linear`, fp8 `Fp8Linear`). `QuantConv2d1x1` runs a 1x1 / stride 1 / un
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 
@@ -154,6 +152,11 @@ def float_reference(module: nn.Module, layers: dict) -> dict:
     return reference
 
 
+def _close(arriving) -> None:
+    if hasattr(arriving, "close"):  # the copies ahead: their page-locked buffers go now
+        arriving.close()
+
+
 def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     """Weight switching: `layers` (name -> quantized layer) quantized again from a checkpoint's float `state` (name ->
     tensor, checkpoint key names), keeping each layer's format, scales rule and static input scale (the decisions
@@ -163,15 +166,17 @@ def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     fresh, names = {}, list(layers)
     tensors = [(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in names]
     # to the quantizing card one layer ahead; where each layer quantizes on its own device, as they are
-    arriving = on_device_ahead(tensors, quantize_on) if quantize_on is not None else (pair for pair in tensors)
-    with contextlib.closing(arriving):
-        for name, (weight, bias) in zip(names, tensors):
+    arriving = on_device_ahead(tensors, quantize_on) if quantize_on is not None else iter(tensors)
+    try:
+        for index, name in enumerate(names):
             target = copying.deepcopy(layers[name]) if copy else layers[name]
             try:
                 fresh[name] = target.load_float_weight(*next(arriving), quantize_on)
             except torch.OutOfMemoryError:  # the card full beside a loaded model: this layer quantized where it
-                arriving.close()  # is, the rest copied to the card one at a time (each falls back the same way)
-                arriving = (pair for pair in tensors[len(fresh) + 1:])
+                _close(arriving)  # is, the rest copied to the card one at a time (each falls back the same way)
+                arriving = iter(tensors[index + 1:])
                 torch.cuda.empty_cache()
-                fresh[name] = target.load_float_weight(weight, bias)
+                fresh[name] = target.load_float_weight(*tensors[index])
+    finally:
+        _close(arriving)
     return fresh

@@ -829,24 +829,29 @@ def test_a_side_path_adds_its_low_rank_terms_at_their_slices_and_strengths_chang
 def test_a_switch_that_runs_out_of_memory_quantizing_on_the_card_quantizes_that_layer_where_it_is(monkeypatch):
     """Switch Weights quantizes the new file's weights on the card (requantize's `quantize_on`); a layer whose
     quantizing runs the card out of memory (a loaded model beside it) is quantized where the layer is instead, to the
-    same tensors. The meta device stands in for the card."""
+    same tensors, and so is each later one that does: every layer once, in order, from its own weights. The meta device
+    stands in for the card."""
     from overdrive.quantization import Int8Linear
     from overdrive.quantization.modules import requantize
     torch.manual_seed(0)
-    layer = Int8Linear.from_float(torch.nn.Linear(32, 16))
-    weight, bias = torch.randn(16, 32), torch.randn(16)
-    quantize = Int8Linear.quantize_weight
+    layers = {name: Int8Linear.from_float(torch.nn.Linear(32, 16)) for name in ("a", "b", "c")}
+    state = {f"{name}.{kind}": torch.randn(16, 32) if kind == "weight" else torch.randn(16)
+             for name in layers for kind in ("weight", "bias")}
+    quantize, on_host = Int8Linear.quantize_weight, []
 
     def full_card(self, tensor):
         if tensor.is_meta:
             raise torch.OutOfMemoryError("CUDA out of memory")
+        on_host.append(tensor)
         return quantize(self, tensor)
     monkeypatch.setattr(Int8Linear, "quantize_weight", full_card)
-    switched = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True,
-                          quantize_on=torch.device("meta"))["x"]
-    expected = requantize({"x": layer}, {"x.weight": weight, "x.bias": bias}, copy=True)["x"]
-    assert switched is not layer
-    assert all(torch.equal(a, b) for a, b in zip(switched.state_dict().values(), expected.state_dict().values()))
+    switched = requantize(layers, state, copy=True, quantize_on=torch.device("meta"))
+    assert [t.data_ptr() for t in on_host] == [state[f"{name}.weight"].data_ptr() for name in layers]
+    expected = requantize(layers, state, copy=True)
+    assert list(switched) == list(layers) and all(switched[name] is not layers[name] for name in layers)
+    for name in layers:
+        assert all(torch.equal(a, b) for a, b in zip(switched[name].state_dict().values(),
+                                                       expected[name].state_dict().values()))
 
 
 def test_layers_whose_rows_are_on_another_device_are_measured_over_float_twins_there_in_order():
@@ -856,7 +861,7 @@ def test_layers_whose_rows_are_on_another_device_are_measured_over_float_twins_t
     weight is passed on as it is, in the same order."""
     from overdrive.quantization.calibrate import LayerSample
     from overdrive.quantization.candidates import Candidate
-    from overdrive.quantization.float_twins import float_twin, on_card
+    from overdrive.quantization.float_twins import float_twin, measured_beside_rows
     linear, conv, beside, unrecorded = nn.Linear(8, 4), nn.Conv2d(4, 6, 1, bias=False), nn.Linear(8, 2), nn.Linear(8, 3)
     candidates = [Candidate("linear", linear, "linear", None, True), Candidate("beside", beside, "linear", None, True),
                   Candidate("conv", conv, "conv1x1", None, True),
@@ -865,7 +870,7 @@ def test_layers_whose_rows_are_on_another_device_are_measured_over_float_twins_t
     on_meta = dict(rows=torch.empty(3, 8, device="meta"))
     samples = {"linear": LayerSample(**on_meta), "beside": LayerSample(rows=torch.ones(3, 8)),
                "conv": LayerSample(rows=torch.empty(3, 4, device="meta")), "skipped": LayerSample(**on_meta)}
-    measured = list(on_card(candidates, samples))
+    measured = list(measured_beside_rows(candidates, samples))
     assert [c.name for c in measured] == [c.name for c in candidates]
     assert [c is original for c, original in zip(measured, candidates)] == [False, True, False, True, True]
     for twin, original in ((measured[0].module, linear), (measured[2].module, conv)):

@@ -152,11 +152,6 @@ def float_reference(module: nn.Module, layers: dict) -> dict:
     return reference
 
 
-def _close(arriving) -> None:
-    if hasattr(arriving, "close"):  # the copies ahead: their page-locked buffers go now
-        arriving.close()
-
-
 def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     """Weight switching: `layers` (name -> quantized layer) quantized again from a checkpoint's float `state` (name ->
     tensor, checkpoint key names), keeping each layer's format, scales rule and static input scale (the decisions
@@ -166,17 +161,17 @@ def requantize(layers: dict, state: dict, copy: bool, quantize_on=None) -> dict:
     fresh, names = {}, list(layers)
     tensors = [(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in names]
     # to the quantizing card one layer ahead; where each layer quantizes on its own device, as they are
-    arriving = on_device_ahead(tensors, quantize_on) if quantize_on is not None else iter(tensors)
+    arriving = on_device_ahead(tensors, quantize_on) if quantize_on is not None else (pair for pair in tensors)
     try:
         for index, name in enumerate(names):
             target = copying.deepcopy(layers[name]) if copy else layers[name]
             try:
                 fresh[name] = target.load_float_weight(*next(arriving), quantize_on)
             except torch.OutOfMemoryError:  # the card full beside a loaded model: this layer quantized where it
-                _close(arriving)  # is, the rest copied to the card one at a time (each falls back the same way)
-                arriving = iter(tensors[index + 1:])
+                arriving.close()  # is, the rest copied to the card one at a time (each falls back the same way)
+                arriving = (pair for pair in tensors[index + 1:])
                 torch.cuda.empty_cache()
                 fresh[name] = target.load_float_weight(*tensors[index])
     finally:
-        _close(arriving)
+        arriving.close()  # the copies ahead: their page-locked buffers go now
     return fresh
